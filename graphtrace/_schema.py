@@ -1,0 +1,84 @@
+"""Argument parsing: what an op does to each tensor it touches, read off its schema.
+
+Kept apart from the recorder (as torch/cuda/_sanitizer.py keeps argument parsing apart
+from event handling) and cached per `OpOverload`, so the dispatch hot path is one dict hit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Access kinds, stored as small ints in the capture records.
+READ, WRITE, VIEW, FACTORY = 0, 1, 2, 3
+ACCESS_NAMES = ("read", "write", "view", "factory")
+
+# What the returns of an op are, for one output slot.
+OUT_FRESH, OUT_ALIAS, OUT_MUTATED = 0, 1, 2
+
+
+class OpInfo:
+    """Per-OpOverload facts the recorder needs on every call."""
+
+    __slots__ = ("name", "positional", "by_keyword", "returns", "view_only")
+
+    def __init__(self, name: str, positional: tuple, by_keyword: dict, returns: tuple,
+                 view_only: bool):
+        self.name = name
+        # positional[i] / by_keyword[name] = (argument name, access kind) for tensor-carrying args
+        self.positional = positional
+        self.by_keyword = by_keyword
+        self.returns = returns  # one OUT_* per return slot
+        # True when no argument is read or written: the op only makes views (aten::alias, t, view...)
+        self.view_only = view_only
+
+
+def op_name(func: torch._ops.OpOverload) -> str:
+    """`aten::mm`, `aten::add.Tensor`, `graphtrace::permute_cols` (overload only when not default)."""
+    schema = func._schema
+    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+
+
+def _carries_tensors(type_str: str) -> bool:
+    return "Tensor" in type_str
+
+
+def _access_of(arg: torch._C.Argument) -> int:
+    info = arg.alias_info
+    if info is None:
+        return READ
+    # `Tensor(a!)`: mutated in place or an out= buffer. `Tensor(a)`: aliased by the output, a view.
+    return WRITE if info.is_write else VIEW
+
+
+def parse_schema(func: torch._ops.OpOverload) -> OpInfo:
+    schema = func._schema
+    positional = []
+    by_keyword = {}
+    for arg in schema.arguments:
+        entry = (arg.name, _access_of(arg)) if _carries_tensors(str(arg.type)) else None
+        if not arg.kwarg_only:
+            positional.append(entry)
+        if entry is not None:
+            by_keyword[arg.name] = entry
+    returns = []
+    for ret in schema.returns:
+        info = ret.alias_info
+        if info is None:
+            returns.append(OUT_FRESH)
+        elif info.is_write:
+            returns.append(OUT_MUTATED)
+        else:
+            returns.append(OUT_ALIAS)
+    accesses = [kind for _, kind in by_keyword.values()]
+    view_only = bool(accesses) and all(kind == VIEW for kind in accesses)
+    return OpInfo(op_name(func), tuple(positional), by_keyword, tuple(returns), view_only)
+
+
+_CACHE: dict = {}
+
+
+def op_info(func) -> OpInfo:
+    info = _CACHE.get(func)
+    if info is None:
+        info = _CACHE[func] = parse_schema(func)
+    return info

@@ -1,0 +1,229 @@
+"""The reload diff: resolve every capture-time owner on the live model, give each edge a verdict.
+
+Verdicts are per storage (every graph that touched it gets the same one):
+
+- no capture-time owner                                  -> unowned (origin internal / external)
+- some owners still hold the storage, others do not      -> diverged
+- owners moved, the captured storage is still alive      -> stale
+- owners moved, the captured storage was freed           -> dangling
+- every owner path stopped resolving                     -> orphaned
+- every owner still holds the storage                    -> stable
+
+For stale and diverged edges `impact` compares what the graph reads (the captured view of the
+old storage) with the same view of the moved owner's live tensor: `manifest` when the values
+differ now, `latent` when they are equal (a same-weights reload).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+
+import numpy as np
+import pandas as pd
+import torch
+
+from graphtrace import __version__
+from graphtrace._schema import ACCESS_NAMES, FACTORY, READ, VIEW, WRITE
+from graphtrace.frames import accesses_frame, raw_accesses, view_table
+
+EDGE_COLUMNS = ["graph_id", "graph", "storage_id", "access", "ops", "args", "module", "data_ptr",
+                "nbytes", "dtype", "shape", "owners", "owner_kinds", "n_owners", "live_data_ptr",
+                "verdict", "impact", "origin"]
+OWNER_COLUMNS = ["storage_id", "model", "path", "kind", "status", "live_data_ptr"]
+STORAGE_COLUMNS = ["storage_id", "data_ptr", "nbytes", "device", "alive", "first_access"]
+
+
+def _live_paths(models: dict) -> dict[str, dict[str, tuple[str, torch.Tensor]]]:
+    from graphtrace.owners import walk_owners
+
+    live = {}
+    for name, model in models.items():
+        paths: dict[str, tuple[str, torch.Tensor]] = {}
+        for path, kind, tensor in walk_owners(model):
+            paths.setdefault(path, (kind, tensor))
+        live[name] = paths
+    return live
+
+
+def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
+    """One row per (storage, capture-time owner), with its status on the live model."""
+    table = trace.recorder.storages
+    rows = []
+    moved_to: dict[int, torch.Tensor] = {}  # storage id -> a live tensor an owner moved to
+    for sid in sids.tolist():
+        owners = trace._owners.get(sid)
+        if not owners:
+            continue
+        handle = table.handles[sid]
+        for model, path, kind in sorted(owners):
+            hit = live.get(model, {}).get(path)
+            if hit is None:
+                rows.append((sid, model, path, kind, "orphaned", pd.NA))
+                continue
+            tensor = hit[1]
+            try:
+                same = tensor.untyped_storage()._cdata == handle
+                ptr = tensor.data_ptr()
+            except Exception:  # tensors without storage (meta, functional wrappers)
+                same, ptr = False, pd.NA
+            if not same:
+                moved_to.setdefault(sid, tensor)
+            rows.append((sid, model, path, kind, "holds" if same else "moved", ptr))
+    frame = pd.DataFrame(rows, columns=OWNER_COLUMNS)
+    frame["live_data_ptr"] = frame["live_data_ptr"].astype("Int64")
+    return frame, moved_to
+
+
+def _verdicts(owners: pd.DataFrame, alive: np.ndarray) -> pd.Series:
+    if owners.empty:
+        return pd.Series(dtype=object)
+    status = owners.groupby("storage_id")["status"].agg(set)
+    out = {}
+    for sid, seen in status.items():
+        if "holds" in seen:
+            out[sid] = "diverged" if len(seen) > 1 else "stable"
+        elif "moved" in seen:
+            out[sid] = "stale" if alive[sid] else "dangling"
+        else:
+            out[sid] = "orphaned"
+    return pd.Series(out, dtype=object)
+
+
+def _impact(trace, sid: int, view: tuple, live: torch.Tensor) -> str:
+    """Do the values a graph reads from the old storage differ from the owner's live values?"""
+    old = trace.recorder.storages.upgrade(sid)
+    if old is None:
+        return "unknown"
+    dtype, shape, stride, offset = view
+    try:
+        was = torch.empty(0, dtype=dtype, device=old.device).set_(old, offset, shape, stride)
+        new_storage = live.untyped_storage()
+        now = torch.empty(0, dtype=dtype, device=new_storage.device).set_(
+            new_storage, offset, shape, stride)
+    except Exception:  # the live tensor is smaller or of another type: the graph reads other data
+        return "manifest"
+    same = was.dtype == now.dtype and torch.equal(was.cpu(), now.cpu())
+    return "latent" if same else "manifest"
+
+
+def _join(values) -> str:
+    return ";".join(dict.fromkeys(str(v) for v in values))
+
+
+def diff(trace) -> "Report":
+    from graphtrace.report import Report
+
+    rec = trace.recorder
+    if not rec.captures:
+        raise ValueError("nothing to diff: the trace recorded no capture. Capture inside "
+                         "`with graphtrace.trace(...)` with `graphtrace.capture(label)` or a CUDA graph")
+    if not trace.models:
+        raise ValueError("nothing to diff against: no model is watched. Pass the model to "
+                         "graphtrace.trace(model) or call t.watch(model) before the reload")
+    trace._match_owners()  # storages seen since the last snapshot
+    raw = raw_accesses(trace)
+    views = view_table(rec.views.items)
+    accesses = accesses_frame(trace, raw, views)
+    table = rec.storages
+    n_storages = len(table.handles)
+    alive = np.array([table.alive(s) for s in range(n_storages)], dtype=bool)
+
+    # -- edges: (graph, storage) touched by a read or a write, first access for origin -------
+    kinds = raw["access"]
+    touched = kinds != VIEW
+    a = accesses.loc[touched, ["graph_id", "graph", "storage_id", "access", "op", "arg",
+                               "module", "data_ptr", "dtype", "shape"]].copy()
+    a["view"] = raw["view"][touched]
+    a["kind"] = kinds[touched]
+    grouped = a.groupby(["graph_id", "storage_id"], sort=True, observed=True)
+    first = grouped.nth(0).set_index(["graph_id", "storage_id"])
+    first_read = a[a["kind"] == READ].groupby(["graph_id", "storage_id"], observed=True).nth(0) \
+        .set_index(["graph_id", "storage_id"])
+    reads = grouped["kind"].agg(lambda k: bool((k == READ).any()))
+    writes = grouped["kind"].agg(lambda k: bool((k == WRITE).any() or (k == FACTORY).any()))
+    edges = pd.DataFrame({
+        "graph": first["graph"].astype(str),
+        "access": np.where(reads & writes, "read+write", np.where(reads, "read", "write")),
+        "ops": grouped["op"].agg(_join),
+        "args": grouped["arg"].agg(_join),
+        "module": first["module"].astype(str),
+    })
+    edges = edges.reset_index()
+    key = pd.MultiIndex.from_frame(edges[["graph_id", "storage_id"]])
+    view_src = first_read.reindex(key)
+    for col in ("data_ptr", "dtype", "shape", "view"):
+        edges[col] = view_src[col].to_numpy()
+        missing = edges[col].isna().to_numpy()
+        if missing.any():
+            edges.loc[missing, col] = first.reindex(key)[col].to_numpy()[missing]
+    edges["data_ptr"] = edges["data_ptr"].astype(np.int64)
+    edges["dtype"] = edges["dtype"].astype(str)
+    edges["shape"] = edges["shape"].astype(str)
+    sids = edges["storage_id"].to_numpy()
+    nbytes = np.frombuffer(table.nbytes, dtype=np.int64) if n_storages else np.empty(0, np.int64)
+    edges["nbytes"] = nbytes[sids] if len(sids) else sids
+    first_kind = first["kind"].reindex(key).to_numpy()
+    internal = np.isin(first_kind, (WRITE, FACTORY))
+
+    # -- owners, verdicts, impact ------------------------------------------------------------
+    live = _live_paths(trace.models)
+    owners, moved_to = _resolve_owners(trace, np.unique(sids), live)
+    verdict_by_sid = _verdicts(owners, alive)
+    owned = owners.groupby("storage_id") if not owners.empty else None
+    paths = owned["path"].agg("; ".join) if owned is not None else pd.Series(dtype=object)
+    kinds_by_sid = owned["kind"].agg(lambda k: ";".join(sorted(set(k)))) if owned is not None \
+        else pd.Series(dtype=object)
+    n_owned = owned.size() if owned is not None else pd.Series(dtype=np.int64)
+    live_ptr = (owners[owners["status"] != "holds"].groupby("storage_id")["live_data_ptr"].first()
+                if owned is not None else pd.Series(dtype="Int64"))
+    edges["owners"] = paths.reindex(sids).fillna("").to_numpy()
+    edges["owner_kinds"] = kinds_by_sid.reindex(sids).fillna("").to_numpy()
+    edges["n_owners"] = n_owned.reindex(sids).fillna(0).astype(np.int64).to_numpy()
+    held = owners[owners["status"] == "holds"].groupby("storage_id")["live_data_ptr"].first() \
+        if owned is not None else pd.Series(dtype="Int64")
+    edges["live_data_ptr"] = live_ptr.reindex(sids).fillna(held.reindex(sids)).astype("Int64").to_numpy()
+    verdict = verdict_by_sid.reindex(sids).to_numpy(dtype=object)
+    verdict[pd.isna(verdict)] = "unowned"
+    edges["verdict"] = verdict
+    edges["origin"] = np.where(verdict == "unowned", np.where(internal, "internal", "external"), "")
+    impact_cache: dict[tuple[int, int], str] = {}
+    impacts = []
+    items = rec.views.items
+    for sid, v, verd in zip(sids.tolist(), edges["view"].tolist(), verdict.tolist()):
+        if verd in ("stale", "diverged"):
+            k = (sid, v)
+            if k not in impact_cache:
+                impact_cache[k] = _impact(trace, sid, items[v], moved_to[sid]) \
+                    if sid in moved_to else "unknown"
+            impacts.append(impact_cache[k])
+        elif verd == "dangling":
+            impacts.append("unknown")
+        else:
+            impacts.append("")
+    edges["impact"] = impacts
+    edges = edges[EDGE_COLUMNS]
+
+    # -- storages ----------------------------------------------------------------------------
+    first_any = pd.Series(kinds[touched], index=raw["storage_id"][touched]).groupby(level=0).first()
+    storages = pd.DataFrame({
+        "storage_id": np.arange(n_storages, dtype=np.int64),
+        "data_ptr": np.frombuffer(table.data_ptrs, dtype=np.int64) if n_storages else np.empty(0, np.int64),
+        "nbytes": nbytes,
+        "device": list(table.devices),
+        "alive": alive,
+        "first_access": first_any.reindex(np.arange(n_storages)).map(
+            lambda k: ACCESS_NAMES[int(k)] if pd.notna(k) else "view").to_numpy(dtype=object),
+    }, columns=STORAGE_COLUMNS)
+
+    meta = {
+        "graphtrace_version": __version__,
+        "torch_version": torch.__version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "errors": list(rec.errors),
+        "n_errors": rec.n_errors,
+        "blind_spots": list(trace.blind_spots),
+        "graphs": [{"graph_id": c.graph_id, "label": c.label, "kind": c.kind, "n_ops": c.n_ops,
+                    "n_accesses": c.n_accesses, "thread": c.thread} for c in rec.captures],
+        "models": list(trace.models),
+    }
+    return Report(accesses=accesses, storages=storages, owners=owners, edges=edges, meta=meta)

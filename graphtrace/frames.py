@@ -1,0 +1,81 @@
+"""Columnar capture records to pandas, vectorised (names are resolved here, not per op)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from graphtrace._schema import ACCESS_NAMES
+from graphtrace.recorder import ACCESS_FIELDS
+
+ACCESS_COLUMNS = ["graph_id", "graph", "seq", "op", "module", "arg", "access", "storage_id",
+                  "data_ptr", "dtype", "shape", "stride", "offset", "device"]
+
+
+def _categorical(codes: np.ndarray, values: list[str]) -> pd.Categorical:
+    """values[codes] as a categorical, without materialising one string per row."""
+    if len(values) == 0:
+        return pd.Categorical([], categories=pd.Index([], dtype=object))
+    uniq, inverse = np.unique(np.asarray(values, dtype=object), return_inverse=True)
+    cat = pd.Categorical.from_codes(inverse[codes], categories=pd.Index(uniq, dtype=object))
+    return cat.remove_unused_categories()
+
+
+def view_table(views: list) -> dict[str, np.ndarray | list]:
+    """Per interned view: dtype name, shape/stride text, offset, itemsize, torch dtype."""
+    dtypes = [v[0] for v in views]
+    return {
+        "torch_dtype": dtypes,
+        "dtype": [str(d).removeprefix("torch.") for d in dtypes],
+        "shape": [str(tuple(v[1])) for v in views],
+        "stride": [str(tuple(v[2])) for v in views],
+        "offset": np.array([v[3] for v in views], dtype=np.int64),
+        "itemsize": np.array([d.itemsize for d in dtypes], dtype=np.int64),
+    }
+
+
+def raw_accesses(trace) -> dict[str, np.ndarray]:
+    """All captures' records as integer columns (graph_id, seq, op, module, arg, access, sid, view)."""
+    parts = []
+    for cap in trace.recorder.captures:
+        rows = np.frombuffer(cap.accesses, dtype=np.int64).reshape(-1, ACCESS_FIELDS) \
+            if len(cap.accesses) else np.empty((0, ACCESS_FIELDS), dtype=np.int64)
+        ops = np.frombuffer(cap.ops, dtype=np.int32) if len(cap.ops) else np.empty(0, np.int32)
+        mods = np.frombuffer(cap.op_modules, dtype=np.int32) if len(cap.op_modules) else np.empty(0, np.int32)
+        seq = rows[:, 0]
+        parts.append((np.full(len(rows), cap.graph_id, dtype=np.int64), seq, ops[seq], mods[seq],
+                      rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4]))
+    names = ("graph_id", "seq", "op", "module", "arg", "access", "storage_id", "view")
+    if not parts:
+        return {n: np.empty(0, dtype=np.int64) for n in names}
+    return {n: np.concatenate([p[i] for p in parts]) for i, n in enumerate(names)}
+
+
+def accesses_frame(trace, raw: dict | None = None, views: dict | None = None) -> pd.DataFrame:
+    raw = raw_accesses(trace) if raw is None else raw
+    views = view_table(trace.recorder.views.items) if views is None else views
+    rec = trace.recorder
+    names = list(rec.names.items)
+    labels = [c.label for c in rec.captures]
+    table = rec.storages
+    sid = raw["storage_id"]
+    v = raw["view"]
+    base = np.frombuffer(table.data_ptrs, dtype=np.int64) if len(table.data_ptrs) else np.empty(0, np.int64)
+    module_codes = np.where(raw["module"] < 0, len(names), raw["module"])
+    empty = len(sid) == 0
+    return pd.DataFrame({
+        "graph_id": raw["graph_id"],
+        "graph": _categorical(raw["graph_id"], labels),
+        "seq": raw["seq"],
+        "op": _categorical(raw["op"], names),
+        "module": _categorical(module_codes, names + [""]),
+        "arg": _categorical(raw["arg"], names),
+        "access": _categorical(raw["access"], list(ACCESS_NAMES)),
+        "storage_id": sid,
+        "data_ptr": sid if empty else base[sid] + views["offset"][v] * views["itemsize"][v],
+        "dtype": _categorical(v, views["dtype"]),
+        "shape": _categorical(v, views["shape"]),
+        "stride": _categorical(v, views["stride"]),
+        "offset": sid if empty else views["offset"][v],
+        "device": _categorical(sid, table.devices),
+    }, columns=ACCESS_COLUMNS)

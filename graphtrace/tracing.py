@@ -1,0 +1,401 @@
+"""Capture boundaries: `trace()`, `capture()`, emulated graphs, and CUDA graph wrapping.
+
+A `Trace` owns the recorder's tables. Recording happens only inside capture regions: an
+explicit `capture(label)` (an emulated, replayable graph on any device) or any CUDA graph
+captured while the trace is open (`torch.cuda.graph`, bare `CUDAGraph.capture_begin()`),
+which the trace wraps for its lifetime and unwraps when it closes.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from graphtrace.recorder import Capture, Recorder, RecordingMode, module_stack
+
+
+class GraphtraceError(RuntimeError):
+    """Misuse of the graphtrace API (raised to the caller, never from inside a traced op)."""
+
+
+_active_lock = threading.Lock()
+_active: "Trace | None" = None
+
+
+def active_trace() -> "Trace | None":
+    return _active
+
+
+class EmulatedGraph:
+    """A replayable record of a capture region with CUDA graph address semantics.
+
+    Replay re-runs the recorded ops on the very tensors (and so storages) they saw at
+    capture time and copies fresh results into the tensors the capture returned. Like a
+    real graph's capture artifacts, it keeps those tensors alive: drop the graph to free them.
+    """
+
+    __slots__ = ("label", "capture", "_ops", "__weakref__")
+
+    def __init__(self, label: str):
+        self.label = label
+        self.capture: Capture | None = None
+        self._ops: list = []
+
+    def _keep(self, func, args, kwargs, out, kind: int) -> None:
+        if kind:  # 0: a pure view, which a graph bakes in and never re-runs
+            self._ops.append((func, args, kwargs, out, kind))
+
+    def replay(self) -> None:
+        with torch.no_grad(), _disable_current_modes():
+            for func, args, kwargs, out, kind in self._ops:
+                result = func(*args, **kwargs)
+                if kind & 2:
+                    _copy_into(out, result)
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def __repr__(self) -> str:
+        return f"EmulatedGraph({self.label!r}, ops={len(self._ops)})"
+
+
+def _copy_into(dst, src) -> None:
+    if isinstance(dst, torch.Tensor):
+        if dst is not src and isinstance(src, torch.Tensor):
+            if dst.untyped_storage()._cdata != src.untyped_storage()._cdata:
+                dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+class _Region:
+    """One open capture on one thread: the mode pushed, its records, maybe a replayable graph."""
+
+    __slots__ = ("trace", "capture", "mode", "graph")
+
+    def __init__(self, trace: "Trace", label: str | None, kind: str, emulate: bool):
+        self.trace = trace
+        self.capture = trace.recorder.new_capture(label, kind)
+        self.graph = EmulatedGraph(self.capture.label) if emulate else None
+        if self.graph is not None:
+            self.graph.capture = self.capture
+            trace._graphs.append(weakref.ref(self.graph))
+        self.mode = RecordingMode(trace.recorder, self.capture, self.graph)
+
+    def open(self) -> None:
+        self.mode.__enter__()
+
+    def close(self) -> None:
+        self.mode.__exit__(None, None, None)
+        self.trace._after_capture(self.capture)
+
+
+class _CaptureContext:
+    """`with gt.capture(label) as g:` -- g is the EmulatedGraph of the region."""
+
+    def __init__(self, label: str | None, emulate: bool = True):
+        self.label = label
+        self.emulate = emulate
+        self._region: _Region | None = None
+
+    def __enter__(self) -> EmulatedGraph | Capture:
+        trace = _active
+        if trace is None:
+            raise GraphtraceError(
+                "graphtrace.capture() must be used inside `with graphtrace.trace(...)`: "
+                "open a trace first so the capture has somewhere to be recorded")
+        if trace._open_region() is not None:
+            raise GraphtraceError("capture regions do not nest: this thread is already capturing "
+                                  f"{trace._open_region().capture.label!r}")
+        self._region = _Region(trace, self.label, "emulated", self.emulate)
+        trace._set_region(self._region)
+        self._region.open()
+        return self._region.graph if self.emulate else self._region.capture
+
+    def __exit__(self, *exc) -> None:
+        region, self._region = self._region, None
+        region.trace._set_region(None)
+        region.close()
+
+
+def capture(label: str | None = None, *, emulate: bool = True) -> _CaptureContext:
+    """Mark a region to record like a CUDA graph capture; yields a replayable EmulatedGraph."""
+    if label is not None and not isinstance(label, str):
+        raise TypeError(f"capture label must be a str, got {type(label).__name__}")
+    return _CaptureContext(label, emulate)
+
+
+class _CudaGraphPatch:
+    """Wraps CUDAGraph.capture_begin/end so that every CUDA graph capture is recorded."""
+
+    def __init__(self, trace: "Trace"):
+        self.trace = trace
+        self.cls = None
+        self.saved: dict[str, Callable] = {}
+
+    def install(self) -> None:
+        try:
+            from torch.cuda.graphs import CUDAGraph
+        except Exception:  # a build without torch.cuda graphs: nothing to wrap
+            return
+        self.cls = CUDAGraph
+        self.saved = {"capture_begin": CUDAGraph.__dict__.get("capture_begin"),
+                      "capture_end": CUDAGraph.__dict__.get("capture_end")}
+        begin = CUDAGraph.capture_begin
+        end = CUDAGraph.capture_end
+        trace = self.trace
+
+        def capture_begin(graph, *args, **kwargs):
+            out = begin(graph, *args, **kwargs)
+            trace._cuda_begin(graph, args, kwargs)
+            return out
+
+        def capture_end(graph, *args, **kwargs):
+            trace._cuda_end(graph)
+            return end(graph, *args, **kwargs)
+
+        CUDAGraph.capture_begin = capture_begin
+        CUDAGraph.capture_end = capture_end
+
+    def uninstall(self) -> None:
+        if self.cls is None:
+            return
+        for name, fn in self.saved.items():
+            if fn is None:
+                delattr(self.cls, name)
+            else:
+                setattr(self.cls, name, fn)
+        self.cls = None
+
+
+class Trace:
+    """Everything recorded between `trace()` entry and `diff()`; see `graphtrace.trace`."""
+
+    def __init__(self, model: torch.nn.Module | None = None, *, strict: bool = False,
+                 name: str | None = None):
+        self.recorder = Recorder(strict=strict)
+        self.strict = strict
+        self.models: dict[str, torch.nn.Module] = {}
+        self.blind_spots: list[str] = []
+        self._graphs: list[weakref.ref] = []
+        self._regions = threading.local()
+        self._cuda_regions: dict[int, _Region] = {}
+        self._hooks: list = []
+        self._module_names: dict[int, int] = {}
+        self._owner_cache: dict[str, Any] = {}
+        self._owners: dict[int, set] = {}   # storage id -> {(model, path, kind)} at capture time
+        self._owners_checked = 0            # storages below this id were matched to owners
+        self._patch = _CudaGraphPatch(self)
+        self._open = False
+        self._closed = False
+        if model is not None:
+            self.watch(model, name=name)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> "Trace":
+        global _active
+        with _active_lock:
+            if _active is not None:
+                raise GraphtraceError("graphtrace.trace() does not nest: a trace is already open "
+                                      "in this process; close it before opening another")
+            if self._closed:
+                raise GraphtraceError("this trace was already closed; start a new graphtrace.trace()")
+            _active = self
+        self._open = True
+        for name, model in self.models.items():
+            self._install_module_hooks(name, model)
+        self._patch.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _active
+        self._patch.uninstall()
+        for region in list(self._cuda_regions.values()):
+            region.close()
+        self._cuda_regions.clear()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        with _active_lock:
+            _active = None
+        self._open = False
+        self._closed = True
+        self._refresh_owners()
+
+    # -- models ------------------------------------------------------------------------------
+    def watch(self, model: torch.nn.Module, name: str | None = None) -> "Trace":
+        """Learn who owns each storage in `model`; call any time before the reload."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"graphtrace can only watch a torch.nn.Module, got {type(model).__name__}")
+        if name is None:
+            name = "" if not self.models else f"model{len(self.models)}"
+        if not isinstance(name, str):
+            raise TypeError(f"model name must be a str, got {type(name).__name__}")
+        if name in self.models:
+            if self.models[name] is model:
+                return self
+            raise GraphtraceError(f"a model named {name!r} is already watched; pass name=...")
+        self.models[name] = model
+        if self._open:
+            self._install_module_hooks(name, model)
+        self._owner_cache.pop(name, None)
+        if self.recorder.captures:
+            self._refresh_owners()
+        return self
+
+    def _install_module_hooks(self, name: str, model: torch.nn.Module) -> None:
+        names = self.recorder.names
+        prefix = f"{name}:" if name else ""
+
+        def push(module, args):
+            stack = getattr(module_stack, "stack", None)
+            if stack is None:
+                stack = module_stack.stack = []
+            stack.append(self._module_names[id(module)])
+
+        def pop(module, args, output):
+            stack = getattr(module_stack, "stack", None)
+            if stack:
+                stack.pop()
+
+        for fqn, module in model.named_modules():
+            self._module_names[id(module)] = names(prefix + fqn)
+            self._hooks.append(module.register_forward_pre_hook(push))
+            self._hooks.append(module.register_forward_hook(pop, always_call=True))
+
+    def _refresh_owners(self) -> None:
+        """Walk the watched models again (trace exit, watch) and match captured storages."""
+        self._owner_cache.clear()
+        self._owners_checked = 0
+        self._match_owners()
+
+    def _walk(self, name: str):
+        from graphtrace.owners import walk_owners
+
+        cached = self._owner_cache.get(name)
+        if cached is None:
+            by_storage: dict[int, list] = {}
+            keep = []  # the walked tensors' storages' weak handles stay unique while we hold them
+            free = torch.UntypedStorage._free_weak_ref
+            for path, kind, tensor in walk_owners(self.models[name]):
+                try:
+                    storage = tensor.untyped_storage()
+                except Exception:
+                    continue
+                by_storage.setdefault(storage._cdata, []).append((path, kind))
+                keep.append(storage._weak_ref())
+            cached = self._owner_cache[name] = (by_storage, _Handles(keep, free))
+        return cached[0]
+
+    def _match_owners(self) -> None:
+        if not self.models:
+            return
+        table = self.recorder.storages
+        n = len(table.handles)
+        try:
+            for name in self.models:
+                by_storage = self._walk(name)
+                for sid in range(self._owners_checked, n):
+                    for path, kind in by_storage.get(table.handles[sid], ()):
+                        self._owners.setdefault(sid, set()).add((name, path, kind))
+            self._owners_checked = n
+        except Exception as exc:
+            self.recorder.fail("owner snapshot", exc)
+
+    # -- capture regions ---------------------------------------------------------------------
+    def _open_region(self) -> _Region | None:
+        return getattr(self._regions, "region", None)
+
+    def _set_region(self, region: _Region | None) -> None:
+        self._regions.region = region
+
+    def _after_capture(self, capture: Capture) -> None:
+        self._match_owners()
+
+    def _cuda_begin(self, graph, args, kwargs) -> None:
+        try:
+            label = getattr(graph, "graphtrace_label", None)
+            region = _Region(self, label, "cuda", emulate=False)
+            pool = args[0] if args else kwargs.get("pool")
+            region.capture.info = {"pool": repr(pool) if pool is not None else "",
+                                   "stream": str(torch.cuda.current_stream())}
+            self._cuda_regions[id(graph)] = region
+            region.open()
+        except Exception as exc:
+            self.recorder.fail("cuda capture_begin", exc)
+
+    def _cuda_end(self, graph) -> None:
+        region = self._cuda_regions.pop(id(graph), None)
+        if region is not None:
+            try:
+                region.close()
+            except Exception as exc:
+                self.recorder.fail("cuda capture_end", exc)
+
+    # -- results -----------------------------------------------------------------------------
+    @property
+    def captures(self) -> list[Capture]:
+        return list(self.recorder.captures)
+
+    @property
+    def errors(self) -> list[dict]:
+        return list(self.recorder.errors)
+
+    def add_blind_spot(self, text: str) -> None:
+        """Say what the recorder cannot see (opaque handles, kernels launched off the dispatcher)."""
+        if text not in self.blind_spots:
+            self.blind_spots.append(text)
+
+    @property
+    def accesses(self):
+        """Every recorded access as a DataFrame (columns in docs/internals.md)."""
+        from graphtrace.frames import accesses_frame
+
+        return accesses_frame(self)
+
+    def diff(self):
+        """Resolve capture-time owners on the live model(s) and classify every edge."""
+        from graphtrace.diff import diff
+
+        return diff(self)
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else ("closed" if self._closed else "new")
+        n = sum(c.n_accesses for c in self.recorder.captures)
+        return (f"<graphtrace.Trace {state}: {len(self.recorder.captures)} graphs, {n} accesses, "
+                f"{len(self.recorder.storages.handles)} storages, {len(self.models)} models, "
+                f"{self.recorder.n_errors} errors>")
+
+
+class _Handles:
+    """Weak storage handles of an owner walk, freed when the walk result is dropped."""
+
+    __slots__ = ("handles", "free")
+
+    def __init__(self, handles, free):
+        self.handles = handles
+        self.free = free
+
+    def __del__(self):
+        try:
+            for h in self.handles:
+                self.free(h)
+        except Exception:
+            pass
+
+
+def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
+          name: str | None = None) -> Trace:
+    """Open a trace: every capture region and CUDA graph captured inside it is recorded.
+
+    `model` (optional) is watched for owners; add more with `t.watch(model, name=...)`.
+    `strict=True` raises internal errors instead of counting them (for tests).
+    """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"graphtrace.trace() takes a torch.nn.Module, got {type(model).__name__}")
+    return Trace(model, strict=strict, name=name)
