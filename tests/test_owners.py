@@ -1,0 +1,296 @@
+"""Owner walk: exact paths for every kind of holder, round trips through resolve_path."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import types
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from graphtrace.owners import resolve_path, walk_owners
+
+
+def _permute(x, perm):
+    return x[:, perm]
+
+
+@dataclass
+class Cfg:
+    scale: torch.Tensor
+    name: str = "cfg"
+
+
+class Helper:
+    def __init__(self, t):
+        self.t = t
+
+    def run(self, x):
+        return x * self.t
+
+
+class Slotted:
+    __slots__ = ("a", "__hidden", "unset")
+
+    def __init__(self, a, hidden):
+        self.a = a
+        self.__hidden = hidden
+
+
+Pair = collections.namedtuple("Pair", "lo hi")
+
+
+def _with_empty_cell():
+    def inner():
+        return later  # noqa: F821 - bound after return: the cell stays empty
+
+    return inner
+    later = 1  # noqa: F841
+
+
+class Kernel:
+    """A kernel-like plain object, as a quantisation method keeps after loading weights."""
+
+    def __init__(self, weight, perm, extra, default, kwdefault, table, item, scale, helper):
+        self.act_perm = functools.partial(_permute, perm=perm)
+        self.mm = functools.partial(torch.mm, weight)  # a registered parameter, owned again
+        self.gather = lambda x: x[:, extra]
+        self.empty_cell = _with_empty_cell()
+
+        def scaled(x, s=default, *, bias=kwdefault):
+            return x * s + bias
+
+        self.scaled = scaled
+        self.tables = {"zeros": table, 3: table, ("a", 1): item, "ints": [1, 2, 3]}
+        self.chunks = [item, 5, "s"]
+        self.cfg = Cfg(scale=scale)
+        self.run = helper.run  # bound method of a plain object: walk its __self__
+        self.me = self  # cycle through an object
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("running", torch.zeros(4))
+        self.t = {name: torch.full((4,), float(i)) for i, name in enumerate(
+            ["perm", "extra", "default", "kwdefault", "table", "item", "scale", "helper"])}
+        self.kernel = Kernel(self.linear.weight, self.t["perm"], self.t["extra"],
+                             self.t["default"], self.t["kwdefault"], self.t["table"],
+                             self.t["item"], self.t["scale"], Helper(self.t["helper"]))
+        self.fwd = self.linear.forward  # bound method of a module: modules are walked by name
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.block = Block()
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight  # tied: both names are owners
+        object.__setattr__(self.block, "parent", self)  # a module's parent as a plain attribute
+        self.hook_t = torch.ones(1)
+        self.block.register_forward_hook(functools.partial(lambda m, i, o, t: o, t=self.hook_t))
+
+
+K = "block.kernel"
+EXPECTED = {
+    ("embed.weight", "parameter"),
+    ("block.linear.weight", "parameter"),
+    ("block.linear.bias", "parameter"),
+    ("head.weight", "parameter"),
+    ("block.running", "buffer"),
+    ("hook_t", "attribute"),
+    *((f"block.t['{n}']", "attribute") for n in
+      ["perm", "extra", "default", "kwdefault", "table", "item", "scale", "helper"]),
+    (f"{K}.act_perm.keywords['perm']", "attribute"),
+    (f"{K}.mm.args[0]", "attribute"),
+    (f"{K}.gather.__closure__['extra']", "attribute"),
+    (f"{K}.scaled.__defaults__[0]", "attribute"),
+    (f"{K}.scaled.__kwdefaults__['bias']", "attribute"),
+    (f"{K}.tables['zeros']", "attribute"),
+    (f"{K}.tables[3]", "attribute"),
+    (f"{K}.tables[('a', 1)]", "attribute"),
+    (f"{K}.chunks[0]", "attribute"),
+    (f"{K}.cfg.scale", "attribute"),
+    (f"{K}.run.__self__.t", "attribute"),
+}
+
+
+def owners(model, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the reference model must walk without cuts
+        return list(walk_owners(model, **kw))
+
+
+def test_exact_paths_and_kinds():
+    model = Model()
+    got = owners(model)
+    assert len(got) == len(set((p, k) for p, k, _ in got)), "no path is yielded twice"
+    assert {(p, k) for p, k, _ in got} == EXPECTED
+
+
+def test_registered_names_match_torch_in_order():
+    model = Model()
+    got = owners(model)
+    params = [(p, t) for p, k, t in got if k == "parameter"]
+    buffers = [(p, t) for p, k, t in got if k == "buffer"]
+    assert [p for p, _ in params] == [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    assert [p for p, _ in buffers] == [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    tied = dict(params)
+    assert tied["embed.weight"] is tied["head.weight"]
+    assert [k for _, k, _ in got] == sorted((k for _, k, _ in got),
+                                            key=["parameter", "buffer", "attribute"].index)
+
+
+def test_attribute_owners_are_the_tensors_held():
+    model = Model()
+    found = {p: t for p, _, t in owners(model)}
+    b = model.block
+    assert found[f"{K}.mm.args[0]"] is b.linear.weight  # registered, and owned by the partial too
+    assert isinstance(found[f"{K}.mm.args[0]"], nn.Parameter)
+    assert found[f"{K}.act_perm.keywords['perm']"] is b.t["perm"]
+    assert found[f"{K}.gather.__closure__['extra']"] is b.t["extra"]
+    assert found[f"{K}.tables[3]"] is found[f"{K}.tables['zeros']"] is b.t["table"]
+    assert found["hook_t"] is model.hook_t
+
+
+def test_resolve_round_trips_every_path():
+    model = Model()
+    for path, _, t in owners(model):
+        assert resolve_path(model, path) is t, path
+
+
+def test_resolve_after_rebind_and_orphaning():
+    model = Model()
+    k = model.block.kernel
+    new_perm = torch.arange(4)
+    k.act_perm = functools.partial(_permute, perm=new_perm)  # rebound: resolves to the new one
+    assert resolve_path(model, f"{K}.act_perm.keywords['perm']") is new_perm
+    k.act_perm = functools.partial(_permute)  # keyword gone
+    k.gather = lambda x: x  # closure gone
+    del k.tables["zeros"]
+    k.chunks.clear()
+    k.cfg = None
+    del model.block.linear.bias
+    model.block.linear.bias = None
+    for path in [f"{K}.act_perm.keywords['perm']", f"{K}.gather.__closure__['extra']",
+                 f"{K}.tables['zeros']", f"{K}.chunks[0]", f"{K}.cfg.scale",
+                 "block.linear.bias", "no_such.attr", f"{K}.tables['ints']", "block.linear"]:
+        assert resolve_path(model, path) is None, path  # missing, or not a tensor any more
+
+
+def test_resolve_does_not_insert_into_defaultdicts():
+    model = nn.Module()
+    model.d = collections.defaultdict(list)
+    assert resolve_path(model, "d['x']") is None
+    assert dict(model.d) == {}
+
+
+def test_malformed_path_and_non_module_arguments():
+    model = Model()
+    for bad in ["", "a..b", "a[0", "a['x'", "a]b[0]x"]:
+        with pytest.raises(ValueError):
+            resolve_path(model, bad)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        walk_owners({"w": torch.ones(1)})  # raised at the call, before iteration
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        resolve_path(torch.ones(1), "x")
+    with pytest.raises(ValueError):
+        walk_owners(model, max_depth=0)
+
+
+def test_hooks_and_module_internals_give_no_paths():
+    model = nn.Linear(2, 2)
+    t = torch.ones(1)
+    model.register_forward_hook(functools.partial(lambda m, i, o, t: o, t=t))
+    model.register_forward_pre_hook(lambda m, i: i)
+    model.register_full_backward_hook(lambda *a, t=t: None)
+    model.register_load_state_dict_post_hook(lambda *a, t=t: None)
+    assert [p for p, _, _ in owners(model)] == ["weight", "bias"]
+
+
+def test_cycles_shared_objects_and_shared_modules():
+    model = nn.Module()
+    model.a = nn.Linear(1, 1)
+    model.b = nn.Linear(1, 1)
+    shared = types.SimpleNamespace(t=torch.ones(1))
+    shared.self_ref = shared
+    shared.items = [shared, {"back": shared}]
+    model.a.kernel = shared
+    model.b.kernel = shared  # one object, two holders: both paths are owners
+    model.c = model.a  # one module under two names: registered and attribute paths for both
+    object.__setattr__(model.a, "root", model)
+    paths = [p for p, k, _ in owners(model) if k == "attribute"]
+    assert sorted(paths) == ["a.kernel.t", "b.kernel.t", "c.kernel.t"]
+
+
+def test_more_holders():
+    model = nn.Module()
+    t = {n: torch.full((1,), float(i)) for i, n in enumerate("abcdefgh")}
+    model.nt = Pair(t["a"], 1)
+    model.slotted = Slotted(t["b"], t["c"])
+    model.ns = types.SimpleNamespace(inner={"k": (t["d"],)})
+    model.method = t["e"].mul_  # a builtin method holds its tensor
+    model.wrapped = functools.wraps(lambda: None)(functools.partial(torch.add, t["f"]))
+    model.a_set = {t["g"]}  # sets have no path: not walked
+    v = t["h"]
+    model.nested = functools.partial(lambda x: x + v, 1)
+    got = {p: x for p, _, x in owners(model)}
+    assert got == {
+        "nt.lo": t["a"],
+        "slotted.a": t["b"],
+        "slotted._Slotted__hidden": t["c"],
+        "ns.inner['k'][0]": t["d"],
+        "method.__self__": t["e"],
+        "wrapped.args[0]": t["f"],
+        "nested.func.__closure__['v']": t["h"],
+    }
+    for path, x in got.items():
+        assert resolve_path(model, path) is x, path
+
+
+def test_empty_meta_and_subclass_tensors_are_yielded():
+    model = nn.Module()
+    model.meta = torch.empty(3, device="meta")
+    model.empty = torch.empty(0)
+    model.param = nn.Parameter(torch.ones(1))
+    model.holder = types.SimpleNamespace(p=model.param)
+    got = {p: k for p, k, _ in owners(model)}
+    assert got == {"param": "parameter", "meta": "attribute", "empty": "attribute",
+                   "holder.p": "attribute"}
+
+
+def test_bounds_warn_and_cut():
+    model = nn.Module()
+    deep = leaf = {}
+    for _ in range(20):
+        leaf["x"] = {}
+        leaf = leaf["x"]
+    leaf["t"] = torch.ones(1)
+    model.deep = deep
+    model.big = list(range(50)) + [torch.ones(1)]
+    model.odd_keys = {torch.float16: torch.ones(1)}
+    with pytest.warns(RuntimeWarning) as rec:
+        got = [p for p, _, _ in walk_owners(model, max_items=40)]
+    assert got == []
+    text = str(rec[0].message)
+    for what in ["deeper than max_depth", "container longer than max_items",
+                 "dict key that is not a literal"]:
+        assert what in text
+    assert len(rec) == 1
+    with pytest.warns(RuntimeWarning, match="not a literal"):
+        got = [p for p, _, _ in walk_owners(model, max_depth=30, max_items=1000)]
+    assert got == ["deep" + "['x']" * 20 + "['t']", "big[50]"]
+
+
+def test_budget_exhaustion_warns():
+    model = nn.Module()
+    model.objs = [types.SimpleNamespace(t=torch.ones(1)) for _ in range(10)]
+    with pytest.warns(RuntimeWarning, match="past max_items"):
+        got = list(walk_owners(model, max_items=15))
+    assert 0 < len(got) < 10
