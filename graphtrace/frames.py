@@ -42,9 +42,9 @@ def raw_accesses(trace) -> dict[str, np.ndarray]:
             if len(cap.accesses) else np.empty((0, ACCESS_FIELDS), dtype=np.int64)
         ops = np.frombuffer(cap.ops, dtype=np.int32) if len(cap.ops) else np.empty(0, np.int32)
         mods = np.frombuffer(cap.op_modules, dtype=np.int32) if len(cap.op_modules) else np.empty(0, np.int32)
-        seq = rows[:, 0]
+        seq, code, slot = rows[:, 0], rows[:, 1], rows[:, 2]
         parts.append((np.full(len(rows), cap.graph_id, dtype=np.int64), seq, ops[seq], mods[seq],
-                      rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4]))
+                      code >> 2, code & 3, slot >> 32, slot & 0xFFFFFFFF))
     names = ("graph_id", "seq", "op", "module", "arg", "access", "storage_id", "view")
     if not parts:
         return {n: np.empty(0, dtype=np.int64) for n in names}

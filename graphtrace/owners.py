@@ -22,6 +22,11 @@ Path grammar (what `walk_owners` yields and `resolve_path` reads)::
   ``__code__.co_freevars``; Python itself would spell it ``__closure__[i].cell_contents``).
   A name survives a reload that rebuilds the lambda; a cell index says nothing to a reader.
 
+Tensor subclasses (nn.Parameter) are tensors; empty and meta tensors are yielded like any
+other (the diff decides what they mean). Every path yielded resolves with `resolve_path` on
+the unchanged model to the very tensor yielded; after a reload a path that no longer
+reaches a tensor resolves to None (an orphaned owner).
+
 Not walked: tensor internals, nn.Modules found as attributes (each module is walked under its
 own names from ``named_modules``), nn.Module internals (hook dicts), classes, Python modules,
 objects of stdlib/torch/numpy types other than the containers above, sets (no order, so no
@@ -60,7 +65,7 @@ _LEAF, _TENSOR, _MODULE, _DICT, _SEQ, _NAMEDTUPLE, _PARTIAL, _FUNCTION, _METHOD,
 _LEAF_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray,
                          range, slice, type(Ellipsis), torch.dtype, torch.device,
                          torch.Size, torch.layout, torch.memory_format})
-_SKIP_PACKAGES = frozenset(sys.stdlib_module_names) | {"torch", "numpy", "_operator"}
+_SKIP_PACKAGES = frozenset(sys.stdlib_module_names) | {"torch", "numpy"}
 _STDLIB_OBJECTS = (types.SimpleNamespace, argparse.Namespace)  # plain holders: walk them
 _KEY_TYPES = frozenset({str, int, bool, type(None)})  # exact types: an IntEnum's repr is no literal
 _handlers: dict[type, int] = {t: _LEAF for t in _LEAF_TYPES}
@@ -86,7 +91,7 @@ def _classify(tp: type) -> int:
         h = _FUNCTION
     elif tp is types.MethodType:
         h = _METHOD
-    elif tp is types.BuiltinMethodType:  # e.g. `some_tensor.mul_` holds its tensor
+    elif tp is types.BuiltinMethodType:
         h = _BUILTIN
     elif issubclass(tp, _STDLIB_OBJECTS):
         h = _OBJECT
@@ -183,6 +188,10 @@ def _attribute_owners(model: nn.Module, max_depth: int,
         if h == _TENSOR:
             out.append((path, v))
             return
+        if h == _BUILTIN:  # e.g. `some_tensor.mul_` holds its tensor; no cycle through these
+            if isinstance(v.__self__, torch.Tensor):
+                out.append((f"{path}.__self__", v.__self__))
+            return
         if depth >= max_depth:
             note("deeper than max_depth", path)
             return
@@ -228,8 +237,10 @@ def _attribute_owners(model: nn.Module, max_depth: int,
                     step(x, f"{path}.{name}", depth)
             elif h == _PARTIAL:
                 step(v.func, f"{path}.func", depth)
-                step(v.args, f"{path}.args", depth)
-                step(v.keywords, f"{path}.keywords", depth)
+                if v.args:
+                    step(v.args, f"{path}.args", depth)
+                if v.keywords:
+                    step(v.keywords, f"{path}.keywords", depth)
                 attrs(v, path, depth)
             elif h == _FUNCTION:
                 cells = v.__closure__
@@ -248,12 +259,9 @@ def _attribute_owners(model: nn.Module, max_depth: int,
             elif h == _METHOD:
                 step(v.__self__, f"{path}.__self__", depth)  # a module stops there by itself
                 step(v.__func__, f"{path}.__func__", depth)
-            elif h == _BUILTIN:
-                if isinstance(v.__self__, torch.Tensor):
-                    out.append((f"{path}.__self__", v.__self__))
             else:  # _OBJECT
                 attrs(v, path, depth)
-                for name in _slot_names(type(v)):
+                for name in _slots.get(type(v)) or _slot_names(type(v)):
                     try:
                         x = getattr(v, name)
                     except AttributeError:  # slot not set
@@ -315,8 +323,8 @@ def _parse(path: str) -> tuple[tuple[bool, object], ...]:
                 try:
                     key = ast.literal_eval(path[i + 1:j])
                     break
-                except (ValueError, SyntaxError):
-                    j = path.find("]", j + 1)
+                except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                    j = path.find("]", j + 1)  # that "]" was inside a string key
             steps.append((True, key))
             i, expect_name = j + 1, False
             continue

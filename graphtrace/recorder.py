@@ -17,12 +17,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_iter
 
-from graphtrace._schema import FACTORY, OUT_FRESH, OUT_MUTATED, READ, VIEW, WRITE, op_info
+from graphtrace._schema import FACTORY, OUT_MUTATED, READ, VIEW, WRITE, op_info
+
+
+
+class _ModuleStack(threading.local):
+    def __init__(self):
+        self.stack: list[int] = []
+
 
 # Per-thread stack of the innermost watched module running (its FQN id), kept by module hooks.
-module_stack = threading.local()
+module_stack = _ModuleStack()
 
-ACCESS_FIELDS = 5  # seq, arg id, access kind, storage id, view id
+# One access is three int64s: seq, (arg id << 2 | access kind), (storage id << 32 | view id).
+ACCESS_FIELDS = 3
 
 
 class Interner:
@@ -45,7 +53,8 @@ class Interner:
 class StorageTable:
     """Every storage seen by any capture of one trace, by weak handle; never a strong ref."""
 
-    __slots__ = ("index", "handles", "data_ptrs", "nbytes", "devices", "_lock", "__weakref__")
+    __slots__ = ("index", "handles", "data_ptrs", "nbytes", "devices", "_device_names", "_lock",
+                 "__weakref__")
 
     def __init__(self):
         self.index: dict[int, int] = {}  # weak handle (StorageImpl address) -> storage id
@@ -53,12 +62,17 @@ class StorageTable:
         self.data_ptrs = array("q")
         self.nbytes = array("q")
         self.devices: list[str] = []
+        self._device_names: dict = {}
         self._lock = threading.Lock()
 
     def lookup(self, storage: torch.UntypedStorage) -> int:
         sid = self.index.get(storage._cdata)
         if sid is not None:
             return sid
+        device = storage.device
+        name = self._device_names.get(device)
+        if name is None:
+            name = self._device_names[device] = str(device)
         with self._lock:
             sid = self.index.get(storage._cdata)
             if sid is None:
@@ -67,7 +81,7 @@ class StorageTable:
                 self.handles.append(handle)
                 self.data_ptrs.append(storage.data_ptr())
                 self.nbytes.append(storage.nbytes())
-                self.devices.append(str(storage.device))
+                self.devices.append(name)
                 self.index[handle] = sid
         return sid
 
@@ -110,7 +124,7 @@ class Capture:
         self.thread = threading.current_thread().name
         self.ops = array("i")          # op name id, per op
         self.op_modules = array("i")   # module FQN id (-1 unknown), per op
-        self.accesses = array("q")     # ACCESS_FIELDS ints per access
+        self.accesses = array("q")     # ACCESS_FIELDS int64s per access
         self.info: dict = {}           # pool, stream, ... where known
 
     @property
@@ -122,14 +136,41 @@ class Capture:
         return len(self.accesses) // ACCESS_FIELDS
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SCALARS = (type(None), int, float, bool, str)
+
+
 def _plain_tensors(t: torch.Tensor):
-    """A tensor, or the plain tensors inside a traceable wrapper subclass."""
+    """The plain tensors inside a traceable wrapper subclass (or the tensor itself)."""
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         for name in names:
             yield from _plain_tensors(getattr(t, name))
     else:
         yield t
+
+
+def _code(arg: int, access: int) -> int:
+    return (arg << 2) | access
+
+
+class _Plan:
+    """An op's schema facts with this trace's name ids filled in: one dict hit per call."""
+
+    __slots__ = ("op_id", "positional", "by_keyword", "returns")
+
+    def __init__(self, func, names: "Interner"):
+        info = op_info(func)
+        self.op_id = names(info.name)
+        # each tensor argument as its row code (arg id << 2 | access kind), ready to append
+        self.positional = tuple(None if e is None else _code(names(e[0]), e[1])
+                                for e in info.positional)
+        self.by_keyword = {k: _code(names(e[0]), e[1]) for k, e in info.by_keyword.items()}
+        n = len(info.returns)
+        # each return slot as its arg id << 2 (access bits added per call), None when mutated
+        self.returns = tuple(None if slot == OUT_MUTATED
+                             else names("out" if n == 1 else f"out{i}") << 2
+                             for i, slot in enumerate(info.returns))
 
 
 class RecordingMode(TorchDispatchMode):
@@ -144,91 +185,118 @@ class RecordingMode(TorchDispatchMode):
         self.recorder = recorder
         self.capture = capture
         self.emulated = emulated  # an EmulatedGraph that keeps (op, args, outputs) for replay
+        self._plans = recorder.plans
+        self._lookup = recorder.storages.lookup
+        self._index = recorder.storages.index
+        self._views = recorder.views
+        self._slots: dict = {}  # (storage, dtype, shape, stride, offset) -> sid << 32 | view id
+        self._append = capture.accesses.extend
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         out = func(*args, **kwargs)
         try:
-            kind = self._record(func, args, kwargs, out)
+            replay = self._record(func, args, kwargs, out)
             if self.emulated is not None:
-                self.emulated._keep(func, args, kwargs, out, kind)
+                self.emulated._keep(func, args, kwargs, out, replay)
         except Exception as exc:  # fail open: never break the traced program
-            self.recorder.fail("record " + str(func), exc)
+            self.recorder.fail(f"recording {func}", exc)
         return out
 
     def _record(self, func, args, kwargs, out) -> int:
-        rec = self.recorder
-        info = op_info(func)
+        """Append one row per tensor; return what replay must do (1: writes, 2: fresh outputs).
+
+        The plain-tensor case is inlined: this loop runs for every argument of every op, and
+        one dict hit on (storage, view) finds both ids for any tensor seen before.
+        """
+        plan = self._plans.get(func)
+        if plan is None:
+            plan = self._plans[func] = _Plan(func, self.recorder.names)
         cap = self.capture
         seq = len(cap.ops)
-        cap.ops.append(rec.names(info.name))
-        stack = getattr(module_stack, "stack", None)
+        cap.ops.append(plan.op_id)
+        stack = module_stack.stack
         cap.op_modules.append(stack[-1] if stack else -1)
-        put = self._put
-        inputs: set[int] = set()
+        slots, append = self._slots, self._append
+        inputs: list[int] = []
         wrote = False
-        positional = info.positional
-        for i, value in enumerate(args):
-            entry = positional[i] if i < len(positional) else None
-            if entry is not None:
-                wrote |= put(seq, entry, value, inputs)
-        for key, value in kwargs.items():
-            entry = info.by_keyword.get(key)
-            if entry is not None:
-                wrote |= put(seq, entry, value, inputs)
+        for value, code in zip(args, plan.positional):
+            if code is None:
+                continue
+            tp = type(value)
+            if tp is torch.Tensor or tp is torch.nn.Parameter:
+                key = (value.untyped_storage()._cdata, value.dtype, value.shape, value.stride(),
+                       value.storage_offset())
+                slot = slots.get(key)
+                if slot is None:
+                    slot = self._slot(key, value)
+                append((seq, code, slot))
+                inputs.append(slot >> 32)
+                wrote |= (code & 3) == WRITE
+            elif tp not in _SCALARS:
+                wrote |= self._put(seq, code, value, inputs)
+        if kwargs:
+            for name, value in kwargs.items():
+                code = plan.by_keyword.get(name)
+                if code is not None and type(value) not in _SCALARS:
+                    wrote |= self._put(seq, code, value, inputs)
         fresh = False
-        returns = info.returns
-        if isinstance(out, torch.Tensor):
-            out = (out,)
-        elif not isinstance(out, (tuple, list)):
-            out = ()
-        for i, value in enumerate(out):
-            slot = returns[i] if i < len(returns) else OUT_FRESH
-            if slot == OUT_MUTATED:
-                continue  # already recorded as a write on its argument
-            name = "out" if len(returns) == 1 else f"out{i}"
-            fresh |= self._put_output(seq, name, value, inputs)
-        # What replay must do with this op: nothing for pure views, re-run writers and producers.
+        if type(out) is torch.Tensor:
+            name = plan.returns[0] if plan.returns else None
+            if name is not None:  # None: a mutated argument, already recorded as a write
+                key = (out.untyped_storage()._cdata, out.dtype, out.shape, out.stride(),
+                       out.storage_offset())
+                slot = slots.get(key)
+                if slot is None:
+                    slot = self._slot(key, out)
+                fresh = (slot >> 32) not in inputs  # else a view (`_unsafe_view` claims fresh)
+                append((seq, name | (FACTORY if fresh else VIEW), slot))
+        elif isinstance(out, (tuple, list)):
+            returns = plan.returns
+            for i, value in enumerate(out):
+                name = returns[i] if i < len(returns) else None
+                if name is not None:
+                    for item in tree_iter(value):
+                        if isinstance(item, torch.Tensor):
+                            fresh |= self._put_output(seq, name, item, inputs)
+        elif isinstance(out, torch.Tensor) and plan.returns and plan.returns[0] is not None:
+            fresh = self._put_output(seq, plan.returns[0], out, inputs)
         return (1 if wrote else 0) | (2 if fresh else 0)
 
-    def _put(self, seq, entry, value, inputs) -> bool:
-        name, access = entry
-        if isinstance(value, torch.Tensor):
-            self._put_tensor(seq, name, access, value, inputs)
-            return access == WRITE
-        if value is None or isinstance(value, (int, float, bool, str)):
-            return False
-        wrote = False
-        for item in tree_iter(value):  # Tensor[], Tensor?[], nested containers
+    def _slot(self, key: tuple, t: torch.Tensor) -> int:
+        """(storage id << 32 | view id) for a tensor not seen in this capture yet."""
+        sid = self._lookup(t.untyped_storage())
+        slot = (sid << 32) | self._views(key[1:])
+        self._slots[key] = slot
+        return slot
+
+    def _row(self, seq: int, code: int, t: torch.Tensor) -> int:
+        key = (t.untyped_storage()._cdata, t.dtype, t.shape, t.stride(), t.storage_offset())
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slot(key, t)
+        self._append((seq, code, slot))
+        return slot >> 32
+
+    def _put(self, seq: int, code: int, value, inputs: list) -> bool:
+        """Tensors inside subclasses and containers (Tensor[], Tensor?[]): the slow path."""
+        found = False
+        for item in (value,) if isinstance(value, torch.Tensor) else tree_iter(value):
             if isinstance(item, torch.Tensor):
-                self._put_tensor(seq, name, access, item, inputs)
-                wrote |= access == WRITE
-        return wrote
+                for t in _plain_tensors(item):
+                    inputs.append(self._row(seq, code, t))
+                    found = True
+        return found and (code & 3) == WRITE
 
-    def _put_tensor(self, seq, name, access, tensor, inputs) -> None:
-        rec = self.recorder
-        arg = rec.names(name)
-        for t in _plain_tensors(tensor):
-            storage = t.untyped_storage()
-            sid = rec.storages.lookup(storage)
-            inputs.add(sid)
-            view = rec.views((t.dtype, tuple(t.shape), t.stride(), t.storage_offset()))
-            self.capture.accesses.extend((seq, arg, access, sid, view))
-
-    def _put_output(self, seq, name, value, inputs) -> bool:
+    def _put_output(self, seq: int, name: int, value: torch.Tensor, inputs: list) -> bool:
         """Outputs sharing an input's storage are views (`_unsafe_view` claims otherwise)."""
         fresh = False
-        for item in tree_iter(value):
-            if not isinstance(item, torch.Tensor):
-                continue
-            rec = self.recorder
-            arg = rec.names(name)
-            for t in _plain_tensors(item):
-                sid = rec.storages.lookup(t.untyped_storage())
-                access = VIEW if sid in inputs else FACTORY
-                fresh |= access == FACTORY
-                view = rec.views((t.dtype, tuple(t.shape), t.stride(), t.storage_offset()))
-                self.capture.accesses.extend((seq, arg, access, sid, view))
+        for t in _plain_tensors(value):
+            sid = self._index.get(t.untyped_storage()._cdata)
+            access = VIEW if sid is not None and sid in inputs else FACTORY
+            self._row(seq, name | access, t)
+            fresh |= access == FACTORY
         return fresh
 
 
@@ -242,6 +310,7 @@ class Recorder:
         self.storages = StorageTable()
         self.names = Interner()   # op names, argument names, module FQNs
         self.views = Interner()   # (dtype, shape, stride, offset)
+        self.plans: dict = {}     # OpOverload -> _Plan
         self.captures: list[Capture] = []
         self.errors: list[dict] = []
         self.n_errors = 0

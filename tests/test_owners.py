@@ -294,3 +294,28 @@ def test_budget_exhaustion_warns():
     with pytest.warns(RuntimeWarning, match="past max_items"):
         got = list(walk_owners(model, max_items=15))
     assert 0 < len(got) < 10
+
+
+def test_odd_dict_keys_round_trip():
+    model = nn.Module()
+    keys = ["a]b", "it's", 'q"', "x.y[0]", -1, True, None, 0.5, ("t", (1, 2))]
+    model.d = {k: torch.full((1,), float(i)) for i, k in enumerate(keys)}
+    got = owners(model)
+    assert len(got) == len(keys)
+    for path, _, t in got:
+        assert resolve_path(model, path) is t, path
+
+
+class Hostile:
+    @property
+    def __dict__(self):
+        raise RuntimeError("no")
+
+
+def test_an_object_that_raises_is_noted_and_the_walk_goes_on():
+    model = nn.Module()
+    model.bad = Hostile()
+    model.good = types.SimpleNamespace(t=torch.ones(1))
+    with pytest.warns(RuntimeWarning, match="object that raised RuntimeError"):
+        got = [p for p, _, _ in walk_owners(model)]
+    assert got == ["good.t"]
