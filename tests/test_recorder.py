@@ -249,7 +249,7 @@ def test_fail_open_counts_errors_and_strict_raises(monkeypatch):
     def broken(func):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(recorder, "op_info", broken)
+    monkeypatch.setattr(recorder, "op_info", broken)  # every op fails to plan
     x = torch.randn(3)
     with gt.trace() as t:
         with gt.capture():
