@@ -17,6 +17,7 @@ differ now, `latent` when they are equal (a same-weights reload).
 from __future__ import annotations
 
 import datetime as _dt
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -39,8 +40,10 @@ def _live_paths(models: dict) -> dict[str, dict[str, tuple[str, torch.Tensor]]]:
     live = {}
     for name, model in models.items():
         paths: dict[str, tuple[str, torch.Tensor]] = {}
-        for path, kind, tensor in walk_owners(model):
-            paths.setdefault(path, (kind, tensor))
+        with warnings.catch_warnings():  # bounds were already reported by the capture-time walk
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for path, kind, tensor in walk_owners(model):
+                paths.setdefault(path, (kind, tensor))
         live[name] = paths
     return live
 

@@ -9,6 +9,7 @@ which the trace wraps for its lifetime and unwraps when it closes.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -282,7 +283,11 @@ class Trace:
             by_storage: dict[int, list] = {}
             keep = []  # the walked tensors' storages' weak handles stay unique while we hold them
             free = torch.UntypedStorage._free_weak_ref
-            for path, kind, tensor in walk_owners(self.models[name]):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", RuntimeWarning)
+                walked = list(walk_owners(self.models[name]))
+            self._note_walk_warnings(name, caught)
+            for path, kind, tensor in walked:
                 try:
                     storage = tensor.untyped_storage()
                 except Exception:
@@ -291,6 +296,12 @@ class Trace:
                 keep.append(storage._weak_ref())
             cached = self._owner_cache[name] = (by_storage, _Handles(keep, free))
         return cached[0]
+
+    def _note_walk_warnings(self, name: str, caught) -> None:
+        """What the owner walk had to cut (depth, size) goes into the report, not to stderr."""
+        for w in caught:
+            text = f"owners of model {name!r}: {w.message}" if name else f"owners: {w.message}"
+            self.add_blind_spot(text)
 
     def _match_owners(self) -> None:
         if not self.models:

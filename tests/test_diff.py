@@ -266,3 +266,19 @@ def test_accesses_and_report_round_trip(tmp_path):
                                       check_dtype=False, check_categorical=False)
     assert back.summary().equals(report.summary())
     del g, y
+
+
+def test_owner_walk_limits_are_reported_as_blind_spots():
+    class Node:
+        def __init__(self, child):
+            self.child = child
+
+    model = Model(0)
+    chain = torch.rand(8)
+    for _ in range(30):  # deeper than the walk goes
+        chain = Node(chain)
+    model.deep = chain
+    t, g, y = traced(model, torch.rand(2, 8))
+    report = t.diff()
+    assert any("not walked" in text for text in report.blind_spots)
+    del g, y
