@@ -64,6 +64,7 @@ __all__ = [
     "read_graphml",
     "assert_no_stale",
     "layer_of",
+    "graph_names",
 ]
 
 VERDICTS = ("stable", "stale", "dangling", "diverged", "orphaned", "unowned")
@@ -115,6 +116,10 @@ def _string_dtype():
 
 
 _STR = _string_dtype()
+# pandas < 3 parses floats fast but not exactly unless asked; pandas 3 is exact by default
+# (and deprecates the option).
+_EXACT_FLOATS = ({"float_precision": "round_trip"}
+                 if int(pd.__version__.split(".")[0]) < 3 else {})
 
 
 class ReportError(ValueError):
@@ -137,26 +142,47 @@ def _kind_of(series: pd.Series) -> str:
 
 
 def _as_strings(s: pd.Series) -> pd.Series:
-    if s.dtype == _STR:
-        return s
-    if _STR == object:
-        out = s.astype(object)
-        mask = out.notna()
-        out[mask] = out[mask].map(str)
-        return out.where(mask, np.nan)
-    return s.astype(_STR)
+    """``s`` in pandas' default string dtype; missing values are NaN."""
+    if _STR != object:  # pandas >= 3: the "str" dtype already means exactly this
+        return s if s.dtype == _STR else s.astype(_STR)
+    out = s.astype(object)
+    mask = out.notna().to_numpy()
+    values = out.to_numpy(copy=True)
+    values[mask] = [v if isinstance(v, str) else str(v) for v in values[mask]]
+    values[~mask] = np.nan
+    return pd.Series(values, index=s.index, name=s.name, dtype=object)
 
 
-def _categorical(values: pd.Series) -> pd.Series:
-    codes, uniques = pd.factorize(values, sort=True)
-    cats = pd.Index(np.asarray(uniques, dtype=object), dtype=_STR)
-    return pd.Series(pd.Categorical.from_codes(codes, dtype=pd.CategoricalDtype(cats)),
-                     index=values.index, name=values.name)
+def _categorical(codes: np.ndarray, categories: list, kind: str, index, name) -> pd.Series:
+    """A categorical string column in canonical form from codes into ``categories``:
+    categories are the used values as strings, sorted; ``-1`` codes (NA) become ``""`` for
+    ``str`` columns and ``""`` becomes NA for ``str?`` columns. Works on the categories,
+    so a large categorical column costs one pass over its codes."""
+    codes = np.asarray(codes)
+    cats = [str(c) for c in categories]
+    n = len(cats)
+    na = codes < 0
+    used = (np.bincount(codes[~na], minlength=n) > 0) if n else np.zeros(0, dtype=bool)
+    values = {cats[i] for i in np.flatnonzero(used)}
+    if kind == "str":
+        if na.any():
+            values.add("")
+    else:
+        values.discard("")
+    order = sorted(values)
+    pos = {v: i for i, v in enumerate(order)}
+    na_code = pos.get("", -1) if kind == "str" else -1
+    mapping = np.array([pos.get(c, -1) for c in cats] + [na_code], dtype=np.int64)
+    new = mapping[np.where(na, n, codes)]
+    dtype = pd.CategoricalDtype(pd.Index(np.array(order, dtype=object), dtype=_STR))
+    return pd.Series(pd.Categorical.from_codes(new, dtype=dtype), index=index, name=name)
 
 
 def _canon_column(s: pd.Series, kind: str, categorical: bool, where: str) -> pd.Series:
     if kind in ("str", "str?"):
-        was_cat = isinstance(s.dtype, pd.CategoricalDtype)
+        if isinstance(s.dtype, pd.CategoricalDtype):
+            return _categorical(s.cat.codes.to_numpy(), list(s.cat.categories), kind,
+                                s.index, s.name)
         v = _as_strings(s)
         if kind == "str":
             if v.isna().any():
@@ -165,8 +191,9 @@ def _canon_column(s: pd.Series, kind: str, categorical: bool, where: str) -> pd.
             empty = v == ""
             if empty.any():
                 v = v.mask(empty)
-        if categorical or was_cat:
-            v = _categorical(v)
+        if categorical:
+            codes, uniques = pd.factorize(v)
+            return _categorical(codes, list(uniques), kind, v.index, v.name)
         return v
     try:
         if kind == "int":
@@ -246,6 +273,8 @@ def _frame_kinds(name: str, df: pd.DataFrame) -> tuple[dict[str, str], list[str]
 def _json_default(o: Any):
     if isinstance(o, np.generic):
         return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
     if isinstance(o, (set, frozenset)):
         return sorted(o, key=str)
     if isinstance(o, (Path, _dt.datetime, _dt.date)):
@@ -286,6 +315,19 @@ def _natural_key(s: Any):
             for t in re.split(r"(\d+)", str(s)) if t]
 
 
+def graph_names(graph_ids: Iterable[int], labels: Iterable[Any]) -> dict[int, str]:
+    """``{graph_id: name}`` for display: the label, or ``label#id`` where several graphs
+    share a label (``#id`` for an empty one)."""
+    pairs = {}
+    for gid, label in zip(graph_ids, labels):
+        pairs.setdefault(int(gid), "" if _is_na(label) else str(label))
+    count: dict[str, int] = {}
+    for label in pairs.values():
+        count[label] = count.get(label, 0) + 1
+    return {gid: label if label and count[label] == 1 else f"{label}#{gid}"
+            for gid, label in pairs.items()}
+
+
 UNKNOWN_MODULE = "(unknown)"
 NO_OWNER = "(none)"
 NO_LAYER = "(none)"
@@ -316,7 +358,8 @@ def _group_keys(edges: pd.DataFrame, by: str) -> pd.Series:
     if by == "verdict":
         keys = _as_strings(edges["verdict"]).astype(object)
     elif by == "graph":
-        keys = _as_strings(edges["graph"]).astype(object)
+        names = graph_names(edges["graph_id"], edges["graph"])
+        keys = edges["graph_id"].map(names).astype(object)
     elif by == "access":
         keys = _as_strings(edges["access"]).astype(object)
     elif by == "module":
@@ -355,8 +398,8 @@ def _crosstab(edges: pd.DataFrame, by: str) -> pd.DataFrame:
     table.columns = pd.Index(list(table.columns), dtype=object)
     table.columns.name = None
     if by == "graph" and len(edges):
-        order = (edges[["graph_id", "graph"]].astype({"graph": object})
-                 .drop_duplicates("graph").sort_values("graph_id")["graph"].tolist())
+        names = graph_names(edges["graph_id"], edges["graph"])
+        order = [names[g] for g in sorted(names)]
     else:
         order = sorted(table.index, key=_natural_key)
     table = table.reindex(order)
@@ -408,6 +451,9 @@ class Report:
                 f"edges.verdict: unknown verdicts {', '.join(sorted(map(str, bad)))} "
                 f"(verdicts are {', '.join(VERDICTS)})")
         self._graph = None
+        self._graphs = None
+        self._source: Path | None = None
+        self._manifest: dict = {}
 
     @classmethod
     def from_frames(cls, accesses: pd.DataFrame | None = None,
@@ -446,6 +492,16 @@ class Report:
         return self._meta
 
     @property
+    def source(self) -> Path | None:
+        """The folder this report was loaded from (None when built in memory)."""
+        return self._source
+
+    @property
+    def manifest(self) -> dict:
+        """The loaded folder's ``manifest.json`` ({} when built in memory)."""
+        return self._manifest
+
+    @property
     def errors(self) -> list:
         """Internal errors the recorder counted (fail-open): ``{where, message, traceback}``."""
         return list(self._meta.get("errors") or [])
@@ -460,6 +516,11 @@ class Report:
         """One row per captured graph: ``graph_id``, ``label``, ``kind``, ``n_ops``,
         ``n_accesses``, ``thread`` (from ``meta["graphs"]``; derived from the frames where
         the meta lacks it)."""
+        if self._graphs is None:
+            self._graphs = self._build_graphs()
+        return self._graphs.copy()
+
+    def _build_graphs(self) -> pd.DataFrame:
         cols = ["graph_id", "label", "kind", "n_ops", "n_accesses", "thread"]
         rows = {}
         for g in self._meta.get("graphs") or []:
@@ -702,25 +763,31 @@ def load_report(path: str | Path) -> Report:
     dtypes = manifest.get("dtypes") if isinstance(manifest.get("dtypes"), dict) else {}
     cats = (manifest.get("categorical") if isinstance(manifest.get("categorical"), dict)
             else {})
-    csvs = {name: folder / str(files.get(name) or f"{name}.csv") for name in FRAMES}
+    csvs = {name: folder / Path(str(files.get(name) or f"{name}.csv")).name
+            for name in FRAMES}
     missing = [p.name for p in csvs.values() if not p.is_file()]
     if missing:
         raise _fail(folder, f"incomplete report: missing {', '.join(missing)}")
     frames = {}
     for name in FRAMES:
-        frames[name] = _read_frame(name, csvs[name], dtypes.get(name) or {})
+        cat_cols = cats.get(name) if isinstance(cats.get(name), list) else []
+        frames[name] = _read_frame(name, csvs[name], dtypes.get(name) or {}, cat_cols)
     meta = manifest.get("meta")
     if meta is not None and not isinstance(meta, dict):
         raise _fail(folder / MANIFEST, "meta is not an object")
     try:
-        return Report(frames["accesses"], frames["storages"], frames["owners"],
-                      frames["edges"], meta, _kinds=dtypes,
-                      _categorical={k: v for k, v in cats.items() if isinstance(v, list)})
+        report = Report(frames["accesses"], frames["storages"], frames["owners"],
+                        frames["edges"], meta, _kinds=dtypes,
+                        _categorical={k: v for k, v in cats.items() if isinstance(v, list)})
     except ReportError as e:
         raise _fail(folder, str(e)) from None
+    report._source = folder
+    report._manifest = manifest
+    return report
 
 
-def _read_frame(name: str, csv: Path, kinds: Mapping[str, str]) -> pd.DataFrame:
+def _read_frame(name: str, csv: Path, kinds: Mapping[str, str],
+                categorical: Iterable[str] = ()) -> pd.DataFrame:
     schema = dict(SCHEMA[name])
     try:
         header = pd.read_csv(csv, nrows=0).columns.tolist()
@@ -738,9 +805,12 @@ def _read_frame(name: str, csv: Path, kinds: Mapping[str, str]) -> pd.DataFrame:
         if k not in _KINDS:
             k = "str?"
         dtype[c] = _READ_DTYPES.get(k, _STR)
+        if c in categorical and k in ("str", "str?"):
+            dtype[c] = "category"
         na_values[c] = [""] if k in _NULLABLE else []
     try:
-        return pd.read_csv(csv, dtype=dtype, keep_default_na=False, na_values=na_values)
+        return pd.read_csv(csv, dtype=dtype, keep_default_na=False, na_values=na_values,
+                           **_EXACT_FLOATS)
     except (pd.errors.ParserError, UnicodeDecodeError, OSError, ValueError,
             TypeError, OverflowError) as e:
         msg = str(e).splitlines()[0] if str(e) else repr(e)
