@@ -31,6 +31,9 @@ test: $(VENV)/.installed
 test-vllm: $(VLLM_VENV)/.installed
 	GRAPHTRACE_REQUIRE_VLLM=1 $(VPY) -m pytest -q -m vllm tests
 
+notebooks: $(VENV)/.installed
+	$(PY) -m pytest -q tests/test_notebooks.py
+
 bench: $(VENV)/.installed
 	$(PY) analysis/bench_overhead.py
 	$(PY) analysis/bench_scale.py
