@@ -157,7 +157,7 @@ def _code(arg: int, access: int) -> int:
 class _Plan:
     """An op's schema facts with this trace's name ids filled in: one dict hit per call."""
 
-    __slots__ = ("op_id", "positional", "by_keyword", "returns")
+    __slots__ = ("op_id", "positional", "by_keyword", "returns", "may_alias")
 
     def __init__(self, func, names: "Interner"):
         info = op_info(func)
@@ -166,6 +166,7 @@ class _Plan:
         self.positional = tuple(None if e is None else _code(names(e[0]), e[1])
                                 for e in info.positional)
         self.by_keyword = {k: _code(names(e[0]), e[1]) for k, e in info.by_keyword.items()}
+        self.may_alias = any(e[1] == VIEW for e in info.by_keyword.values())
         n = len(info.returns)
         # each return slot as its arg id << 2 (access bits added per call), None when mutated
         self.returns = tuple(None if slot == OUT_MUTATED
@@ -219,6 +220,7 @@ class RecordingMode(TorchDispatchMode):
         stack = module_stack.stack
         cap.op_modules.append(stack[-1] if stack else -1)
         slots, append = self._slots, self._append
+        start = len(cap.accesses)
         inputs: list[int] = []
         wrote = False
         for value, code in zip(args, plan.positional):
@@ -242,6 +244,7 @@ class RecordingMode(TorchDispatchMode):
                 if code is not None and type(value) not in _SCALARS:
                     wrote |= self._put(seq, code, value, inputs)
         fresh = False
+        end_inputs = len(cap.accesses)
         if type(out) is torch.Tensor:
             name = plan.returns[0] if plan.returns else None
             if name is not None:  # None: a mutated argument, already recorded as a write
@@ -262,7 +265,19 @@ class RecordingMode(TorchDispatchMode):
                             fresh |= self._put_output(seq, name, item, inputs)
         elif isinstance(out, torch.Tensor) and plan.returns and plan.returns[0] is not None:
             fresh = self._put_output(seq, plan.returns[0], out, inputs)
+        if plan.may_alias:
+            self._unalias(start, end_inputs)
         return (1 if wrote else 0) | (2 if fresh else 0)
+
+    def _unalias(self, start: int, end_inputs: int) -> None:
+        """`Tensor(a) self` may alias the output or not (`aten::to` copies on a dtype change):
+        an input the schema calls a view is a read when no output shares its storage."""
+        rows = self.capture.accesses
+        shared = {rows[i] >> 32 for i in range(end_inputs + 2, len(rows), ACCESS_FIELDS)}
+        for i in range(start + 1, end_inputs, ACCESS_FIELDS):
+            code = rows[i]
+            if (code & 3) == VIEW and (rows[i + 1] >> 32) not in shared:
+                rows[i] = (code & ~3) | READ
 
     def _slot(self, key: tuple, t: torch.Tensor) -> int:
         """(storage id << 32 | view id) for a tensor not seen in this capture yet."""

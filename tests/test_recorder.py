@@ -291,3 +291,17 @@ def test_import_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == gt.__version__
+
+
+def test_conditional_alias_is_a_read_when_the_op_copies():
+    """`aten::to.dtype(Tensor(a) self)` aliases only when nothing changes; a copy reads self."""
+    ids = torch.tensor([1, 2, 3], dtype=torch.int32)
+    same = torch.randn(3)
+    with gt.trace(strict=True) as t:
+        with gt.capture():
+            with torch.inference_mode():
+                torch.ops.aten.to.dtype(ids, torch.int64)    # converts: a read of ids
+                torch.ops.aten.to.dtype(same, torch.float32)  # returns self: a view
+    df = t.accesses
+    assert set(df[df.data_ptr == ids.data_ptr()].access.astype(str)) == {"read"}
+    assert set(df[df.data_ptr == same.data_ptr()].access.astype(str)) == {"view"}
