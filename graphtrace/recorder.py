@@ -193,6 +193,13 @@ class RecordingMode(TorchDispatchMode):
         self._slots: dict = {}  # (storage, dtype, shape, stride, offset) -> sid << 32 | view id
         self._append = capture.accesses.extend
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Observe, never alter: without this, Dynamo skips (de-compiles) every compiled frame
+        run under the mode, for the rest of the process. The price: kernels fused by Inductor
+        launch without the dispatcher and are not recorded (a blind spot the report names)."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}

@@ -305,3 +305,41 @@ def test_conditional_alias_is_a_read_when_the_op_copies():
     df = t.accesses
     assert set(df[df.data_ptr == ids.data_ptr()].access.astype(str)) == {"read"}
     assert set(df[df.data_ptr == same.data_ptr()].access.astype(str)) == {"view"}
+
+
+@pytest.mark.slow
+def test_tracing_does_not_decompile_a_compiled_model():
+    """Dynamo skips compiled frames under a dispatch mode that does not ignore compile
+    internals, and keeps skipping them: the traced engine would run eager afterwards."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        @classmethod
+        def ignore_compile_internals(cls):
+            return True
+
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(fn, x):
+        with Count() as c:
+            fn(x)
+        return c.n
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    compiled = torch.compile(model)
+    x = torch.randn(2, 8)
+    compiled(x)
+    eager_ops, compiled_ops = ops(model, x), ops(compiled, x)
+    assert compiled_ops < eager_ops  # fused kernels bypass the dispatcher
+    with gt.trace(model, strict=True):
+        with gt.capture():
+            compiled(x)
+    assert ops(compiled, x) == compiled_ops
+    torch._dynamo.reset()
