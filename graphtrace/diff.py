@@ -106,13 +106,18 @@ def _impact(trace, sid: int, view: tuple, live: torch.Tensor) -> str:
         return "unknown"
     dtype, shape, stride, offset = view
     try:
-        was = torch.empty(0, dtype=dtype, device=old.device).set_(old, offset, shape, stride)
         new_storage = live.untyped_storage()
+        if new_storage.device.type == "meta":
+            return "unknown"  # a reload that failed half-way left the model without data
+        was = torch.empty(0, dtype=dtype, device=old.device).set_(old, offset, shape, stride)
         now = torch.empty(0, dtype=dtype, device=new_storage.device).set_(
             new_storage, offset, shape, stride)
     except Exception:  # the live tensor is smaller or of another type: the graph reads other data
         return "manifest"
-    same = was.dtype == now.dtype and torch.equal(was.cpu(), now.cpu())
+    try:
+        same = torch.equal(was.cpu(), now.cpu())
+    except Exception:  # dtypes without comparison kernels: say so rather than guess
+        return "unknown"
     return "latent" if same else "manifest"
 
 

@@ -1,0 +1,47 @@
+"""graphtrace inside a real vLLM (0.32): in-process adapter, worker plugin, tiny models.
+
+In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)::
+
+    import graphtrace.vllm as gv
+    with gv.trace_llm() as vt:
+        llm = LLM(...)            # model watched when the worker loads it (vLLM FQNs)
+        vt.attach(llm)
+        with vt.capture("decode", skip=1):
+            vt.generate(max_tokens=2)
+        vt.reload(new_weights)
+        report = vt.diff()
+
+Worker processes: the ``vllm.general_plugins`` entry point ``graphtrace.vllm.plugin:register``
+(on with ``GRAPHTRACE_VLLM=1``); see :mod:`graphtrace.vllm.plugin`.
+Importing this package does not import vLLM.
+"""
+
+from __future__ import annotations
+
+_LAZY = {
+    "VllmTrace": "graphtrace.vllm.adapter",
+    "trace_llm": "graphtrace.vllm.adapter",
+    "find_worker": "graphtrace.vllm.adapter",
+    "find_model": "graphtrace.vllm.adapter",
+    "RunnerView": "graphtrace.vllm.adapter",
+    "find_blind_spots": "graphtrace.vllm.blind",
+    "merge_reports": "graphtrace.vllm.merge",
+    "rank_folders": "graphtrace.vllm.merge",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'graphtrace.vllm' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,411 @@
+"""In-process graphtrace for a real vLLM engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+::
+
+    import graphtrace.vllm as gv
+    with gv.trace_llm() as vt:                 # opens graphtrace.trace() before the engine exists
+        llm = LLM(model=..., enforce_eager=True)   # the worker's model is watched once it is loaded
+        vt.attach(llm)                         # optional: enables vt.generate / vt.reload
+        with vt.capture("decode", skip=1):     # CPU: record the first decode forward as an
+            vt.generate(prompts, max_tokens=3)     # emulated graph (a CUDA graph on GPU is traced
+        vt.capture_dummy("dummy_decode")       #   by the core without asking); or a dummy run
+        vt.reload(new_weights)                 # collective_rpc("reload_weights", ...)
+        report = vt.diff()                     # owners resolved again on the live vLLM model
+
+Owner paths are vLLM's own FQNs (``model.layers.0.self_attn.qkv_proj.weight``; the model is
+watched under the name ``""``). The model runner is watched as a second model named
+``runner`` (``watch_runner=True``) so that the persistent input buffers a graph reads
+(``runner.input_ids.gpu``, ``runner.positions.gpu``) are owned, not "external".
+
+Every CUDA graph vLLM captures while the trace is open is recorded by graphtrace's core,
+which wraps ``torch.cuda.CUDAGraph.capture_begin``/``capture_end``: vLLM 0.32 captures
+through ``torch.cuda.graph(...)`` (``CUDAGraphWrapper``, Model Runner V2's
+``CudaGraphManager``, the encoder and ubatch wrappers) or a bare ``capture_begin()``
+(``BreakableCUDAGraphCapture``), and both end in those two methods.
+
+What the recorder cannot see (oneDNN handles, KV cache via the forward context) is found
+on the model by :mod:`graphtrace.vllm.blind` and reported in ``report.meta["blind_spots"]``
+and ``report.meta["vllm"]["blind_spots"]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+import graphtrace as gt
+from graphtrace.tracing import GraphtraceError, active_trace
+from graphtrace.vllm import blind, hooks
+
+logger = logging.getLogger("graphtrace.vllm")
+
+__all__ = ["VllmTrace", "trace_llm", "find_worker", "find_model", "RunnerView"]
+
+
+class RunnerView(nn.Module):
+    """Lets graphtrace walk a vLLM model runner (not an nn.Module) for owner paths.
+
+    The walk sees ``runner.<attr>...`` paths; nn.Modules found there (the model, the
+    sampler) are not walked again. Only the attributes in ``attrs`` are exposed (all of the
+    runner's own attributes when ``attrs`` is None).
+    """
+
+    def __init__(self, runner: Any, attrs: Iterable[str] | None = None):
+        super().__init__()
+        if attrs is None:
+            object.__setattr__(self, "runner", runner)
+        else:
+            view = _AttrView()
+            for a in attrs:
+                if hasattr(runner, a):
+                    setattr(view, a, getattr(runner, a))
+            object.__setattr__(self, "runner", view)
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - never called
+        raise RuntimeError("RunnerView is a holder, not a model")
+
+
+class _AttrView:
+    """A plain attribute bag (walked like any user object)."""
+
+
+# The model runner attributes a captured forward reads as inputs (vLLM 0.32 GPU/CPU runner).
+RUNNER_INPUT_ATTRS = ("input_ids", "positions", "inputs_embeds", "query_start_loc", "seq_lens",
+                      "slot_mapping", "mrope_positions", "xdrope_positions", "is_token_ids",
+                      "input_batch", "kv_caches")
+
+
+def find_worker(llm) -> Any:
+    """The in-process vLLM worker behind ``llm`` (an ``LLM`` or ``LLMEngine``).
+
+    Path in vLLM 0.32: ``llm.llm_engine.model_executor.driver_worker.worker`` (the executor
+    is also ``llm.llm_engine.engine_core.engine_core.model_executor``). Raises when the
+    engine core runs in another process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``): use the
+    ``vllm.general_plugins`` entry point (``GRAPHTRACE_VLLM=1``) there.
+    """
+    engine = getattr(llm, "llm_engine", llm)
+    executor = getattr(engine, "model_executor", None)
+    if executor is None:
+        core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+        executor = getattr(core, "model_executor", None)
+    if executor is None:
+        raise GraphtraceError(
+            "the vLLM engine core is not in this process (VLLM_ENABLE_V1_MULTIPROCESSING=1?): "
+            "set VLLM_ENABLE_V1_MULTIPROCESSING=0 for the in-process adapter, or enable the "
+            "worker plugin with GRAPHTRACE_VLLM=1 (see graphtrace.vllm.plugin)")
+    wrapper = getattr(executor, "driver_worker", None)
+    if wrapper is None:
+        raise GraphtraceError(
+            f"{type(executor).__name__} has no in-process driver worker (tensor parallel "
+            "workers live in other processes): use the worker plugin (GRAPHTRACE_VLLM=1)")
+    return getattr(wrapper, "worker", wrapper)
+
+
+def find_model(llm) -> nn.Module:
+    """``llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()``."""
+    model = hooks.worker_model(find_worker(llm))
+    if model is None:
+        raise GraphtraceError("the vLLM worker has no model yet")
+    return model
+
+
+class _ForwardCapture:
+    """Record chosen calls of a model's forward, each as one emulated graph.
+
+    Call ``skip`` .. ``skip + forwards - 1`` (0-based, counted from entry) are recorded;
+    a single graph is labelled ``label``, several ``label#0``, ``label#1``, ...
+    This is the part of a step that vLLM's ``CUDAGraphWrapper`` would capture: the model's
+    ``forward`` (``compute_logits`` and sampling run outside it).
+    """
+
+    def __init__(self, vt: "VllmTrace", label: str, forwards: int = 1, skip: int = 0,
+                 auto_close: bool = False):
+        if forwards < 1 or skip < 0:
+            raise ValueError("forwards must be >= 1 and skip >= 0")
+        self.vt = vt
+        self.label = label
+        self.forwards = forwards
+        self.skip = skip
+        self.auto_close = auto_close
+        self.calls = 0
+        self.graphs: list = []
+        self._ctx = None
+        self._handles: list = []
+        self._thread = None
+        self.closed = False
+
+    def _label(self, i: int) -> str:
+        return self.label if self.forwards == 1 else f"{self.label}#{i}"
+
+    def open(self) -> "_ForwardCapture":
+        model = self.vt.model
+        if model is None:
+            raise GraphtraceError("no vLLM model is watched yet: capture after LLM(...) is built")
+        self._handles = [model.register_forward_pre_hook(self._pre),
+                         model.register_forward_hook(self._post, always_call=True)]
+        return self
+
+    def _pre(self, module, args):
+        i = self.calls - self.skip
+        self.calls += 1
+        if self._ctx is not None or not (0 <= i < self.forwards):
+            return
+        try:
+            ctx = gt.capture(self._label(i))
+            graph = ctx.__enter__()
+            self._ctx = ctx
+            self._thread = threading.get_ident()
+            self.graphs.append(graph)
+        except Exception:
+            if self.vt.strict:
+                raise
+            logger.exception("graphtrace: could not open capture %r", self._label(i))
+
+    def _post(self, module, args, output):
+        if self._ctx is None or self._thread != threading.get_ident():
+            return
+        ctx, self._ctx = self._ctx, None
+        try:
+            ctx.__exit__(None, None, None)
+        except Exception:
+            if self.vt.strict:
+                raise
+            logger.exception("graphtrace: could not close capture %r", self.label)
+        if self.auto_close and self.calls - self.skip >= self.forwards:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(None, None, None)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.vt.keep_graphs:
+            self.vt.graphs.extend(self.graphs)
+
+    def __enter__(self) -> "_ForwardCapture":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def recorded(self) -> int:
+        return len(self.graphs)
+
+
+class VllmTrace:
+    """A graphtrace trace bound to one vLLM engine (see the module docs).
+
+    ``strict``: raise internal errors (tests). ``watch_runner``: also watch the model
+    runner's input buffers (model name ``runner``). ``keep_graphs``: keep the emulated
+    graphs alive like CUDA graph capture artifacts (their storages stay alive, so a moved
+    owner reads ``stale``; without them an old storage is freed and reads ``dangling``).
+    """
+
+    def __init__(self, *, strict: bool = False, watch_runner: bool = True,
+                 keep_graphs: bool = True, runner_attrs: Iterable[str] | None = RUNNER_INPUT_ATTRS):
+        self.strict = strict
+        self.watch_runner = watch_runner
+        self.keep_graphs = keep_graphs
+        self.runner_attrs = tuple(runner_attrs) if runner_attrs is not None else None
+        self.trace = gt.trace(strict=strict)
+        self.llm = None
+        self.worker = None
+        self.model: nn.Module | None = None
+        self.model_name: str | None = None
+        self.graphs: list = []
+        self.blind_spots: list[dict] = []
+        self.reloads: list[dict] = []
+        self._workers: list = []
+        self._open = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> "VllmTrace":
+        self.trace.__enter__()
+        self._open = True
+        hooks.add_listener("after_load", self._on_load)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        hooks.remove_listener("after_load", self._on_load)
+        self._open = False
+        self.trace.__exit__(*exc)
+
+    def _on_load(self, worker) -> None:
+        if active_trace() is not self.trace:
+            return
+        self.watch_worker(worker)
+
+    # -- models ------------------------------------------------------------------------------
+    def watch_worker(self, worker) -> "VllmTrace":
+        """Watch a vLLM worker's model (vLLM FQNs) and its runner's input buffers."""
+        if any(w is worker for w, _ in self._workers):
+            return self
+        model = hooks.worker_model(worker)
+        if model is None:
+            raise GraphtraceError("this vLLM worker has not loaded its model yet")
+        n = len(self._workers)
+        name = "" if n == 0 else f"engine{n}"
+        self.trace.watch(model, name=name)
+        if self.watch_runner:
+            runner = getattr(worker, "model_runner", None)
+            if runner is not None:
+                self.trace.watch(RunnerView(runner, self.runner_attrs),
+                                 name="runner" if n == 0 else f"engine{n}.runner")
+        self._workers.append((worker, name))
+        if self.worker is None:
+            self.worker, self.model, self.model_name = worker, model, name
+        self._scan_blind_spots(model, name, getattr(worker, "vllm_config", None))
+        return self
+
+    def attach(self, llm) -> "VllmTrace":
+        """Bind an in-process ``LLM``: its worker's model is watched (if not already)."""
+        self.llm = llm
+        worker = find_worker(llm)
+        self.watch_worker(worker)
+        if self.worker is not worker:  # a second engine: make it current
+            self.worker, self.model = worker, hooks.worker_model(worker)
+        return self
+
+    def _scan_blind_spots(self, model: nn.Module, name: str, vllm_config=None) -> None:
+        try:
+            spots = blind.find_blind_spots(model, prefix=name)
+            if vllm_config is not None:
+                spots += blind.engine_blind_spots(vllm_config)
+            for spot in spots:
+                if spot not in self.blind_spots:
+                    self.blind_spots.append(spot)
+                    self.trace.add_blind_spot(blind.describe(spot))
+        except Exception as exc:
+            if self.strict:
+                raise
+            self.trace.recorder.fail("vllm blind spot scan", exc)
+
+    # -- captures ----------------------------------------------------------------------------
+    def capture(self, label: str = "forward", *, forwards: int = 1, skip: int = 0) -> _ForwardCapture:
+        """Record model forwards ``skip`` .. ``skip+forwards-1`` inside the block as emulated
+        graphs (e.g. ``with vt.capture("decode", skip=1): llm.generate(...)``: call 0 is the
+        prefill, call 1 the first decode step)."""
+        return _ForwardCapture(self, label, forwards, skip)
+
+    def capture_dummy(self, label: str = "dummy_decode", num_tokens: int | None = None, *,
+                      uniform_decode: bool = True):
+        """Record one forward of vLLM's own dummy run (what ``capture_model`` runs under each
+        CUDA graph on GPU) as an emulated graph; returns the EmulatedGraph."""
+        if self.worker is None:
+            raise GraphtraceError("no vLLM worker is watched yet")
+        return capture_dummy_run(self, self.worker, label, num_tokens, uniform_decode)
+
+    # -- engine helpers ----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]] | None = None, max_tokens: int = 4) -> list[list[int]]:
+        """Greedy generation from token-id prompts; returns the new token ids per prompt."""
+        from vllm import SamplingParams
+
+        if self.llm is None:
+            raise GraphtraceError("call vt.attach(llm) first")
+        if prompts is None:
+            from graphtrace.vllm.tiny import PROMPTS
+            prompts = PROMPTS
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False,
+                            ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp,
+                                 use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def reload(self, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+               weights_path: str | None = None, is_checkpoint_format: bool = True):
+        """vLLM's own reload: ``collective_rpc("reload_weights", kwargs=...)``. ``weights``:
+        ``(name, tensor)`` pairs in checkpoint format (None: reload from disk)."""
+        kwargs: dict[str, Any] = {"is_checkpoint_format": is_checkpoint_format}
+        if weights is not None:
+            kwargs["weights_iterator"] = list(weights)
+        if weights_path is not None:
+            kwargs["weights_path"] = weights_path
+        self.reloads.append({"weights": "given" if weights is not None else "disk",
+                             "weights_path": weights_path or ""})
+        if self.llm is not None:
+            return self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        if self.worker is not None:
+            return self.worker.reload_weights(**kwargs)
+        raise GraphtraceError("nothing to reload: attach an LLM or watch a worker first")
+
+    # -- results -----------------------------------------------------------------------------
+    def info(self) -> dict:
+        """Plain JSON facts about the engine (goes into ``report.meta['vllm']``)."""
+        out: dict[str, Any] = {"blind_spots": [dict(s) for s in self.blind_spots],
+                               "reloads": list(self.reloads),
+                               "emulated_graphs": [g.label for g in self.graphs]}
+        try:
+            import vllm
+
+            out["vllm_version"] = getattr(vllm, "__version__", "")
+        except Exception:
+            pass
+        w = self.worker
+        if w is not None:
+            out["rank"] = hooks.worker_rank(w)
+            out["worker"] = type(w).__name__
+            out["model_runner"] = type(getattr(w, "model_runner", None)).__name__
+            out["model_class"] = type(self.model).__name__ if self.model is not None else ""
+            cfg = getattr(w, "vllm_config", None)
+            mc = getattr(cfg, "model_config", None)
+            if mc is not None:
+                out["model"] = str(getattr(mc, "model", ""))
+                out["dtype"] = str(getattr(mc, "dtype", "")).replace("torch.", "")
+                out["quantization"] = str(getattr(mc, "quantization", "") or "")
+                out["enforce_eager"] = bool(getattr(mc, "enforce_eager", False))
+            cc = getattr(cfg, "compilation_config", None)
+            if cc is not None:
+                mode, cg = getattr(cc, "mode", ""), getattr(cc, "cudagraph_mode", "")
+                out["compilation_mode"] = getattr(mode, "name", str(mode))
+                out["cudagraph_mode"] = getattr(cg, "name", str(cg))
+            out["pid"] = os.getpid()
+        return out
+
+    def diff(self):
+        """``graphtrace`` diff of everything captured against the live vLLM model(s)."""
+        for worker, name in self._workers:  # layers rebuilt by a reload can add blind spots
+            self._scan_blind_spots(hooks.worker_model(worker), name)
+        report = self.trace.diff()
+        report.meta["vllm"] = _plain(self.info())
+        return report
+
+    def __repr__(self) -> str:
+        return f"<graphtrace.vllm.VllmTrace {self.trace!r}, {len(self.graphs)} emulated graphs>"
+
+
+def capture_dummy_run(vt: VllmTrace, worker, label: str, num_tokens: int | None,
+                      uniform_decode: bool):
+    runner = worker.model_runner
+    if num_tokens is None:
+        sched = getattr(worker.vllm_config, "scheduler_config", None)
+        num_tokens = int(getattr(sched, "max_num_seqs", 4) or 4)
+    cap = _ForwardCapture(vt, label, forwards=1, skip=0)
+    from vllm.config import set_current_vllm_config
+
+    with cap, set_current_vllm_config(worker.vllm_config):
+        runner._dummy_run(num_tokens, uniform_decode=uniform_decode)
+    if not cap.graphs:
+        raise GraphtraceError("the dummy run did not call the model's forward")
+    return cap.graphs[0]
+
+
+def _plain(obj):
+    import json
+
+    return json.loads(json.dumps(obj, default=str))
+
+
+def trace_llm(**kwargs) -> VllmTrace:
+    """``with trace_llm() as vt: llm = LLM(...)``: see :class:`VllmTrace`."""
+    return VllmTrace(**kwargs)
