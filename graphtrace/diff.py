@@ -77,26 +77,46 @@ def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
     return frame, moved_to
 
 
+def _joined(keys: np.ndarray, texts: np.ndarray, sep: str) -> tuple[np.ndarray, np.ndarray]:
+    """Join texts per run of equal keys (keys sorted): (unique keys, joined texts), vectorised."""
+    if len(keys) == 0:
+        return keys, np.empty(0, dtype=object)
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+    items = np.asarray(texts, dtype=object) + sep
+    joined = np.add.reduceat(items, starts)
+    strip = len(sep)
+    return keys[starts], np.array([j[:-strip] for j in joined], dtype=object)
+
+
 def _per_storage(owners: pd.DataFrame, alive: np.ndarray) -> pd.DataFrame:
     """Owner names, verdict and live pointer of every owned storage (index: storage id)."""
     columns = ["owners", "owner_kinds", "n_owners", "live_data_ptr", "verdict"]
     if owners.empty:
         return pd.DataFrame(columns=columns, index=pd.Index([], dtype=np.int64))
-    out = {}
-    for sid, group in owners.groupby("storage_id", sort=False):
-        seen = set(group["status"])
-        if "holds" in seen:
-            verdict = "diverged" if len(seen) > 1 else "stable"
-        elif "moved" in seen:
-            verdict = "stale" if alive[sid] else "dangling"
-        else:
-            verdict = "orphaned"
-        # where the graph should read now: a moved owner's tensor, else the one still held
-        moved = group[group["status"] == "moved"]["live_data_ptr"]
-        ptr = moved.iloc[0] if len(moved) else group["live_data_ptr"].iloc[0]
-        out[sid] = ("; ".join(group["path"]), ";".join(sorted(set(group["kind"]))), len(group),
-                    ptr, verdict)
-    return pd.DataFrame.from_dict(out, orient="index", columns=columns)
+    o = owners.sort_values(["storage_id", "model", "path"], kind="stable")
+    sid = o["storage_id"].to_numpy(dtype=np.int64)
+    status = o["status"].to_numpy(dtype=object)
+    flags = pd.DataFrame({"sid": sid, "holds": status == "holds", "moved": status == "moved",
+                          **{k: (o["kind"] == k).to_numpy() for k in ("buffer", "parameter",
+                                                                       "attribute")}})
+    g = flags.groupby("sid", sort=True)
+    anyof = g.any()
+    keys, paths = _joined(sid, o["path"].to_numpy(dtype=object), "; ")
+    holds, moved = anyof["holds"].to_numpy(), anyof["moved"].to_numpy()
+    verdict = np.select(
+        [holds & (g.size().to_numpy() > g["holds"].sum().to_numpy()), holds,
+         moved & alive[keys], moved],
+        ["diverged", "stable", "stale", "dangling"], default="orphaned").astype(object)
+    kinds = np.full(len(keys), "", dtype=object)
+    for k in ("attribute", "buffer", "parameter"):  # sorted, ';'-joined
+        has = anyof[k].to_numpy()
+        kinds = np.where(has, np.where(kinds == "", k, kinds + ";" + k), kinds)
+    # where the graph should read now: a moved owner's tensor, else the one still held
+    first_moved = o.assign(_m=status != "moved").sort_values(["storage_id", "_m"], kind="stable")
+    ptr = first_moved.groupby("storage_id", sort=True)["live_data_ptr"].first()
+    return pd.DataFrame({"owners": paths, "owner_kinds": kinds, "n_owners": g.size().to_numpy(),
+                         "live_data_ptr": ptr.to_numpy(), "verdict": verdict},
+                        index=pd.Index(keys, dtype=np.int64))
 
 
 def _impact(trace, sid: int, view: tuple, live: torch.Tensor) -> str:
@@ -121,8 +141,14 @@ def _impact(trace, sid: int, view: tuple, live: torch.Tensor) -> str:
     return "latent" if same else "manifest"
 
 
-def _join(values) -> str:
-    return ";".join(dict.fromkeys(str(v) for v in values))
+def _joined_per_edge(keyed: pd.DataFrame, codes: np.ndarray, names: list) -> np.ndarray:
+    """Distinct names per (graph, storage), in first-seen order, ';'-joined; sorted by key."""
+    frame = pd.DataFrame({"g": keyed["graph_id"].to_numpy(), "s": keyed["storage_id"].to_numpy(),
+                          "row": keyed["row"].to_numpy(), "code": codes})
+    frame = frame.drop_duplicates(["g", "s", "code"]).sort_values(["g", "s", "row"], kind="stable")
+    edge_key = frame["g"].to_numpy() * (1 << 32) + frame["s"].to_numpy()
+    _, joined = _joined(edge_key, np.asarray(names, dtype=object)[frame["code"].to_numpy()], ";")
+    return joined
 
 
 def diff(trace) -> "Report":
@@ -149,16 +175,16 @@ def diff(trace) -> "Report":
     keyed = pd.DataFrame({"graph_id": raw["graph_id"][touched],
                           "storage_id": raw["storage_id"][touched],
                           "row": touched, "kind": kinds[touched]})
+    keyed["write"] = np.isin(keyed["kind"].to_numpy(), (WRITE, FACTORY))
     groups = keyed.groupby(["graph_id", "storage_id"], sort=True)
     first_row = groups["row"].min()
     reads = keyed[keyed["kind"] == READ].groupby(["graph_id", "storage_id"])["row"].min()
     # the view an edge describes: its first read, else its first write
     view_row = reads.reindex(first_row.index).fillna(first_row).to_numpy(dtype=np.int64)
     has_read = first_row.index.isin(reads.index)
-    has_write = groups["kind"].agg(lambda k: bool(np.isin(k, (WRITE, FACTORY)).any())).to_numpy()
-    texts = accesses.iloc[touched][["op", "arg"]].astype(str)
-    texts.index = pd.MultiIndex.from_arrays([keyed["graph_id"], keyed["storage_id"]])
-    joined_text = texts.groupby(level=[0, 1], sort=True).agg(_join)
+    has_write = groups["write"].any().to_numpy()
+    ops = _joined_per_edge(keyed, raw["op"][touched], rec.names.items)
+    args = _joined_per_edge(keyed, raw["arg"][touched], rec.names.items)
     at_view = accesses.iloc[view_row]
     sids = first_row.index.get_level_values("storage_id").to_numpy(dtype=np.int64)
     nbytes = np.frombuffer(table.nbytes, dtype=np.int64) if n_storages else np.empty(0, np.int64)
@@ -167,8 +193,8 @@ def diff(trace) -> "Report":
         "graph": accesses["graph"].iloc[first_row.to_numpy()].astype(str).to_numpy(),
         "storage_id": sids,
         "access": np.where(has_read & has_write, "read+write", np.where(has_read, "read", "write")),
-        "ops": joined_text["op"].to_numpy(),
-        "args": joined_text["arg"].to_numpy(),
+        "ops": ops,
+        "args": args,
         "module": accesses["module"].iloc[first_row.to_numpy()].astype(str).to_numpy(),
         "data_ptr": at_view["data_ptr"].to_numpy(),
         "nbytes": nbytes[sids] if len(sids) else sids,
@@ -209,14 +235,15 @@ def diff(trace) -> "Report":
 
     # -- storages ----------------------------------------------------------------------------
     first_any = pd.Series(kinds[touched], index=raw["storage_id"][touched]).groupby(level=0).first()
+    # storages only ever seen as views get "view"
+    first_code = first_any.reindex(np.arange(n_storages)).fillna(VIEW).to_numpy(dtype=np.int64)
     storages = pd.DataFrame({
         "storage_id": np.arange(n_storages, dtype=np.int64),
         "data_ptr": np.frombuffer(table.data_ptrs, dtype=np.int64) if n_storages else np.empty(0, np.int64),
         "nbytes": nbytes,
         "device": list(table.devices),
         "alive": alive,
-        "first_access": first_any.reindex(np.arange(n_storages)).map(
-            lambda k: ACCESS_NAMES[int(k)] if pd.notna(k) else "view").to_numpy(dtype=object),
+        "first_access": np.asarray(ACCESS_NAMES, dtype=object)[first_code],
     }, columns=STORAGE_COLUMNS)
 
     meta = {
