@@ -1,0 +1,50 @@
+"""The benchmark scripts run (--quick) and print their tables; timings are never asserted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> str:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run([sys.executable, str(ROOT / "analysis" / script), "--quick", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{script} --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_bench_overhead_quick(tmp_path):
+    out_file = tmp_path / "overhead.txt"
+    out = _run("bench_overhead.py", "--out", str(out_file))
+    assert "## recorder overhead per capture" in out
+    for row in ("no mode (baseline)", "no-op TorchDispatchMode", "graphtrace emulate=False",
+                "graphtrace emulate=True", "DebugMode", "CUDA sanitizer", "liveness tracker"):
+        assert row in out, row
+    assert "added / no-op" in out
+    assert "## memory" in out and "B/access" in out
+    # recording keeps no tensor memory alive: every watched intermediate expired
+    assert "-> no tensor memory kept" in out
+    assert out_file.read_text().startswith("# graphtrace recorder overhead")
+
+
+def test_bench_scale_quick(tmp_path):
+    out_file = tmp_path / "scale.txt"
+    out = _run("bench_scale.py", "--out", str(out_file))
+    assert "## trace + diff + report at scale" in out
+    header = next(line for line in out.splitlines() if line.startswith("source"))
+    for col in ("accesses", "storages", "edges", "diff s", "frames s", "diff/frames",
+                "µs/access", "peak MiB", "csv s", "load s"):
+        assert col in header, col
+    assert "real " in out and "synthetic " in out
+    assert "round trip ok" in out and "MISMATCH" not in out
+    assert out_file.read_text().startswith("# graphtrace trace + diff + report at scale")
