@@ -63,6 +63,21 @@ clock = time.thread_time  # set by --clock
 HEADER = "recorder overhead per capture"
 
 
+def _revision() -> str:
+    """The checkout measured: git commit (+ "dirty" when graphtrace/ has local changes)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                             capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "graphtrace"], cwd=root,
+                               text=True, capture_output=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (rev or "unknown") + (" (graphtrace/ modified)" if dirty else "")
+
+
 # --------------------------------------------------------------------------- workload
 
 class Block(nn.Module):
@@ -188,13 +203,8 @@ class Graphtrace(Recorder):
         self.trace.__enter__()
         self._enter = time.perf_counter() - t0
 
-    def run(self, model, label, x):
-        with gt.capture(label, emulate=self.emulate) as g:
-            out = model(x)
-        del g  # the caller owns an emulated graph; dropping it is untimed (see capture())
-        return out
-
     def capture(self, model, label, x) -> float:
+        # the caller owns an emulated graph: dropping it (freeing its tensors) is not timed
         t0 = clock()
         with gt.capture(label, emulate=self.emulate) as g:
             out = model(x)
@@ -508,7 +518,8 @@ def main(argv=None) -> int:
         lines.append(s)
 
     say(f"# graphtrace {HEADER} (analysis/bench_overhead.py{' --quick' if args.quick else ''})")
-    say(f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
+    say(f"graphtrace {gt.__version__} at {_revision()}; torch {torch.__version__}, "
+        f"Python {platform.python_version()}, {platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
     say(f"workload: {blocks} blocks (d={args.d}, 4 heads, {args.tokens} tokens; matmul+softmax "
         f"and SDPA attention alternating), {n_caps} captures (batch sizes 1..{n_caps}), "
@@ -591,7 +602,8 @@ def main(argv=None) -> int:
         f"({off['total_bytes'] / 2**20:.1f} MiB), {fmt_int(off['intermediates'] - off['alive'])} "
         f"expired, {off['alive']} alive ({off['alive_bytes']} B); graphtrace's table: "
         f"{fmt_int(off['gt_storages'])} storages, {fmt_int(off['gt_alive'])} alive (parameters "
-        f"and inputs); RSS growth {off['rss_growth'] / 2**20:+.1f} MiB "
+        f"and inputs); RSS growth {off['rss_growth'] / 2**20:+.1f} MiB (the trace's own records "
+        f"and the StorageImpl headers its weak references keep; no tensor data) "
         f"-> {'no tensor memory kept' if off['alive'] == 0 else 'TENSOR MEMORY KEPT'}")
     say(f"  control, emulate=True with graphs held: {fmt_int(on['alive'])} of "
         f"{fmt_int(on['intermediates'])} intermediates alive ({on['alive_bytes'] / 2**20:.1f} MiB), "

@@ -75,6 +75,7 @@ FORMAT = "graphtrace-report"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 GRAPHML = "graph.graphml"
+GRAPHML_MAX_EDGES = 200_000
 FRAMES = ("accesses", "storages", "owners", "edges")
 
 # Column kinds: "int" int64 (no NA); "Int" nullable Int64; "bool" (no NA); "str" ("" when
@@ -649,10 +650,15 @@ class Report:
         return G
 
     # ---- files
-    def to_csv(self, path: str | Path) -> Path:
+    def to_csv(self, path: str | Path, *, graphml: bool | None = None) -> Path:
         """Write the report folder (created if needed): ``accesses.csv``, ``storages.csv``,
         ``owners.csv``, ``edges.csv``, ``graph.graphml`` and ``manifest.json`` (written
-        last). Returns the folder."""
+        last). Returns the folder.
+
+        GraphML is for other graph tools; ``load_report`` rebuilds ``.graph`` from the CSVs.
+        It costs ~10x the CSVs, so by default (``graphml=None``) it is left out above
+        ``GRAPHML_MAX_EDGES`` edges, and the manifest says so; ``graphml=True`` forces it.
+        """
         import networkx as nx
 
         from graphtrace import __version__
@@ -664,7 +670,14 @@ class Report:
             df = self._frames[name]
             df.to_csv(out / f"{name}.csv", index=False, lineterminator="\n")
             dtypes[name], categorical[name] = _frame_kinds(name, df)
-        nx.write_graphml(self.graph, out / GRAPHML)
+        if graphml is None:
+            graphml = len(self._frames["edges"]) <= GRAPHML_MAX_EDGES
+        files = {name: f"{name}.csv" for name in FRAMES}
+        if graphml:
+            nx.write_graphml(self.graph, out / GRAPHML)
+            files["graph"] = GRAPHML
+        else:
+            (out / GRAPHML).unlink(missing_ok=True)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -673,7 +686,10 @@ class Report:
             "created": self._meta.get("created")
             or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "written": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "files": {name: f"{name}.csv" for name in FRAMES} | {"graph": GRAPHML},
+            "files": files,
+            "graphml_skipped": None if graphml else (
+                f"{len(self._frames['edges'])} edges > {GRAPHML_MAX_EDGES}: write it with "
+                "to_csv(dir, graphml=True); Report.graph rebuilds the graph from the CSVs"),
             "dtypes": dtypes,
             "categorical": categorical,
             "meta": self._meta,

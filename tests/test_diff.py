@@ -282,3 +282,21 @@ def test_owner_walk_limits_are_reported_as_blind_spots():
     report = t.diff()
     assert any("not walked" in text for text in report.blind_spots)
     del g, y
+
+
+def test_graphml_can_be_left_out_and_the_graph_still_loads(tmp_path):
+    import json
+
+    model = Model(0)
+    t, g, y = traced(model, torch.rand(2, 8))
+    reload(model, seed=3)
+    report = t.diff()
+    report.to_csv(tmp_path / "r", graphml=False)
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert not (tmp_path / "r" / "graph.graphml").exists()
+    assert "graphml=True" in manifest["graphml_skipped"]
+    back = gt.load_report(tmp_path / "r")
+    assert sorted(back.graph.edges(keys=True)) == sorted(report.graph.edges(keys=True))
+    report.to_csv(tmp_path / "r")  # small: GraphML by default
+    assert (tmp_path / "r" / "graph.graphml").exists()
+    del g, y
