@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -26,6 +27,9 @@ import torch
 from graphtrace import __version__
 from graphtrace._schema import ACCESS_NAMES, FACTORY, READ, VIEW, WRITE
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
+
+if TYPE_CHECKING:
+    from graphtrace.report import Report
 
 EDGE_COLUMNS = ["graph_id", "graph", "storage_id", "access", "ops", "args", "module", "data_ptr",
                 "nbytes", "dtype", "shape", "owners", "owner_kinds", "n_owners", "live_data_ptr",
@@ -141,14 +145,23 @@ def _impact(trace, sid: int, view: tuple, live: torch.Tensor) -> str:
     return "latent" if same else "manifest"
 
 
-def _joined_per_edge(keyed: pd.DataFrame, codes: np.ndarray, names: list) -> np.ndarray:
-    """Distinct names per (graph, storage), in first-seen order, ';'-joined; sorted by key."""
-    frame = pd.DataFrame({"g": keyed["graph_id"].to_numpy(), "s": keyed["storage_id"].to_numpy(),
-                          "row": keyed["row"].to_numpy(), "code": codes})
-    frame = frame.drop_duplicates(["g", "s", "code"]).sort_values(["g", "s", "row"], kind="stable")
-    edge_key = frame["g"].to_numpy() * (1 << 32) + frame["s"].to_numpy()
-    _, joined = _joined(edge_key, np.asarray(names, dtype=object)[frame["code"].to_numpy()], ";")
-    return joined
+def _joined_runs(codes: np.ndarray, group: np.ndarray, names: np.ndarray) -> np.ndarray:
+    """Per run (group ids 0..n-1, rows sorted by group then row): the distinct names of its
+    codes in first-seen order, ';'-joined. Vectorised: one pass per position within a run."""
+    if len(codes) == 0:
+        return np.empty(0, dtype=object)
+    _, first = np.unique(group * (len(names) + 1) + codes, return_index=True)
+    first.sort()
+    g, text = group[first], names[codes[first]]
+    lead = np.empty(len(g), dtype=bool)
+    lead[0] = True
+    lead[1:] = g[1:] != g[:-1]
+    result = text[lead].copy()
+    rank = np.arange(len(g)) - np.flatnonzero(lead)[g]
+    for j in range(1, int(rank.max()) + 1):
+        at = rank == j
+        result[g[at]] = result[g[at]] + ";" + text[at]
+    return result
 
 
 def diff(trace) -> "Report":
@@ -172,37 +185,46 @@ def diff(trace) -> "Report":
     # -- edges: (graph, storage) touched by a read or a write ---------------------------------
     kinds = raw["access"]
     touched = np.flatnonzero(kinds != VIEW)
-    keyed = pd.DataFrame({"graph_id": raw["graph_id"][touched],
-                          "storage_id": raw["storage_id"][touched],
-                          "row": touched, "kind": kinds[touched]})
-    keyed["write"] = np.isin(keyed["kind"].to_numpy(), (WRITE, FACTORY))
-    groups = keyed.groupby(["graph_id", "storage_id"], sort=True)
-    first_row = groups["row"].min()
-    reads = keyed[keyed["kind"] == READ].groupby(["graph_id", "storage_id"])["row"].min()
+    # one sort by (graph, storage, row); every per-edge value is a reduce over its run
+    gid_t, sid_t, kind_t = raw["graph_id"][touched], raw["storage_id"][touched], kinds[touched]
+    order = np.lexsort((touched, sid_t, gid_t))
+    g_s, s_s, k_s, r_s = gid_t[order], sid_t[order], kind_t[order], touched[order]
+    new = np.empty(len(order), dtype=bool)
+    new[:1] = True
+    new[1:] = (g_s[1:] != g_s[:-1]) | (s_s[1:] != s_s[:-1])
+    starts = np.flatnonzero(new)
+    run = np.cumsum(new) - 1
+    first_rows = r_s[starts]
+    big = np.iinfo(np.int64).max
+    if len(starts):
+        first_read = np.minimum.reduceat(np.where(k_s == READ, r_s, big), starts)
+        has_write = np.logical_or.reduceat(np.isin(k_s, (WRITE, FACTORY)), starts)
+    else:
+        first_read, has_write = np.empty(0, np.int64), np.empty(0, bool)
+    has_read = first_read != big
     # the view an edge describes: its first read, else its first write
-    view_row = reads.reindex(first_row.index).fillna(first_row).to_numpy(dtype=np.int64)
-    has_read = first_row.index.isin(reads.index)
-    has_write = groups["write"].any().to_numpy()
-    ops = _joined_per_edge(keyed, raw["op"][touched], rec.names.items)
-    args = _joined_per_edge(keyed, raw["arg"][touched], rec.names.items)
+    view_row = np.where(has_read, first_read, first_rows)
+    names_arr = np.asarray(rec.names.items, dtype=object)
+    ops = _joined_runs(raw["op"][touched][order], run, names_arr)
+    args = _joined_runs(raw["arg"][touched][order], run, names_arr)
     at_view = accesses.iloc[view_row]
-    sids = first_row.index.get_level_values("storage_id").to_numpy(dtype=np.int64)
+    sids = s_s[starts]
     nbytes = np.frombuffer(table.nbytes, dtype=np.int64) if n_storages else np.empty(0, np.int64)
     edges = pd.DataFrame({
-        "graph_id": first_row.index.get_level_values("graph_id").to_numpy(dtype=np.int64),
-        "graph": accesses["graph"].iloc[first_row.to_numpy()].astype(str).to_numpy(),
+        "graph_id": g_s[starts],
+        "graph": accesses["graph"].iloc[first_rows].astype(str).to_numpy(),
         "storage_id": sids,
         "access": np.where(has_read & has_write, "read+write", np.where(has_read, "read", "write")),
         "ops": ops,
         "args": args,
-        "module": accesses["module"].iloc[first_row.to_numpy()].astype(str).to_numpy(),
+        "module": accesses["module"].iloc[first_rows].astype(str).to_numpy(),
         "data_ptr": at_view["data_ptr"].to_numpy(),
         "nbytes": nbytes[sids] if len(sids) else sids,
         "dtype": at_view["dtype"].astype(str).to_numpy(),
         "shape": at_view["shape"].astype(str).to_numpy(),
     })
     edge_views = raw["view"][view_row]
-    internal = np.isin(kinds[first_row.to_numpy()], (WRITE, FACTORY))
+    internal = np.isin(kinds[first_rows], (WRITE, FACTORY))
 
     # -- owners, verdicts, impact: per storage, then onto the edges ----------------------------
     live = _live_paths(trace.models)
@@ -217,26 +239,23 @@ def diff(trace) -> "Report":
     edges["verdict"] = verdict
     edges["origin"] = np.where(verdict == "unowned", np.where(internal, "internal", "external"), "")
     impact_cache: dict[tuple[int, int], str] = {}
-    impacts = []
+    impacts = np.where(verdict == "dangling", "unknown", "").astype(object)
     items = rec.views.items
-    for sid, v, verd in zip(sids.tolist(), edge_views.tolist(), verdict.tolist()):
-        if verd in ("stale", "diverged"):
-            k = (sid, v)
-            if k not in impact_cache:
-                impact_cache[k] = _impact(trace, sid, items[v], moved_to[sid]) \
-                    if sid in moved_to else "unknown"
-            impacts.append(impact_cache[k])
-        elif verd == "dangling":
-            impacts.append("unknown")
-        else:
-            impacts.append("")
+    for i in np.flatnonzero((verdict == "stale") | (verdict == "diverged")).tolist():
+        sid, v = int(sids[i]), int(edge_views[i])
+        k = (sid, v)
+        if k not in impact_cache:
+            impact_cache[k] = _impact(trace, sid, items[v], moved_to[sid]) \
+                if sid in moved_to else "unknown"
+        impacts[i] = impact_cache[k]
     edges["impact"] = impacts
     edges = edges[EDGE_COLUMNS]
 
     # -- storages ----------------------------------------------------------------------------
-    first_any = pd.Series(kinds[touched], index=raw["storage_id"][touched]).groupby(level=0).first()
-    # storages only ever seen as views get "view"
-    first_code = first_any.reindex(np.arange(n_storages)).fillna(VIEW).to_numpy(dtype=np.int64)
+    # first touching access per storage (touched rows ascend: the first occurrence); else view
+    first_code = np.full(n_storages, VIEW, dtype=np.int64)
+    uniq, at = np.unique(sid_t, return_index=True)
+    first_code[uniq] = kind_t[at]
     storages = pd.DataFrame({
         "storage_id": np.arange(n_storages, dtype=np.int64),
         "data_ptr": np.frombuffer(table.data_ptrs, dtype=np.int64) if n_storages else np.empty(0, np.int64),
