@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 EDGE_COLUMNS = ["graph_id", "graph", "storage_id", "access", "ops", "args", "module", "data_ptr",
                 "nbytes", "dtype", "shape", "owners", "owner_kinds", "n_owners", "live_data_ptr",
                 "verdict", "impact", "origin"]
+_CATEGORICAL_EDGE_COLUMNS = ("graph", "access", "module", "dtype", "shape", "owner_kinds",
+                             "verdict", "impact", "origin")
 OWNER_COLUMNS = ["storage_id", "model", "path", "kind", "status", "live_data_ptr"]
 STORAGE_COLUMNS = ["storage_id", "data_ptr", "nbytes", "device", "alive", "first_access"]
 
@@ -249,6 +251,8 @@ def diff(trace) -> "Report":
                 if sid in moved_to else "unknown"
         impacts[i] = impact_cache[k]
     edges["impact"] = impacts
+    for col in _CATEGORICAL_EDGE_COLUMNS:  # few distinct values over many rows
+        edges[col] = pd.Categorical(edges[col])
     edges = edges[EDGE_COLUMNS]
 
     # -- storages ----------------------------------------------------------------------------
