@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -85,7 +84,6 @@ class _Region:
         self.graph = EmulatedGraph(self.capture.label) if emulate else None
         if self.graph is not None:
             self.graph.capture = self.capture
-            trace._graphs.append(weakref.ref(self.graph))
         self.mode = RecordingMode(trace.recorder, self.capture, self.graph)
 
     def open(self) -> None:
@@ -183,7 +181,6 @@ class Trace:
         self.strict = strict
         self.models: dict[str, torch.nn.Module] = {}
         self.blind_spots: list[str] = []
-        self._graphs: list[weakref.ref] = []
         self._regions = threading.local()
         self._cuda_regions: dict[int, _Region] = {}
         self._hooks: list = []
@@ -329,6 +326,11 @@ class Trace:
         self._match_owners()
 
     def _cuda_begin(self, graph, args, kwargs) -> None:
+        outer = self._open_region()
+        if outer is not None:  # recorded once, by the region already open on this thread
+            self.add_blind_spot(f"a CUDA graph was captured inside capture region "
+                                f"{outer.capture.label!r}: its ops are recorded there")
+            return
         try:
             label = getattr(graph, "graphtrace_label", None)
             region = _Region(self, label, "cuda", emulate=False)
