@@ -331,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     except SystemExit as e:  # argparse: --help, --version, usage errors
+        if isinstance(e.code, str):  # SystemExit("message"): say it, as Python itself would
+            print(e.code, file=sys.stderr)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except BrokenPipeError:  # `graphtrace report DIR | head`
         try:

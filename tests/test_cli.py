@@ -277,3 +277,13 @@ def test_report_on_the_demo_folder(capsys, tmp_path):
     data = json.loads(out)
     assert data["counts"]["stale"] == 4
     assert {r["impact"] for r in data["stale"]} == {"latent"}
+
+
+def test_demo_bad_options_say_why_without_a_traceback(capsys, tmp_path):
+    pytest.importorskip("torch")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    code, _, err = run(capsys, "demo", "--variant", "fixed", "--out", str(blocker / "sub"))
+    assert code == 2 and "cannot write the report folder" in err and "Traceback" not in err
+    code, _, err = run(capsys, "demo", "--batch-sizes", "0,x")
+    assert code == 2 and "--batch-sizes must be integers" in err

@@ -509,6 +509,13 @@ def run(args: argparse.Namespace) -> int:
     n_layers = int(getattr(args, "layers", 4))
     out = getattr(args, "out", "graphtrace-report")
     out = Path(out) if out else None
+    if out is not None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"graphtrace demo: cannot write the report folder {str(out)!r}: "
+                  f"{e.strerror or e}", file=sys.stderr)
+            return 2
     device = getattr(args, "device", "auto")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
