@@ -19,17 +19,18 @@ OUT_FRESH, OUT_ALIAS, OUT_MUTATED = 0, 1, 2
 class OpInfo:
     """Per-OpOverload facts the recorder needs on every call."""
 
-    __slots__ = ("name", "positional", "by_keyword", "returns", "view_only")
+    __slots__ = ("name", "positional", "by_keyword", "returns", "may_alias")
 
     def __init__(self, name: str, positional: tuple, by_keyword: dict, returns: tuple,
-                 view_only: bool):
+                 may_alias: bool):
         self.name = name
         # positional[i] / by_keyword[name] = (argument name, access kind) for tensor-carrying args
         self.positional = positional
         self.by_keyword = by_keyword
         self.returns = returns  # one OUT_* per return slot
-        # True when no argument is read or written: the op only makes views (aten::alias, t, view...)
-        self.view_only = view_only
+        # True when some input is `Tensor(a)`: the output may share its storage (views, and
+        # ops like aten::to that alias only when nothing changes)
+        self.may_alias = may_alias
 
 
 def op_name(func: torch._ops.OpOverload) -> str:
@@ -69,9 +70,8 @@ def parse_schema(func: torch._ops.OpOverload) -> OpInfo:
             returns.append(OUT_MUTATED)
         else:
             returns.append(OUT_ALIAS)
-    accesses = [kind for _, kind in by_keyword.values()]
-    view_only = bool(accesses) and all(kind == VIEW for kind in accesses)
-    return OpInfo(op_name(func), tuple(positional), by_keyword, tuple(returns), view_only)
+    may_alias = any(kind == VIEW for _, kind in by_keyword.values())
+    return OpInfo(op_name(func), tuple(positional), by_keyword, tuple(returns), may_alias)
 
 
 _CACHE: dict = {}

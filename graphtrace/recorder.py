@@ -85,10 +85,6 @@ class StorageTable:
                 self.index[handle] = sid
         return sid
 
-    def find(self, storage: torch.UntypedStorage) -> int | None:
-        """The id of a storage seen before, or None (a new storage at an old address is None)."""
-        return self.index.get(storage._cdata)
-
     def alive(self, sid: int) -> bool:
         return not torch.UntypedStorage._expired(self.handles[sid])
 
@@ -136,7 +132,6 @@ class Capture:
         return len(self.accesses) // ACCESS_FIELDS
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SCALARS = (type(None), int, float, bool, str)
 
 
@@ -166,7 +161,7 @@ class _Plan:
         self.positional = tuple(None if e is None else _code(names(e[0]), e[1])
                                 for e in info.positional)
         self.by_keyword = {k: _code(names(e[0]), e[1]) for k, e in info.by_keyword.items()}
-        self.may_alias = any(e[1] == VIEW for e in info.by_keyword.values())
+        self.may_alias = info.may_alias
         n = len(info.returns)
         # each return slot as its arg id << 2 (access bits added per call), None when mutated
         self.returns = tuple(None if slot == OUT_MUTATED
