@@ -149,21 +149,12 @@ def _impact(trace, sid: int, view: tuple, live: torch.Tensor) -> str:
 
 def _joined_runs(codes: np.ndarray, group: np.ndarray, names: np.ndarray) -> np.ndarray:
     """Per run (group ids 0..n-1, rows sorted by group then row): the distinct names of its
-    codes in first-seen order, ';'-joined. Vectorised: one pass per position within a run."""
+    codes in first-seen order, ';'-joined."""
     if len(codes) == 0:
         return np.empty(0, dtype=object)
     _, first = np.unique(group * (len(names) + 1) + codes, return_index=True)
-    first.sort()
-    g, text = group[first], names[codes[first]]
-    lead = np.empty(len(g), dtype=bool)
-    lead[0] = True
-    lead[1:] = g[1:] != g[:-1]
-    result = text[lead].copy()
-    rank = np.arange(len(g)) - np.flatnonzero(lead)[g]
-    for j in range(1, int(rank.max()) + 1):
-        at = rank == j
-        result[g[at]] = result[g[at]] + ";" + text[at]
-    return result
+    first.sort()  # back to row order: each run's first occurrences stay together, in order
+    return _joined(group[first], names[codes[first]], ";")[1]
 
 
 def diff(trace) -> "Report":

@@ -300,3 +300,17 @@ def test_graphml_can_be_left_out_and_the_graph_still_loads(tmp_path):
     report.to_csv(tmp_path / "r")  # small: GraphML by default
     assert (tmp_path / "r" / "graph.graphml").exists()
     del g, y
+
+
+def test_edge_lists_distinct_ops_and_args_in_first_seen_order():
+    model = torch.nn.Linear(4, 4)
+    x = torch.rand(2, 4)
+    with gt.trace(model, strict=True) as t:
+        with gt.capture() as g:
+            y = x * 2
+            y = y + x   # x read again, by another op
+            y = y * x   # and by the first op again: listed once
+    edge = t.diff().edges.set_index("data_ptr").loc[x.data_ptr()]
+    assert edge["ops"] == "aten::mul.Tensor;aten::add.Tensor"
+    assert edge["args"] == "self;other"
+    del g, y
