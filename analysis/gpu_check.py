@@ -101,6 +101,13 @@ class Ctx:
         self.t0 = time.perf_counter()
 
     # -- reporting -----------------------------------------------------------------------
+    def error(self, exc: BaseException) -> None:
+        """A check's exception: kept with the last lines of its traceback, never re-raised."""
+        self.errors.append(f"{type(exc).__name__}: {exc}")
+        self.line(f"ERROR: {type(exc).__name__}: {exc}")
+        for ln in traceback.format_exc().rstrip().splitlines()[-15:]:
+            self.line(f"    {ln}")
+
     def line(self, text: str = "") -> None:
         for part in str(text).splitlines() or [""]:
             self.lines.append(part)
@@ -1605,10 +1612,7 @@ def _child_main(args) -> int:
     try:
         check.fn(ctx)
     except Exception as exc:  # noqa: BLE001
-        ctx.errors.append(f"{type(exc).__name__}: {exc}")
-        ctx.line(f"ERROR: {type(exc).__name__}: {exc}")
-        for ln in traceback.format_exc().rstrip().splitlines()[-15:]:
-            ctx.line(f"    {ln}")
+        ctx.error(exc)
     ctx.save()
     sys.stdout.flush()
     os._exit(0)  # skip interpreter teardown (CUDA/Inductor workers): the JSON is written
@@ -1679,10 +1683,7 @@ def _run_inline(check: Check, args, timeout: float, workdir: Path) -> dict:
     try:
         check.fn(ctx)
     except Exception as exc:  # noqa: BLE001
-        ctx.errors.append(f"{type(exc).__name__}: {exc}")
-        ctx.line(f"ERROR: {type(exc).__name__}: {exc}")
-        for ln in traceback.format_exc().rstrip().splitlines()[-15:]:
-            ctx.line(f"    {ln}")
+        ctx.error(exc)
     finally:
         if old is not None:
             signal.alarm(0)
