@@ -83,15 +83,20 @@ def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
     return frame, moved_to
 
 
-def _joined(keys: np.ndarray, texts: np.ndarray, sep: str) -> tuple[np.ndarray, np.ndarray]:
-    """Join texts per run of equal keys (keys sorted): (unique keys, joined texts), vectorised."""
+def _joined(keys: np.ndarray, texts: np.ndarray, sep: str,
+            with_sep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Join texts per run of equal keys (keys sorted): (unique keys, joined texts), vectorised.
+
+    `with_sep`, when given, is `sep + texts` already made (from a small table of names), so
+    no row builds a string; a run of one text keeps that very text object."""
     if len(keys) == 0:
         return keys, np.empty(0, dtype=object)
-    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-    items = np.asarray(texts, dtype=object) + sep
-    joined = np.add.reduceat(items, starts)
-    strip = len(sep)
-    return keys[starts], np.array([j[:-strip] for j in joined], dtype=object)
+    new = np.r_[True, keys[1:] != keys[:-1]]
+    starts = np.flatnonzero(new)
+    items = np.asarray(texts, dtype=object).copy()
+    later = ~new  # every item of a run but its first gets the separator in front
+    items[later] = with_sep[later] if with_sep is not None else sep + items[later]
+    return keys[starts], np.add.reduceat(items, starts)
 
 
 def _per_storage(owners: pd.DataFrame, alive: np.ndarray) -> pd.DataFrame:
@@ -153,8 +158,11 @@ def _joined_runs(codes: np.ndarray, group: np.ndarray, names: np.ndarray) -> np.
     if len(codes) == 0:
         return np.empty(0, dtype=object)
     _, first = np.unique(group * (len(names) + 1) + codes, return_index=True)
-    first.sort()  # back to row order: each run's first occurrences stay together, in order
-    return _joined(group[first], names[codes[first]], ";")[1]
+    keep = np.zeros(len(codes), dtype=bool)
+    keep[first] = True  # back to row order without a sort: each run's firsts stay in order
+    at = np.flatnonzero(keep)
+    picked = codes[at]
+    return _joined(group[at], names[picked], ";", (";" + names)[picked])[1]
 
 
 def diff(trace) -> "Report":
