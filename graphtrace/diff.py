@@ -27,6 +27,7 @@ import torch
 from graphtrace import __version__
 from graphtrace._schema import ACCESS_NAMES, FACTORY, READ, VIEW, WRITE
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
+from graphtrace.report import IMPACTS, VERDICTS
 
 if TYPE_CHECKING:
     from graphtrace.report import Report
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
 EDGE_COLUMNS = ["graph_id", "graph", "storage_id", "access", "ops", "args", "module", "data_ptr",
                 "nbytes", "dtype", "shape", "owners", "owner_kinds", "n_owners", "live_data_ptr",
                 "verdict", "impact", "origin"]
-_CATEGORICAL_EDGE_COLUMNS = ("graph", "access", "module", "dtype", "shape", "owner_kinds",
-                             "verdict", "impact", "origin")
 OWNER_COLUMNS = ["storage_id", "model", "path", "kind", "status", "live_data_ptr"]
 STORAGE_COLUMNS = ["storage_id", "data_ptr", "nbytes", "device", "alive", "first_access"]
 
@@ -165,6 +164,40 @@ def _joined_runs(codes: np.ndarray, group: np.ndarray, names: np.ndarray) -> np.
     return _joined(group[at], names[picked], ";", (";" + names)[picked])[1]
 
 
+def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray) -> dict:
+    """The per-storage owner columns at each edge's storage; edges of unowned storages get
+    no owners and the verdict unowned."""
+    at = per_storage.index.get_indexer(sids)  # -1 (no owner) picks the fill appended last
+
+    def values(column: str, fill) -> np.ndarray:
+        return np.append(per_storage[column].to_numpy(dtype=object), [fill])
+
+    return {  # categoricals are made per storage, then taken: no per-edge string hashing
+        "owners": values("owners", "")[at],
+        "owner_kinds": pd.Categorical(values("owner_kinds", ""))[at],
+        "n_owners": np.append(per_storage["n_owners"].to_numpy(dtype=np.int64), 0)[at],
+        "live_data_ptr": per_storage["live_data_ptr"].astype("Int64").array.take(at, allow_fill=True),
+        "verdict": pd.Categorical(values("verdict", "unowned"), VERDICTS)[at],
+    }
+
+
+def _impacts(trace, verdict: pd.Categorical, sids: np.ndarray, views: np.ndarray,
+             moved_to: dict) -> pd.Categorical:
+    """`impact` per edge: value checks for stale and diverged edges (once per storage and
+    view), unknown for dangling ones, empty otherwise."""
+    names = ["", *IMPACTS]
+    codes = np.where(verdict == "dangling", names.index("unknown"), 0)
+    items = trace.recorder.views.items
+    cache: dict[tuple[int, int], int] = {}
+    for i in np.flatnonzero((verdict == "stale") | (verdict == "diverged")).tolist():
+        k = sid, v = int(sids[i]), int(views[i])
+        if k not in cache:
+            cache[k] = names.index(_impact(trace, sid, items[v], moved_to[sid])
+                                   if sid in moved_to else "unknown")
+        codes[i] = cache[k]
+    return pd.Categorical.from_codes(codes, names)
+
+
 def diff(trace) -> "Report":
     from graphtrace.report import Report
 
@@ -208,51 +241,33 @@ def diff(trace) -> "Report":
     names_arr = np.asarray(rec.names.items, dtype=object)
     ops = _joined_runs(raw["op"][touched][order], run, names_arr)
     args = _joined_runs(raw["arg"][touched][order], run, names_arr)
-    at_view = accesses.iloc[view_row]
     sids = s_s[starts]
     nbytes = np.frombuffer(table.nbytes, dtype=np.int64) if n_storages else np.empty(0, np.int64)
-    edges = pd.DataFrame({
+    edges = {
         "graph_id": g_s[starts],
-        "graph": accesses["graph"].iloc[first_rows].astype(str).to_numpy(),
+        "graph": accesses["graph"].array[first_rows],  # categoricals: a take of their codes
         "storage_id": sids,
-        "access": np.where(has_read & has_write, "read+write", np.where(has_read, "read", "write")),
+        "access": pd.Categorical.from_codes(np.where(has_read, np.where(has_write, 1, 0), 2),
+                                            ["read", "read+write", "write"]),
         "ops": ops,
         "args": args,
-        "module": accesses["module"].iloc[first_rows].astype(str).to_numpy(),
-        "data_ptr": at_view["data_ptr"].to_numpy(),
+        "module": accesses["module"].array[first_rows],
+        "data_ptr": accesses["data_ptr"].to_numpy()[view_row],
         "nbytes": nbytes[sids] if len(sids) else sids,
-        "dtype": at_view["dtype"].astype(str).to_numpy(),
-        "shape": at_view["shape"].astype(str).to_numpy(),
-    })
-    edge_views = raw["view"][view_row]
+        "dtype": accesses["dtype"].array[view_row],
+        "shape": accesses["shape"].array[view_row],
+    }
     internal = np.isin(kinds[first_rows], (WRITE, FACTORY))
 
     # -- owners, verdicts, impact: per storage, then onto the edges ----------------------------
     live = _live_paths(trace.models)
     owners, moved_to = _resolve_owners(trace, np.unique(sids), live)
-    per_storage = _per_storage(owners, alive)
-    joined = per_storage.reindex(sids)
-    edges["owners"] = joined["owners"].fillna("").to_numpy(dtype=object)
-    edges["owner_kinds"] = joined["owner_kinds"].fillna("").to_numpy(dtype=object)
-    edges["n_owners"] = joined["n_owners"].fillna(0).to_numpy(dtype=np.int64)
-    edges["live_data_ptr"] = joined["live_data_ptr"].astype("Int64").to_numpy()
-    verdict = joined["verdict"].fillna("unowned").to_numpy(dtype=object)
-    edges["verdict"] = verdict
-    edges["origin"] = np.where(verdict == "unowned", np.where(internal, "internal", "external"), "")
-    impact_cache: dict[tuple[int, int], str] = {}
-    impacts = np.where(verdict == "dangling", "unknown", "").astype(object)
-    items = rec.views.items
-    for i in np.flatnonzero((verdict == "stale") | (verdict == "diverged")).tolist():
-        sid, v = int(sids[i]), int(edge_views[i])
-        k = (sid, v)
-        if k not in impact_cache:
-            impact_cache[k] = _impact(trace, sid, items[v], moved_to[sid]) \
-                if sid in moved_to else "unknown"
-        impacts[i] = impact_cache[k]
-    edges["impact"] = impacts
-    for col in _CATEGORICAL_EDGE_COLUMNS:  # few distinct values over many rows
-        edges[col] = pd.Categorical(edges[col])
-    edges = edges[EDGE_COLUMNS]
+    edges.update(_owner_columns(_per_storage(owners, alive), sids))
+    verdict = edges["verdict"]
+    edges["origin"] = pd.Categorical.from_codes(
+        np.where(verdict == "unowned", np.where(internal, 2, 1), 0), ["", "external", "internal"])
+    edges["impact"] = _impacts(trace, verdict, sids, raw["view"][view_row], moved_to)
+    edges = pd.DataFrame(edges, columns=EDGE_COLUMNS)
 
     # -- storages ----------------------------------------------------------------------------
     # first touching access per storage (touched rows ascend: the first occurrence); else view
