@@ -13,12 +13,15 @@ ACCESS_COLUMNS = ["graph_id", "graph", "seq", "op", "module", "arg", "access", "
 
 
 def _categorical(codes: np.ndarray, values: list[str]) -> pd.Categorical:
-    """values[codes] as a categorical, without materialising one string per row."""
+    """values[codes] as a categorical of the used values, sorted, without materialising one
+    string per row: one count and one take over the codes."""
     if len(values) == 0:
         return pd.Categorical([], categories=pd.Index([], dtype=object))
-    uniq, inverse = np.unique(np.asarray(values, dtype=object), return_inverse=True)
-    cat = pd.Categorical.from_codes(inverse[codes], categories=pd.Index(uniq, dtype=object))
-    return cat.remove_unused_categories()
+    used = np.flatnonzero(np.bincount(codes, minlength=len(values)))
+    uniq, inverse = np.unique(np.asarray(values, dtype=object)[used], return_inverse=True)
+    to_cat = np.zeros(len(values), dtype=np.int64)
+    to_cat[used] = inverse  # equal values share one category
+    return pd.Categorical.from_codes(to_cat[codes], categories=pd.Index(uniq, dtype=object))
 
 
 def view_table(views: list) -> dict[str, np.ndarray | list]:
