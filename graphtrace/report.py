@@ -163,10 +163,12 @@ def _categorical(codes: np.ndarray, categories: list, kind: str, index, name) ->
     cats = [str(c) for c in categories]
     n = len(cats)
     na = codes < 0
-    used = (np.bincount(codes[~na], minlength=n) > 0) if n else np.zeros(0, dtype=bool)
+    has_na = bool(na.any())
+    used = (np.bincount(codes[~na] if has_na else codes, minlength=n) > 0) if n \
+        else np.zeros(0, dtype=bool)
     values = {cats[i] for i in np.flatnonzero(used)}
     if kind == "str":
-        if na.any():
+        if has_na:
             values.add("")
     else:
         values.discard("")
@@ -174,7 +176,10 @@ def _categorical(codes: np.ndarray, categories: list, kind: str, index, name) ->
     pos = {v: i for i, v in enumerate(order)}
     na_code = pos.get("", -1) if kind == "str" else -1
     mapping = np.array([pos.get(c, -1) for c in cats] + [na_code], dtype=np.int64)
-    new = mapping[np.where(na, n, codes)]
+    if not has_na and np.array_equal(mapping[:n], np.arange(n)):
+        new = codes  # already canonical (as diff and load_report make them): no remap pass
+    else:
+        new = mapping[np.where(na, n, codes)]
     dtype = pd.CategoricalDtype(pd.Index(np.array(order, dtype=object), dtype=_STR))
     return pd.Series(pd.Categorical.from_codes(new, dtype=dtype), index=index, name=name)
 
@@ -446,7 +451,7 @@ class Report:
                                            cats.get(name, ()))
                         for name in FRAMES}
         self._meta = _plain_meta(meta)
-        bad = set(self._frames["edges"]["verdict"].astype(object)) - set(VERDICTS)
+        bad = set(self._frames["edges"]["verdict"].unique()) - set(VERDICTS)
         if bad:
             raise ReportError(
                 f"edges.verdict: unknown verdicts {', '.join(sorted(map(str, bad)))} "
