@@ -261,7 +261,8 @@ def diff(trace) -> "Report":
 
     # -- owners, verdicts, impact: per storage, then onto the edges ----------------------------
     live = _live_paths(trace.models)
-    owners, moved_to = _resolve_owners(trace, np.unique(sids), live)
+    edge_sids = np.flatnonzero(np.bincount(sids, minlength=n_storages))  # sorted, no hashing
+    owners, moved_to = _resolve_owners(trace, edge_sids, live)
     edges.update(_owner_columns(_per_storage(owners, alive), sids))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(
