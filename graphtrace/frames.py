@@ -37,21 +37,34 @@ def view_table(views: list) -> dict[str, np.ndarray | list]:
     }
 
 
+# raw column dtypes: ids of names and views fit int32, access kinds int8 (less memory to fill)
+_RAW_DTYPES = {"graph_id": np.int64, "seq": np.int64, "op": np.int32, "module": np.int32,
+               "arg": np.int32, "access": np.int8, "storage_id": np.int64, "view": np.int32}
+
+
 def raw_accesses(trace) -> dict[str, np.ndarray]:
-    """All captures' records as integer columns (graph_id, seq, op, module, arg, access, sid, view)."""
-    parts = []
-    for cap in trace.recorder.captures:
-        rows = np.frombuffer(cap.accesses, dtype=np.int64).reshape(-1, ACCESS_FIELDS) \
-            if len(cap.accesses) else np.empty((0, ACCESS_FIELDS), dtype=np.int64)
-        ops = np.frombuffer(cap.ops, dtype=np.int32) if len(cap.ops) else np.empty(0, np.int32)
-        mods = np.frombuffer(cap.op_modules, dtype=np.int32) if len(cap.op_modules) else np.empty(0, np.int32)
+    """All captures' records as integer columns (graph_id, seq, op, module, arg, access, sid,
+    view), each filled in place capture by capture: no per-capture parts to concatenate."""
+    captures = trace.recorder.captures
+    sizes = [len(cap.accesses) // ACCESS_FIELDS for cap in captures]
+    raw = {n: np.empty(sum(sizes), dtype=d) for n, d in _RAW_DTYPES.items()}
+    end = 0
+    for cap, size in zip(captures, sizes):
+        if not size:
+            continue
+        start, end = end, end + size
+        rows = np.frombuffer(cap.accesses, dtype=np.int64).reshape(-1, ACCESS_FIELDS)
         seq, code, slot = rows[:, 0], rows[:, 1], rows[:, 2]
-        parts.append((np.full(len(rows), cap.graph_id, dtype=np.int64), seq, ops[seq], mods[seq],
-                      code >> 2, code & 3, slot >> 32, slot & 0xFFFFFFFF))
-    names = ("graph_id", "seq", "op", "module", "arg", "access", "storage_id", "view")
-    if not parts:
-        return {n: np.empty(0, dtype=np.int64) for n in names}
-    return {n: np.concatenate([p[i] for p in parts]) for i, n in enumerate(names)}
+        part = {n: a[start:end] for n, a in raw.items()}
+        part["graph_id"][:] = cap.graph_id
+        part["seq"][:] = seq
+        part["op"][:] = np.frombuffer(cap.ops, dtype=np.int32)[seq]
+        part["module"][:] = np.frombuffer(cap.op_modules, dtype=np.int32)[seq]
+        np.right_shift(code, 2, out=part["arg"], casting="unsafe")
+        np.bitwise_and(code, 3, out=part["access"], casting="unsafe")
+        np.right_shift(slot, 32, out=part["storage_id"])
+        np.bitwise_and(slot, 0xFFFFFFFF, out=part["view"], casting="unsafe")
+    return raw
 
 
 def accesses_frame(trace, raw: dict | None = None, views: dict | None = None) -> pd.DataFrame:
