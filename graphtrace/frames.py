@@ -19,8 +19,9 @@ def _categorical(codes: np.ndarray, values: list[str]) -> pd.Categorical:
         return pd.Categorical([], categories=pd.Index([], dtype=object))
     used = np.flatnonzero(np.bincount(codes, minlength=len(values)))
     uniq, inverse = np.unique(np.asarray(values, dtype=object)[used], return_inverse=True)
-    to_cat = np.zeros(len(values), dtype=np.int64)
-    to_cat[used] = inverse  # equal values share one category
+    # codes as small as pandas keeps them (equal values share one category)
+    to_cat = np.zeros(len(values), dtype=np.min_scalar_type(-len(uniq) - 1))
+    to_cat[used] = inverse
     return pd.Categorical.from_codes(to_cat[codes], categories=pd.Index(uniq, dtype=object))
 
 
@@ -79,7 +80,8 @@ def accesses_frame(trace, raw: dict | None = None, views: dict | None = None) ->
     base = np.frombuffer(table.data_ptrs, dtype=np.int64) if len(table.data_ptrs) else np.empty(0, np.int64)
     module_codes = np.where(raw["module"] < 0, len(names), raw["module"])
     empty = len(sid) == 0
-    return pd.DataFrame({
+    view_bytes = views["offset"] * views["itemsize"]  # per view, so one take per row
+    return pd.DataFrame({  # fresh arrays, owned by the frame: no copy
         "graph_id": raw["graph_id"],
         "graph": _categorical(raw["graph_id"], labels),
         "seq": raw["seq"],
@@ -88,10 +90,10 @@ def accesses_frame(trace, raw: dict | None = None, views: dict | None = None) ->
         "arg": _categorical(raw["arg"], names),
         "access": _categorical(raw["access"], list(ACCESS_NAMES)),
         "storage_id": sid,
-        "data_ptr": sid if empty else base[sid] + views["offset"][v] * views["itemsize"][v],
+        "data_ptr": sid if empty else base[sid] + view_bytes[v],
         "dtype": _categorical(v, views["dtype"]),
         "shape": _categorical(v, views["shape"]),
         "stride": _categorical(v, views["stride"]),
         "offset": sid if empty else views["offset"][v],
         "device": _categorical(sid, table.devices),
-    }, columns=ACCESS_COLUMNS)
+    }, columns=ACCESS_COLUMNS, copy=False)
