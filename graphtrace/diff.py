@@ -268,7 +268,7 @@ def diff(trace) -> "Report":
     edges["origin"] = pd.Categorical.from_codes(
         np.where(verdict == "unowned", np.where(internal, 2, 1), 0), ["", "external", "internal"])
     edges["impact"] = _impacts(trace, verdict, sids, raw["view"][view_row], moved_to)
-    edges = pd.DataFrame(edges, columns=EDGE_COLUMNS)
+    edges = pd.DataFrame(edges, columns=EDGE_COLUMNS, copy=False)  # fresh columns: no copy
 
     # -- storages ----------------------------------------------------------------------------
     # first touching access per storage (touched rows ascend: the first occurrence); else view

@@ -119,8 +119,8 @@ def _string_dtype():
 _STR = _string_dtype()
 # pandas < 3 parses floats fast but not exactly unless asked; pandas 3 is exact by default
 # (and deprecates the option).
-_EXACT_FLOATS = ({"float_precision": "round_trip"}
-                 if int(pd.__version__.split(".")[0]) < 3 else {})
+_PANDAS_MAJOR = int(pd.__version__.split(".")[0])
+_EXACT_FLOATS = {"float_precision": "round_trip"} if _PANDAS_MAJOR < 3 else {}
 
 
 class ReportError(ValueError):
@@ -263,7 +263,13 @@ def _canon_frame(name: str, df: pd.DataFrame | None,
     for c in required + extras:
         out[c] = _canon_column(df[c].reset_index(drop=True), kinds[c], c in categorical,
                                f"{name}.{c}")
-    return pd.DataFrame(out, index=pd.RangeIndex(len(df)))
+    return pd.DataFrame(out, index=pd.RangeIndex(len(df)), copy=not _copy_on_write())
+
+
+def _copy_on_write() -> bool:
+    """Under copy-on-write (pandas 3; an option on pandas 2) a canonical frame may reuse its
+    input's columns without a copy: neither frame can change the other's values."""
+    return _PANDAS_MAJOR >= 3 or pd.get_option("mode.copy_on_write") is True
 
 
 def _frame_kinds(name: str, df: pd.DataFrame) -> tuple[dict[str, str], list[str]]:
