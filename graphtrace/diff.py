@@ -198,6 +198,77 @@ def _impacts(trace, verdict: pd.Categorical, sids: np.ndarray, views: np.ndarray
     return pd.Categorical.from_codes(codes, names)
 
 
+def _edge_runs(raw: dict, n_storages: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows that read or write (not views), ordered by (graph, storage, row), and where
+    each edge's run of them starts: every per-edge value is a reduce over its run."""
+    touched = np.flatnonzero(raw["access"] != VIEW)
+    key = raw["graph_id"][touched] * max(n_storages, 1) + raw["storage_id"][touched]
+    order = np.argsort(key, kind="stable")  # stable: rows ascend within a run
+    rows, key = touched[order], key[order]
+    new = np.empty(len(rows), dtype=bool)
+    new[:1] = True
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    return rows, np.flatnonzero(new)
+
+
+def _edges(raw: dict, accesses: pd.DataFrame, names: list, nbytes: np.ndarray,
+           n_storages: int) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Edge columns up to `shape`, each edge's first access row, and the access row it
+    describes (its first read, else its first write)."""
+    rows, starts = _edge_runs(raw, n_storages)
+    kinds = raw["access"][rows]
+    first_rows = rows[starts]
+    big = np.iinfo(np.int64).max
+    if len(starts):
+        first_read = np.minimum.reduceat(np.where(kinds == READ, rows, big), starts)
+        has_write = np.logical_or.reduceat(np.isin(kinds, (WRITE, FACTORY)), starts)
+    else:
+        first_read, has_write = np.empty(0, np.int64), np.empty(0, bool)
+    has_read = first_read != big
+    view_row = np.where(has_read, first_read, first_rows)
+    new = np.zeros(len(rows), dtype=bool)
+    new[starts] = True
+    run = np.cumsum(new)  # the run of each row, from 1
+    run -= 1
+    names_arr = np.asarray(names, dtype=object)
+    sids = raw["storage_id"][first_rows]
+    edges = {
+        "graph_id": raw["graph_id"][first_rows],
+        "graph": accesses["graph"].array[first_rows],  # categoricals: a take of their codes
+        "storage_id": sids,
+        "access": pd.Categorical.from_codes(np.where(has_read, np.where(has_write, 1, 0), 2),
+                                            ["read", "read+write", "write"]),
+        "ops": _joined_runs(raw["op"][rows], run, names_arr),
+        "args": _joined_runs(raw["arg"][rows], run, names_arr),
+        "module": accesses["module"].array[first_rows],
+        "data_ptr": accesses["data_ptr"].to_numpy()[view_row],
+        "nbytes": nbytes[sids] if len(sids) else sids,
+        "dtype": accesses["dtype"].array[view_row],
+        "shape": accesses["shape"].array[view_row],
+    }
+    return edges, first_rows, view_row
+
+
+def _storages(table, alive: np.ndarray, nbytes: np.ndarray, access: np.ndarray,
+              sids: np.ndarray, first_rows: np.ndarray) -> pd.DataFrame:
+    """One row per storage; `first_access`: the kind of its first reading or writing row
+    (the earliest first row of its edges), else view."""
+    n = len(alive)
+    first = np.full(n, len(access), dtype=np.int64)
+    np.minimum.at(first, sids, first_rows)
+    seen = first < len(access)
+    first_code = np.full(n, VIEW, dtype=np.int64)
+    first_code[seen] = access[first[seen]]
+    return pd.DataFrame({
+        "storage_id": np.arange(n, dtype=np.int64),
+        "data_ptr": np.frombuffer(table.data_ptrs, dtype=np.int64) if n else np.empty(0, np.int64),
+        "nbytes": nbytes,
+        "device": list(table.devices),
+        "alive": alive,
+        "first_access": np.asarray(ACCESS_NAMES, dtype=object)[first_code],
+    }, columns=STORAGE_COLUMNS)
+
+
 def diff(trace) -> "Report":
     from graphtrace.report import Report
 
@@ -215,49 +286,10 @@ def diff(trace) -> "Report":
     table = rec.storages
     n_storages = len(table.handles)
     alive = np.array([table.alive(s) for s in range(n_storages)], dtype=bool)
-
-    # -- edges: (graph, storage) touched by a read or a write ---------------------------------
-    kinds = raw["access"]
-    touched = np.flatnonzero(kinds != VIEW)
-    # one sort by (graph, storage, row); every per-edge value is a reduce over its run
-    gid_t, sid_t, kind_t = raw["graph_id"][touched], raw["storage_id"][touched], kinds[touched]
-    order = np.lexsort((touched, sid_t, gid_t))
-    g_s, s_s, k_s, r_s = gid_t[order], sid_t[order], kind_t[order], touched[order]
-    new = np.empty(len(order), dtype=bool)
-    new[:1] = True
-    new[1:] = (g_s[1:] != g_s[:-1]) | (s_s[1:] != s_s[:-1])
-    starts = np.flatnonzero(new)
-    run = np.cumsum(new) - 1
-    first_rows = r_s[starts]
-    big = np.iinfo(np.int64).max
-    if len(starts):
-        first_read = np.minimum.reduceat(np.where(k_s == READ, r_s, big), starts)
-        has_write = np.logical_or.reduceat(np.isin(k_s, (WRITE, FACTORY)), starts)
-    else:
-        first_read, has_write = np.empty(0, np.int64), np.empty(0, bool)
-    has_read = first_read != big
-    # the view an edge describes: its first read, else its first write
-    view_row = np.where(has_read, first_read, first_rows)
-    names_arr = np.asarray(rec.names.items, dtype=object)
-    ops = _joined_runs(raw["op"][touched][order], run, names_arr)
-    args = _joined_runs(raw["arg"][touched][order], run, names_arr)
-    sids = s_s[starts]
     nbytes = np.frombuffer(table.nbytes, dtype=np.int64) if n_storages else np.empty(0, np.int64)
-    edges = {
-        "graph_id": g_s[starts],
-        "graph": accesses["graph"].array[first_rows],  # categoricals: a take of their codes
-        "storage_id": sids,
-        "access": pd.Categorical.from_codes(np.where(has_read, np.where(has_write, 1, 0), 2),
-                                            ["read", "read+write", "write"]),
-        "ops": ops,
-        "args": args,
-        "module": accesses["module"].array[first_rows],
-        "data_ptr": accesses["data_ptr"].to_numpy()[view_row],
-        "nbytes": nbytes[sids] if len(sids) else sids,
-        "dtype": accesses["dtype"].array[view_row],
-        "shape": accesses["shape"].array[view_row],
-    }
-    internal = np.isin(kinds[first_rows], (WRITE, FACTORY))
+    edges, first_rows, view_row = _edges(raw, accesses, rec.names.items, nbytes, n_storages)
+    sids = edges["storage_id"]
+    internal = np.isin(raw["access"][first_rows], (WRITE, FACTORY))  # written first
 
     # -- owners, verdicts, impact: per storage, then onto the edges ----------------------------
     live = _live_paths(trace.models)
@@ -268,21 +300,9 @@ def diff(trace) -> "Report":
     edges["origin"] = pd.Categorical.from_codes(
         np.where(verdict == "unowned", np.where(internal, 2, 1), 0), ["", "external", "internal"])
     edges["impact"] = _impacts(trace, verdict, sids, raw["view"][view_row], moved_to)
-    edges = pd.DataFrame(edges, columns=EDGE_COLUMNS, copy=False)  # fresh columns: no copy
 
-    # -- storages ----------------------------------------------------------------------------
-    # first touching access per storage (touched rows ascend: the first occurrence); else view
-    first_code = np.full(n_storages, VIEW, dtype=np.int64)
-    uniq, at = np.unique(sid_t, return_index=True)
-    first_code[uniq] = kind_t[at]
-    storages = pd.DataFrame({
-        "storage_id": np.arange(n_storages, dtype=np.int64),
-        "data_ptr": np.frombuffer(table.data_ptrs, dtype=np.int64) if n_storages else np.empty(0, np.int64),
-        "nbytes": nbytes,
-        "device": list(table.devices),
-        "alive": alive,
-        "first_access": np.asarray(ACCESS_NAMES, dtype=object)[first_code],
-    }, columns=STORAGE_COLUMNS)
+    storages = _storages(table, alive, nbytes, raw["access"], sids, first_rows)
+    edges = pd.DataFrame(edges, columns=EDGE_COLUMNS, copy=False)  # fresh columns: no copy
 
     meta = {
         "graphtrace_version": __version__,
