@@ -173,7 +173,7 @@ def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray) -> dict:
         return np.append(per_storage[column].to_numpy(dtype=object), [fill])
 
     return {  # categoricals are made per storage, then taken: no per-edge string hashing
-        "owners": values("owners", "")[at],
+        "owners": pd.Series(values("owners", "")).array.take(at),  # typed once per storage
         "owner_kinds": pd.Categorical(values("owner_kinds", ""))[at],
         "n_owners": np.append(per_storage["n_owners"].to_numpy(dtype=np.int64), 0)[at],
         "live_data_ptr": per_storage["live_data_ptr"].astype("Int64").array.take(at, allow_fill=True),

@@ -154,16 +154,19 @@ def _as_strings(s: pd.Series) -> pd.Series:
     return pd.Series(values, index=s.index, name=s.name, dtype=object)
 
 
-def _categorical(codes: np.ndarray, categories: list, kind: str, index, name) -> pd.Series:
+def _categorical(codes: np.ndarray, categories, kind: str, index, name) -> pd.Series:
     """A categorical string column in canonical form from codes into ``categories``:
     categories are the used values as strings, sorted; ``-1`` codes (NA) become ``""`` for
     ``str`` columns and ``""`` becomes NA for ``str?`` columns. Works on the categories,
     so a large categorical column costs one pass over its codes."""
     codes = np.asarray(codes)
-    cats = [str(c) for c in categories]
-    n = len(cats)
     na = codes < 0
     has_na = bool(na.any())
+    if _canonical_categories(codes, categories, kind, has_na):
+        dtype = pd.CategoricalDtype(pd.Index(np.asarray(categories, dtype=object), dtype=_STR))
+        return pd.Series(pd.Categorical.from_codes(codes, dtype=dtype), index=index, name=name)
+    cats = [str(c) for c in categories]
+    n = len(cats)
     used = (np.bincount(codes[~na] if has_na else codes, minlength=n) > 0) if n \
         else np.zeros(0, dtype=bool)
     values = {cats[i] for i in np.flatnonzero(used)}
@@ -176,18 +179,26 @@ def _categorical(codes: np.ndarray, categories: list, kind: str, index, name) ->
     pos = {v: i for i, v in enumerate(order)}
     na_code = pos.get("", -1) if kind == "str" else -1
     mapping = np.array([pos.get(c, -1) for c in cats] + [na_code], dtype=np.int64)
-    if not has_na and np.array_equal(mapping[:n], np.arange(n)):
-        new = codes  # already canonical (as diff and load_report make them): no remap pass
-    else:
-        new = mapping[np.where(na, n, codes)]
+    new = mapping[np.where(na, n, codes)]
     dtype = pd.CategoricalDtype(pd.Index(np.array(order, dtype=object), dtype=_STR))
     return pd.Series(pd.Categorical.from_codes(new, dtype=dtype), index=index, name=name)
+
+
+def _canonical_categories(codes: np.ndarray, categories, kind: str, has_na: bool) -> bool:
+    """Are these codes and categories canonical already (as diff and load_report make them):
+    strings, sorted, all used, NA where the kind wants it? Then no remap pass is needed."""
+    cats = pd.Index(categories)
+    if kind == "str" and has_na or kind != "str" and "" in cats:
+        return False
+    if not (cats.is_monotonic_increasing and pd.api.types.infer_dtype(cats) == "string"):
+        return False
+    return bool(np.bincount(codes[codes >= 0] if has_na else codes, minlength=len(cats)).all())
 
 
 def _canon_column(s: pd.Series, kind: str, categorical: bool, where: str) -> pd.Series:
     if kind in ("str", "str?"):
         if isinstance(s.dtype, pd.CategoricalDtype):
-            return _categorical(s.cat.codes.to_numpy(), list(s.cat.categories), kind,
+            return _categorical(s.cat.codes.to_numpy(), s.cat.categories, kind,
                                 s.index, s.name)
         v = _as_strings(s)
         if kind == "str":
