@@ -82,20 +82,25 @@ def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
     return frame, moved_to
 
 
-def _joined(keys: np.ndarray, texts: np.ndarray, sep: str,
-            with_sep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Join texts per run of equal keys (keys sorted): (unique keys, joined texts), vectorised.
+def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.ndarray, np.ndarray]:
+    """Join names[codes] per run of equal keys (keys sorted): (unique keys, joined texts).
 
-    `with_sep`, when given, is `sep + texts` already made (from a small table of names), so
-    no row builds a string; a run of one text keeps that very text object."""
+    Vectorised: a run of one name is that very name object; only runs of several go through
+    string additions, of names with the separator put in front once per name."""
     if len(keys) == 0:
         return keys, np.empty(0, dtype=object)
+    names = np.asarray(names, dtype=object)
     new = np.r_[True, keys[1:] != keys[:-1]]
     starts = np.flatnonzero(new)
-    items = np.asarray(texts, dtype=object).copy()
-    later = ~new  # every item of a run but its first gets the separator in front
-    items[later] = with_sep[later] if with_sep is not None else sep + items[later]
-    return keys[starts], np.add.reduceat(items, starts)
+    out = names[codes[starts]]
+    lengths = np.diff(starts, append=len(keys))
+    several = lengths > 1
+    if several.any():
+        rows = np.flatnonzero(np.repeat(several, lengths))  # the rows of those runs
+        first, picked = new[rows], codes[rows]
+        items = np.where(first, names[picked], (sep + names)[picked])
+        out[several] = np.add.reduceat(items, np.flatnonzero(first))
+    return keys[starts], out
 
 
 def _per_storage(owners: pd.DataFrame, alive: np.ndarray) -> pd.DataFrame:
@@ -111,7 +116,7 @@ def _per_storage(owners: pd.DataFrame, alive: np.ndarray) -> pd.DataFrame:
                                                                        "attribute")}})
     g = flags.groupby("sid", sort=True)
     anyof = g.any()
-    keys, paths = _joined(sid, o["path"].to_numpy(dtype=object), "; ")
+    keys, paths = _joined(sid, np.arange(len(o)), o["path"].to_numpy(dtype=object), "; ")
     holds, moved = anyof["holds"].to_numpy(), anyof["moved"].to_numpy()
     verdict = np.select(
         [holds & (g.size().to_numpy() > g["holds"].sum().to_numpy()), holds,
@@ -160,8 +165,7 @@ def _joined_runs(codes: np.ndarray, group: np.ndarray, names: np.ndarray) -> np.
     keep = np.zeros(len(codes), dtype=bool)
     keep[first] = True  # back to row order without a sort: each run's firsts stay in order
     at = np.flatnonzero(keep)
-    picked = codes[at]
-    return _joined(group[at], names[picked], ";", (";" + names)[picked])[1]
+    return _joined(group[at], codes[at], names, ";")[1]
 
 
 def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray) -> dict:
