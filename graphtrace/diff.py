@@ -54,7 +54,8 @@ def _live_paths(models: dict) -> dict[str, dict[str, tuple[str, torch.Tensor]]]:
 
 
 def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
-    """One row per (storage, capture-time owner), with its status on the live model."""
+    """One row per (storage, capture-time owner), with its status on the live model; rows
+    in the order of `sids` (ascending), then model, path and kind."""
     table = trace.recorder.storages
     rows = []
     moved_to: dict[int, torch.Tensor] = {}  # storage id -> a live tensor an owner moved to
@@ -104,34 +105,44 @@ def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.nd
 
 
 def _per_storage(owners: pd.DataFrame, alive: np.ndarray) -> pd.DataFrame:
-    """Owner names, verdict and live pointer of every owned storage (index: storage id)."""
+    """Owner names, verdict and live pointer of every owned storage (index: storage id).
+
+    `owners` rows come sorted by storage id, then model and path (as `_resolve_owners` makes
+    them), so every per-storage value is a reduce over the storage's run of rows."""
     columns = ["owners", "owner_kinds", "n_owners", "live_data_ptr", "verdict"]
     if owners.empty:
         return pd.DataFrame(columns=columns, index=pd.Index([], dtype=np.int64))
-    o = owners.sort_values(["storage_id", "model", "path"], kind="stable")
-    sid = o["storage_id"].to_numpy(dtype=np.int64)
-    status = o["status"].to_numpy(dtype=object)
-    flags = pd.DataFrame({"sid": sid, "holds": status == "holds", "moved": status == "moved",
-                          **{k: (o["kind"] == k).to_numpy() for k in ("buffer", "parameter",
-                                                                       "attribute")}})
-    g = flags.groupby("sid", sort=True)
-    anyof = g.any()
-    keys, paths = _joined(sid, np.arange(len(o)), o["path"].to_numpy(dtype=object), "; ")
-    holds, moved = anyof["holds"].to_numpy(), anyof["moved"].to_numpy()
+    sid = owners["storage_id"].to_numpy(dtype=np.int64)
+    keys, paths = _joined(sid, np.arange(len(sid)), owners["path"].to_numpy(dtype=object), "; ")
+    starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
+    status, kind = owners["status"].to_numpy(dtype=object), owners["kind"].to_numpy(dtype=object)
+    holds_row, moved_row = status == "holds", status == "moved"
+    holds = np.logical_or.reduceat(holds_row, starts)
+    moved = np.logical_or.reduceat(moved_row, starts)
     verdict = np.select(
-        [holds & (g.size().to_numpy() > g["holds"].sum().to_numpy()), holds,
-         moved & alive[keys], moved],
+        [holds & ~np.logical_and.reduceat(holds_row, starts), holds, moved & alive[keys], moved],
         ["diverged", "stable", "stale", "dangling"], default="orphaned").astype(object)
     kinds = np.full(len(keys), "", dtype=object)
     for k in ("attribute", "buffer", "parameter"):  # sorted, ';'-joined
-        has = anyof[k].to_numpy()
+        has = np.logical_or.reduceat(kind == k, starts)
         kinds = np.where(has, np.where(kinds == "", k, kinds + ";" + k), kinds)
-    # where the graph should read now: a moved owner's tensor, else the one still held
-    first_moved = o.assign(_m=status != "moved").sort_values(["storage_id", "_m"], kind="stable")
-    ptr = first_moved.groupby("storage_id", sort=True)["live_data_ptr"].first()
-    return pd.DataFrame({"owners": paths, "owner_kinds": kinds, "n_owners": g.size().to_numpy(),
-                         "live_data_ptr": ptr.to_numpy(), "verdict": verdict},
+    return pd.DataFrame({"owners": paths, "owner_kinds": kinds,
+                         "n_owners": np.diff(starts, append=len(sid)),
+                         "live_data_ptr": _live_pointer(owners["live_data_ptr"], moved_row, starts),
+                         "verdict": verdict},
                         index=pd.Index(keys, dtype=np.int64))
+
+
+def _live_pointer(ptrs: pd.Series, moved: np.ndarray, starts: np.ndarray):
+    """Where the graph should read now, per run of a storage's owner rows: the first known
+    pointer of a moved owner, else the first known one (a holder's); NA if none is known."""
+    rows = np.arange(len(ptrs))
+    known = ptrs.notna().to_numpy()
+    none = len(ptrs)
+    first_moved = np.minimum.reduceat(np.where(moved & known, rows, none), starts)
+    first_known = np.minimum.reduceat(np.where(known, rows, none), starts)
+    pick = np.where(first_moved < none, first_moved, first_known)
+    return ptrs.array.take(np.where(pick < none, pick, -1), allow_fill=True)
 
 
 def _impact(trace, sid: int, view: tuple, live: torch.Tensor) -> str:
