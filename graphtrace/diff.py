@@ -39,16 +39,17 @@ OWNER_COLUMNS = ["storage_id", "model", "path", "kind", "status", "live_data_ptr
 STORAGE_COLUMNS = ["storage_id", "data_ptr", "nbytes", "device", "alive", "first_access"]
 
 
-def _live_paths(models: dict) -> dict[str, dict[str, tuple[str, torch.Tensor]]]:
+def _live_paths(models: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """Per watched model: every owner path on the live model -> the tensor it reaches now."""
     from graphtrace.owners import walk_owners
 
     live = {}
     for name, model in models.items():
-        paths: dict[str, tuple[str, torch.Tensor]] = {}
+        paths: dict[str, torch.Tensor] = {}
         with warnings.catch_warnings():  # bounds were already reported by the capture-time walk
             warnings.simplefilter("ignore", RuntimeWarning)
-            for path, kind, tensor in walk_owners(model):
-                paths.setdefault(path, (kind, tensor))
+            for path, _, tensor in walk_owners(model):
+                paths.setdefault(path, tensor)
         live[name] = paths
     return live
 
@@ -57,30 +58,35 @@ def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
     """One row per (storage, capture-time owner), with its status on the live model; rows
     in the order of `sids` (ascending), then model, path and kind."""
     table = trace.recorder.storages
+    captured = trace._owners
     rows = []
     moved_to: dict[int, torch.Tensor] = {}  # storage id -> a live tensor an owner moved to
     for sid in sids.tolist():
-        owners = trace._owners.get(sid)
+        owners = captured.get(sid)
         if not owners:
             continue
         handle = table.handles[sid]
-        for model, path, kind in sorted(owners):
-            hit = live.get(model, {}).get(path)
-            if hit is None:
-                rows.append((sid, model, path, kind, "orphaned", pd.NA))
-                continue
-            tensor = hit[1]
-            try:
-                same = tensor.untyped_storage()._cdata == handle
-                ptr = tensor.data_ptr()
-            except Exception:  # tensors without storage (meta, functional wrappers)
-                same, ptr = False, pd.NA
-            if not same:
+        for model, path, kind in (sorted(owners) if len(owners) > 1 else owners):
+            tensor = live[model].get(path) if model in live else None
+            status, ptr = _status(tensor, handle)
+            if status == "moved":
                 moved_to.setdefault(sid, tensor)
-            rows.append((sid, model, path, kind, "holds" if same else "moved", ptr))
+            rows.append((sid, model, path, kind, status, ptr))
     frame = pd.DataFrame(rows, columns=OWNER_COLUMNS)
     frame["live_data_ptr"] = frame["live_data_ptr"].astype("Int64")
     return frame, moved_to
+
+
+def _status(tensor: torch.Tensor | None, handle: int) -> tuple[str, object]:
+    """An owner's status (holds, moved, orphaned) and the data_ptr it reaches now."""
+    if tensor is None:
+        return "orphaned", pd.NA
+    try:
+        same = tensor.untyped_storage()._cdata == handle
+        ptr = tensor.data_ptr()
+    except Exception:  # tensors without storage (meta, functional wrappers)
+        return "moved", pd.NA
+    return ("holds" if same else "moved"), ptr
 
 
 def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.ndarray, np.ndarray]:
