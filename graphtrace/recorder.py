@@ -36,37 +36,50 @@ ACCESS_FIELDS = 3
 class Interner:
     """Strings and small tuples to dense ints, so records stay integers."""
 
-    __slots__ = ("ids", "items")
+    __slots__ = ("ids", "items", "_lock")
 
     def __init__(self):
         self.ids: dict = {}
         self.items: list = []
+        self._lock = threading.Lock()
 
     def __call__(self, item) -> int:
         i = self.ids.get(item)
         if i is None:
-            i = self.ids[item] = len(self.items)
-            self.items.append(item)
+            with self._lock:  # two capturing threads must not hand out one id twice
+                i = self.ids.get(item)
+                if i is None:
+                    self.items.append(item)
+                    i = self.ids[item] = len(self.items) - 1
         return i
 
 
 class StorageTable:
-    """Every storage seen by any capture of one trace, by weak handle; never a strong ref."""
+    """Every storage seen by any capture of one trace, by weak handle; never a strong ref.
 
-    __slots__ = ("index", "handles", "data_ptrs", "nbytes", "devices", "_device_names", "_lock",
-                 "__weakref__")
+    Pure Python, or backed by the native recorder's table (`native`), which both writers then
+    register into; either way the columns read the same (they are synced on access).
+    """
 
-    def __init__(self):
-        self.index: dict[int, int] = {}  # weak handle (StorageImpl address) -> storage id
-        self.handles = array("q")
-        self.data_ptrs = array("q")
-        self.nbytes = array("q")
-        self.devices: list[str] = []
+    __slots__ = ("_index", "_handles", "_data_ptrs", "_nbytes", "_devices", "_device_names",
+                 "_lock", "_native", "__weakref__")
+
+    def __init__(self, native=None):
+        # weak handle (StorageImpl address) -> storage id; the native table keeps its own
+        self._index: dict[int, int] = {}
+        self._handles = array("q")
+        self._data_ptrs = array("q")
+        self._nbytes = array("q")
+        self._devices: list[str] = []
         self._device_names: dict = {}
         self._lock = threading.Lock()
+        self._native = None if native is None else native.Storages()
 
     def lookup(self, storage: torch.UntypedStorage) -> int:
-        sid = self.index.get(storage._cdata)
+        """The storage's id, registering it (one weak handle) on first sight."""
+        if self._native is not None:
+            return self._native.register(storage._cdata)  # `storage` keeps it alive meanwhile
+        sid = self._index.get(storage._cdata)
         if sid is not None:
             return sid
         device = storage.device
@@ -74,16 +87,60 @@ class StorageTable:
         if name is None:
             name = self._device_names[device] = str(device)
         with self._lock:
-            sid = self.index.get(storage._cdata)
+            sid = self._index.get(storage._cdata)
             if sid is None:
                 handle = storage._weak_ref()
-                sid = len(self.handles)
-                self.handles.append(handle)
-                self.data_ptrs.append(storage.data_ptr())
-                self.nbytes.append(storage.nbytes())
-                self.devices.append(name)
-                self.index[handle] = sid
+                sid = len(self._handles)
+                self._handles.append(handle)
+                self._data_ptrs.append(storage.data_ptr())
+                self._nbytes.append(storage.nbytes())
+                self._devices.append(name)
+                self._index[handle] = sid
         return sid
+
+    def find(self, cdata: int) -> int | None:
+        """The id of a registered storage (by its StorageImpl address), else None."""
+        if self._native is not None:
+            sid = self._native.find(cdata)
+            return None if sid < 0 else sid
+        return self._index.get(cdata)
+
+    def _sync(self) -> None:
+        """Pull what the native table registered since the last read into the columns."""
+        native = self._native
+        if native is None:
+            return
+        n = len(self._handles)
+        if len(native) > n:
+            handles, data_ptrs, nbytes, devices = native.since(n)
+            self._handles.frombytes(handles)
+            self._data_ptrs.frombytes(data_ptrs)
+            self._nbytes.frombytes(nbytes)
+            self._devices.extend(devices)
+
+    @property
+    def handles(self) -> array:
+        self._sync()
+        return self._handles
+
+    @property
+    def data_ptrs(self) -> array:
+        self._sync()
+        return self._data_ptrs
+
+    @property
+    def nbytes(self) -> array:
+        self._sync()
+        return self._nbytes
+
+    @property
+    def devices(self) -> list[str]:
+        self._sync()
+        return self._devices
+
+    def native_bytes(self) -> int:
+        """Heap bytes of the native table (0 without one): memory tracemalloc does not see."""
+        return 0 if self._native is None else self._native.memory()
 
     def alive(self, sid: int) -> bool:
         return not torch.UntypedStorage._expired(self.handles[sid])
@@ -95,11 +152,16 @@ class StorageTable:
         return torch.UntypedStorage._new_with_weak_ptr(self.handles[sid])
 
     def release(self) -> None:
-        free = torch.UntypedStorage._free_weak_ref
-        for handle in self.handles:
-            free(handle)
-        self.handles = array("q")
-        self.index.clear()
+        """Free every weak handle (the trace is done with these storages)."""
+        if self._native is not None:
+            self._sync()
+            self._native.release()  # it owns the handles; the columns are copies
+        else:
+            free = torch.UntypedStorage._free_weak_ref
+            for handle in self._handles:
+                free(handle)
+        self._handles = array("q")
+        self._index.clear()
 
     def __del__(self):
         try:
@@ -169,45 +231,27 @@ class _Plan:
                              for i, slot in enumerate(info.returns))
 
 
-class RecordingMode(TorchDispatchMode):
-    """Runs each op, then records (op, argument, access, storage, view) for every tensor.
+class PyWriter:
+    """The per-op path in Python: appends one row per tensor to the capture's arrays.
 
-    One instance per capture region, entered on the capturing thread only (dispatch mode
-    stacks are thread-local, so two threads capturing at once never mix records).
+    The reference for the native writer (graphtrace/csrc/recorder.cpp), which gives the same
+    rows and hands this writer what it does not handle itself (tensor subclasses, dicts).
     """
 
-    def __init__(self, recorder: "Recorder", capture: Capture, emulated=None):
-        super().__init__()
+    __slots__ = ("recorder", "capture", "_plans", "_lookup", "_find", "_views", "_slots",
+                 "_append")
+
+    def __init__(self, recorder: "Recorder", capture: Capture):
         self.recorder = recorder
         self.capture = capture
-        self.emulated = emulated  # an EmulatedGraph that keeps (op, args, outputs) for replay
         self._plans = recorder.plans
         self._lookup = recorder.storages.lookup
-        self._index = recorder.storages.index
+        self._find = recorder.storages.find
         self._views = recorder.views
         self._slots: dict = {}  # (storage, dtype, shape, stride, offset) -> sid << 32 | view id
         self._append = capture.accesses.extend
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """Observe, never alter: without this, Dynamo skips (de-compiles) every compiled frame
-        run under the mode, for the rest of the process. The price: kernels fused by Inductor
-        launch without the dispatcher and are not recorded (a blind spot the report names)."""
-        return True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        out = func(*args, **kwargs)
-        try:
-            replay = self._record(func, args, kwargs, out)
-            if self.emulated is not None:
-                self.emulated._keep(func, args, kwargs, out, replay)
-        except Exception as exc:  # fail open: never break the traced program
-            self.recorder.fail(f"recording {func}", exc)
-        return out
-
-    def _record(self, func, args, kwargs, out) -> int:
+    def record(self, func, args, kwargs, out) -> int:
         """Append one row per tensor; return what replay must do (1: writes, 2: fresh outputs).
 
         The plain-tensor case is inlined: this loop runs for every argument of every op, and
@@ -215,7 +259,7 @@ class RecordingMode(TorchDispatchMode):
         """
         plan = self._plans.get(func)
         if plan is None:
-            plan = self._plans[func] = _Plan(func, self.recorder.names)
+            plan = self.recorder.plan(func)
         cap = self.capture
         seq = len(cap.ops)
         cap.ops.append(plan.op_id)
@@ -259,8 +303,10 @@ class RecordingMode(TorchDispatchMode):
                 append((seq, name | (FACTORY if fresh else VIEW), slot))
         elif isinstance(out, (tuple, list)):
             returns = plan.returns
-            for i, value in enumerate(out):
-                name = returns[i] if i < len(returns) else None
+            # one return slot: `out` is that slot's Tensor[] (unbind, split, _foreach_*)
+            slots = ((returns[0], out),) if len(returns) == 1 else (
+                (returns[i] if i < len(returns) else None, value) for i, value in enumerate(out))
+            for name, value in slots:
                 if name is not None:
                     for item in tree_iter(value):
                         if isinstance(item, torch.Tensor):
@@ -310,11 +356,62 @@ class RecordingMode(TorchDispatchMode):
         """Outputs sharing an input's storage are views (`_unsafe_view` claims otherwise)."""
         fresh = False
         for t in _plain_tensors(value):
-            sid = self._index.get(t.untyped_storage()._cdata)
+            sid = self._find(t.untyped_storage()._cdata)
             access = VIEW if sid is not None and sid in inputs else FACTORY
             self._row(seq, name | access, t)
             fresh |= access == FACTORY
         return fresh
+
+
+
+
+class RecordingMode(TorchDispatchMode):
+    """Runs each op, then hands (op, args, kwargs, outputs) to the capture's writer.
+
+    One instance per capture region, entered on the capturing thread only (dispatch mode
+    stacks are thread-local, so two threads capturing at once never mix records). The mode
+    only does bookkeeping: it never changes what the op computes.
+    """
+
+    def __init__(self, recorder: "Recorder", capture: Capture, emulated=None):
+        super().__init__()
+        self.recorder = recorder
+        self.capture = capture
+        self.emulated = emulated  # an EmulatedGraph that keeps (op, args, outputs) for replay
+        writer = PyWriter(recorder, capture)
+        if recorder.native is not None:
+            writer = recorder.native.Writer(capture, recorder.storages._native, recorder.views,
+                                            recorder.plan, module_stack, writer.record)
+        self.writer = writer
+        self._record = writer.record
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Observe, never alter: without this, Dynamo skips (de-compiles) every compiled frame
+        run under the mode, for the rest of the process. The price: kernels fused by Inductor
+        launch without the dispatcher and are not recorded (a blind spot the report names)."""
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        out = func(*args, **kwargs)
+        try:
+            replay = self._record(func, args, kwargs, out)
+            if self.emulated is not None:
+                self.emulated._keep(func, args, kwargs, out, replay)
+        except Exception as exc:  # fail open: never break the traced program
+            self.recorder.fail(f"recording {func}", exc)
+        return out
+
+    def finish(self) -> None:
+        """Land buffered rows in the Capture (the native writer buffers until now)."""
+        flush = getattr(self.writer, "flush", None)
+        if flush is not None:
+            try:
+                flush()
+            except Exception as exc:
+                self.recorder.fail("flushing the capture's records", exc)
 
 
 class Recorder:
@@ -322,9 +419,10 @@ class Recorder:
 
     MAX_KEPT_ERRORS = 50
 
-    def __init__(self, strict: bool = False):
+    def __init__(self, strict: bool = False, native=None):
         self.strict = strict
-        self.storages = StorageTable()
+        self.native = native      # graphtrace.native's module, or None: the Python writer
+        self.storages = StorageTable(native)
         self.names = Interner()   # op names, argument names, module FQNs
         self.views = Interner()   # (dtype, shape, stride, offset)
         self.plans: dict = {}     # OpOverload -> _Plan
@@ -332,6 +430,20 @@ class Recorder:
         self.errors: list[dict] = []
         self.n_errors = 0
         self._lock = threading.Lock()
+
+    @property
+    def backend(self) -> str:
+        return "python" if self.native is None else "native"
+
+    def plan(self, func) -> _Plan:
+        """The op's plan, made on first sight (both writers call this)."""
+        plan = self.plans.get(func)
+        if plan is None:
+            with self._lock:
+                plan = self.plans.get(func)
+                if plan is None:
+                    plan = self.plans[func] = _Plan(func, self.names)
+        return plan
 
     def new_capture(self, label: str | None, kind: str) -> Capture:
         with self._lock:
@@ -353,5 +465,5 @@ class Recorder:
             })
 
 
-__all__ = ["RecordingMode", "Recorder", "Capture", "StorageTable", "module_stack",
+__all__ = ["RecordingMode", "PyWriter", "Recorder", "Capture", "StorageTable", "module_stack",
            "READ", "WRITE", "VIEW", "FACTORY", "ACCESS_FIELDS"]

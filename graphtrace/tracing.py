@@ -91,6 +91,7 @@ class _Region:
 
     def close(self) -> None:
         self.mode.__exit__(None, None, None)
+        self.mode.finish()
         self.trace._after_capture(self.capture)
 
 
@@ -176,8 +177,10 @@ class Trace:
     """Everything recorded between `trace()` entry and `diff()`; see `graphtrace.trace`."""
 
     def __init__(self, model: torch.nn.Module | None = None, *, strict: bool = False,
-                 name: str | None = None):
-        self.recorder = Recorder(strict=strict)
+                 name: str | None = None, native: bool | None = None):
+        from graphtrace import native as _native
+
+        self.recorder = Recorder(strict=strict, native=_native.resolve(native))
         self.strict = strict
         self.models: dict[str, torch.nn.Module] = {}
         self.blind_spots: list[str] = []
@@ -303,13 +306,13 @@ class Trace:
     def _match_owners(self) -> None:
         if not self.models:
             return
-        table = self.recorder.storages
-        n = len(table.handles)
+        handles = self.recorder.storages.handles  # one read: a native table syncs on each
+        n = len(handles)
         try:
             for name in self.models:
                 by_storage = self._walk(name)
                 for sid in range(self._owners_checked, n):
-                    for path, kind in by_storage.get(table.handles[sid], ()):
+                    for path, kind in by_storage.get(handles[sid], ()):
                         self._owners.setdefault(sid, set()).add((name, path, kind))
             self._owners_checked = n
         except Exception as exc:
@@ -380,7 +383,8 @@ class Trace:
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")
         n = sum(c.n_accesses for c in self.recorder.captures)
-        return (f"<graphtrace.Trace {state}: {len(self.recorder.captures)} graphs, {n} accesses, "
+        return (f"<graphtrace.Trace {state} ({self.recorder.backend} recorder): "
+                f"{len(self.recorder.captures)} graphs, {n} accesses, "
                 f"{len(self.recorder.storages.handles)} storages, {len(self.models)} models, "
                 f"{self.recorder.n_errors} errors>")
 
@@ -403,12 +407,16 @@ class _Handles:
 
 
 def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
-          name: str | None = None) -> Trace:
+          name: str | None = None, native: bool | None = None) -> Trace:
     """Open a trace: every capture region and CUDA graph captured inside it is recorded.
 
     `model` (optional) is watched for owners; add more with `t.watch(model, name=...)`.
     `strict=True` raises internal errors instead of counting them (for tests).
+    `native`: record with the C++ writer (True: required), the Python one (False), or as
+    GRAPHTRACE_NATIVE says (None; default auto: C++ when it can be built). Same records.
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"graphtrace.trace() takes a torch.nn.Module, got {type(model).__name__}")
-    return Trace(model, strict=strict, name=name)
+    if native not in (None, True, False):
+        raise TypeError(f"native must be True, False or None, got {native!r}")
+    return Trace(model, strict=strict, name=name, native=native)

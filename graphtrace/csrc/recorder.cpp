@@ -1,0 +1,688 @@
+// The recorder's per-op path in C++: the same rows as graphtrace.recorder.PyWriter, faster.
+//
+// A Writer serves one capture. For every op it appends (seq, arg << 2 | access, sid << 32 |
+// view) per tensor to buffers that flush() moves into the Capture's arrays. It shares the
+// trace's tables with the Python writer: storages are registered in one native Table (a weak
+// handle per storage, exactly what UntypedStorage._weak_ref() makes; Python's StorageTable
+// registers there too) and views are interned by the trace's Interner, so both writers give
+// the same ids for the same storage and view.
+// Whatever this file does not handle (tensor subclasses, dicts, symbolic shapes, tensors
+// without storage) goes to the Python writer for that op, after rolling back and flushing.
+//
+// Everything runs under the GIL and calls no Python code while it changes the shared tables,
+// so captures on two threads never interleave inside one registration.
+
+#include <Python.h>
+
+#include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+// Access kinds, as in graphtrace._schema.
+constexpr int64_t kRead = 0, kWrite = 1, kView = 2, kFactory = 3;
+
+struct PythonError {};  // a Python exception is set
+struct Fallback {};     // this op goes to the Python writer
+
+PyObject* check(PyObject* obj) {
+  if (obj == nullptr) throw PythonError();
+  return obj;
+}
+
+// An owned reference, released on scope exit.
+struct Ref {
+  PyObject* p;
+  explicit Ref(PyObject* obj) : p(check(obj)) {}
+  ~Ref() { Py_XDECREF(p); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+};
+
+int64_t as_int(PyObject* obj) {
+  int64_t v = PyLong_AsLongLong(obj);
+  if (v == -1 && PyErr_Occurred()) throw PythonError();
+  return v;
+}
+
+int64_t optional_code(PyObject* obj) {  // None -> -1
+  return obj == Py_None ? -1 : as_int(obj);
+}
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& key) const noexcept {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t v : key) {
+      h ^= static_cast<uint64_t>(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+using KeyMap = std::unordered_map<std::vector<int64_t>, int64_t, KeyHash>;
+
+struct Plan {
+  int64_t op_id = 0;
+  std::vector<int64_t> positional;  // row code per positional argument, -1: no tensor
+  PyObject* by_keyword = nullptr;   // dict: argument name -> row code (owned)
+  std::vector<int64_t> returns;     // arg id << 2 per return slot, -1: a mutated argument
+  bool may_alias = false;
+};
+
+bool is_scalar(PyObject* v) {
+  return v == Py_None || PyLong_CheckExact(v) || PyFloat_CheckExact(v) || PyBool_Check(v) ||
+      PyUnicode_CheckExact(v);
+}
+
+bool is_exact_tensor(PyObject* v) {
+  return Py_TYPE(v) == reinterpret_cast<PyTypeObject*>(THPVariableClass);
+}
+
+// Every storage a trace has seen: one weak handle each (what UntypedStorage._weak_ref()
+// returns: it keeps the StorageImpl, so its address, unique, never its data). Shared by the
+// trace's writers; Python's StorageTable reads its columns through since().
+class Table {
+ public:
+  ~Table() { release(); }
+
+  int64_t find(const void* impl) const {
+    auto it = index_.find(impl);
+    return it == index_.end() ? -1 : it->second;
+  }
+
+  // `impl` must be alive (the caller holds a tensor or storage on it).
+  int64_t add(c10::StorageImpl* impl) {
+    auto it = index_.find(impl);
+    if (it != index_.end()) return it->second;
+    const int64_t nb = static_cast<int64_t>(impl->nbytes());  // throws for symbolic sizes
+    const auto device = impl->device();
+    const int64_t dkey = static_cast<int64_t>(device.type()) * 65536 + device.index() + 1;
+    auto d = device_ids_.find(dkey);
+    if (d == device_ids_.end()) {
+      d = device_ids_.emplace(dkey, static_cast<int32_t>(device_names_.size())).first;
+      device_names_.push_back(device.str());
+    }
+    const int64_t sid = static_cast<int64_t>(handles_.size());
+    void* handle = c10::raw::intrusive_ptr::make_weak(impl);
+    handles_.push_back(reinterpret_cast<int64_t>(handle));
+    data_ptrs_.push_back(reinterpret_cast<int64_t>(impl->data_ptr().get()));
+    nbytes_.push_back(nb);
+    devices_.push_back(d->second);
+    index_.emplace(impl, sid);
+    return sid;
+  }
+
+  size_t size() const { return handles_.size(); }
+
+  // Heap bytes of the containers (malloc's 16 B per node counted; tracemalloc can't see them).
+  size_t memory() const {
+    constexpr size_t kMalloc = 16;
+    size_t n = (handles_.capacity() + data_ptrs_.capacity() + nbytes_.capacity()) * 8 +
+        devices_.capacity() * 4;
+    n += index_.bucket_count() * sizeof(void*) + index_.size() * (3 * sizeof(void*) + kMalloc);
+    n += views.bucket_count() * sizeof(void*);
+    for (const auto& kv : views) {
+      n += sizeof(kv) + sizeof(void*) + sizeof(size_t) + kMalloc + kv.first.capacity() * 8 + kMalloc;
+    }
+    return n;
+  }
+
+  // (dtype, offset, ndim, sizes..., strides...) -> the trace's view id (its Interner's)
+  KeyMap views;
+
+  // (handles, data_ptrs, nbytes as int64 bytes; device names) of storages n.. on.
+  PyObject* since(size_t n) const {
+    n = std::min(n, handles_.size());
+    const size_t m = handles_.size() - n;
+    Ref handles(bytes_of(handles_.data() + n, m));
+    Ref data_ptrs(bytes_of(data_ptrs_.data() + n, m));
+    Ref nbytes(bytes_of(nbytes_.data() + n, m));
+    Ref names(PyList_New(static_cast<Py_ssize_t>(m)));
+    for (size_t i = 0; i < m; ++i) {
+      PyObject* name = check(PyUnicode_FromString(device_names_[devices_[n + i]].c_str()));
+      PyList_SET_ITEM(names.p, static_cast<Py_ssize_t>(i), name);
+    }
+    return PyTuple_Pack(4, handles.p, data_ptrs.p, nbytes.p, names.p);
+  }
+
+  void release() {
+    for (int64_t h : handles_) {
+      c10::raw::weak_intrusive_ptr::decref(reinterpret_cast<c10::StorageImpl*>(h));
+    }
+    handles_.clear();
+    data_ptrs_.clear();
+    nbytes_.clear();
+    devices_.clear();
+    index_.clear();
+  }
+
+ private:
+  static PyObject* bytes_of(const int64_t* data, size_t n) {
+    return check(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(data),
+                                           static_cast<Py_ssize_t>(n * sizeof(int64_t))));
+  }
+
+  std::unordered_map<const void*, int64_t> index_;
+  std::vector<int64_t> handles_, data_ptrs_, nbytes_;
+  std::vector<int32_t> devices_;
+  std::unordered_map<int64_t, int32_t> device_ids_;
+  std::vector<std::string> device_names_;
+};
+
+struct StoragesObject {
+  PyObject_HEAD
+  Table* table;
+};
+
+PyTypeObject StoragesType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+class Writer {
+ public:
+  // Borrowed on entry, owned from here on.
+  PyObject* ops_arr = nullptr;      // Capture.ops, array('i')
+  PyObject* modules_arr = nullptr;  // Capture.op_modules, array('i')
+  PyObject* rows_arr = nullptr;     // Capture.accesses, array('q')
+  PyObject* storages = nullptr;     // a Storages object (owned), for its table:
+  Table* table = nullptr;
+  PyObject* views = nullptr;        // Interner: (dtype, shape, stride, offset) -> view id
+  PyObject* plan_fn = nullptr;      // func -> _Plan
+  PyObject* module_stack = nullptr; // threading.local with .stack
+  PyObject* fallback = nullptr;     // PyWriter.record
+  PyObject* size_type = nullptr;    // torch.Size
+  PyObject* stack_name = nullptr;   // "stack", interned
+
+  ~Writer() {
+    for (auto& kv : plans_) {
+      Py_DECREF(kv.first);
+      Py_XDECREF(kv.second.by_keyword);
+    }
+    for (PyObject* p : {ops_arr, modules_arr, rows_arr, storages, views, plan_fn, module_stack,
+                        fallback, size_type, stack_name}) {
+      Py_XDECREF(p);
+    }
+  }
+
+  // One op: rows appended; returns 1 if it wrote an input, | 2 if it made a fresh output.
+  int record(PyObject* func, PyObject* args, PyObject* kwargs, PyObject* out) {
+    const Plan& plan = plan_for(func);
+    if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs))) throw Fallback();
+    Py_ssize_t flushed = PyObject_Length(ops_arr);
+    if (flushed < 0) throw PythonError();
+    const int64_t seq = flushed + static_cast<int64_t>(ops_.size());
+    ops_.push_back(static_cast<int32_t>(plan.op_id));
+    modules_.push_back(static_cast<int32_t>(current_module()));
+    inputs_.clear();
+    const size_t start = rows_.size();
+    bool wrote = false;
+
+    const Py_ssize_t n = std::min<Py_ssize_t>(PyTuple_GET_SIZE(args),
+                                              static_cast<Py_ssize_t>(plan.positional.size()));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const int64_t code = plan.positional[i];
+      if (code < 0) continue;
+      PyObject* v = PyTuple_GET_ITEM(args, i);
+      if (is_scalar(v)) continue;
+      wrote |= put(seq, code, v) && (code & 3) == kWrite;
+    }
+    if (kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0) {
+      Py_ssize_t pos = 0;
+      PyObject *name, *v;
+      while (PyDict_Next(kwargs, &pos, &name, &v)) {
+        PyObject* code_obj = PyDict_GetItemWithError(plan.by_keyword, name);
+        if (code_obj == nullptr) {
+          if (PyErr_Occurred()) throw PythonError();
+          continue;
+        }
+        if (is_scalar(v)) continue;
+        const int64_t code = as_int(code_obj);
+        wrote |= put(seq, code, v) && (code & 3) == kWrite;
+      }
+    }
+    const size_t end_inputs = rows_.size();
+
+    bool fresh = false;
+    const int64_t first = plan.returns.empty() ? -1 : plan.returns[0];
+    if (is_exact_tensor(out)) {
+      if (first >= 0) {
+        const int64_t slot = slot_of(out);
+        const bool is_fresh = !is_input(slot >> 32);
+        push(seq, first | (is_fresh ? kFactory : kView), slot);
+        fresh = is_fresh;
+      }
+    } else if (PyTuple_Check(out) || PyList_Check(out)) {
+      if (plan.returns.size() == 1) {  // one return slot: `out` is its Tensor[] (unbind, split)
+        if (first >= 0) fresh = put_output(seq, first, out);
+      } else {
+        const Py_ssize_t m = PySequence_Fast_GET_SIZE(out);
+        for (Py_ssize_t i = 0; i < m; ++i) {
+          const int64_t name =
+              i < static_cast<Py_ssize_t>(plan.returns.size()) ? plan.returns[i] : -1;
+          if (name >= 0) fresh |= put_output(seq, name, PySequence_Fast_GET_ITEM(out, i));
+        }
+      }
+    } else if (THPVariable_Check(out)) {
+      if (!THPVariable_CheckExact(out)) throw Fallback();
+      if (first >= 0) fresh = put_output(seq, first, out);
+    }
+    if (plan.may_alias) unalias(start, end_inputs);
+    return (wrote ? 1 : 0) | (fresh ? 2 : 0);
+  }
+
+  void rollback(size_t n_ops, size_t n_rows) {
+    ops_.resize(n_ops);
+    modules_.resize(n_ops);
+    rows_.resize(n_rows);
+  }
+
+  size_t n_ops() const { return ops_.size(); }
+  size_t n_rows() const { return rows_.size(); }
+
+  // Move the buffered rows into the capture's arrays.
+  void flush() {
+    if (ops_.empty()) return;
+    extend(ops_arr, ops_.data(), ops_.size() * sizeof(int32_t));
+    extend(modules_arr, modules_.data(), modules_.size() * sizeof(int32_t));
+    extend(rows_arr, rows_.data(), rows_.size() * sizeof(int64_t));
+    ops_.clear();
+    modules_.clear();
+    rows_.clear();
+  }
+
+ private:
+  std::unordered_map<PyObject*, Plan> plans_;
+  std::vector<int64_t> key_;  // the view being looked up: (dtype, offset, ndim, sizes, strides)
+  std::vector<int64_t> inputs_;
+  std::vector<int32_t> ops_, modules_;
+  std::vector<int64_t> rows_;
+
+  static void extend(PyObject* arr, const void* data, size_t n) {
+    Ref bytes(PyBytes_FromStringAndSize(static_cast<const char*>(data), n));
+    Ref r(PyObject_CallMethod(arr, "frombytes", "O", bytes.p));
+  }
+
+  const Plan& plan_for(PyObject* func) {
+    auto it = plans_.find(func);
+    if (it != plans_.end()) return it->second;
+    Ref py(PyObject_CallOneArg(plan_fn, func));
+    Plan plan;
+    plan.op_id = as_int(Ref(PyObject_GetAttrString(py.p, "op_id")).p);
+    Ref positional(PyObject_GetAttrString(py.p, "positional"));
+    Ref returns(PyObject_GetAttrString(py.p, "returns"));
+    Ref may_alias(PyObject_GetAttrString(py.p, "may_alias"));
+    if (!PyTuple_Check(positional.p) || !PyTuple_Check(returns.p)) {
+      PyErr_SetString(PyExc_TypeError, "graphtrace: a plan's positional/returns must be tuples");
+      throw PythonError();
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(positional.p); ++i)
+      plan.positional.push_back(optional_code(PyTuple_GET_ITEM(positional.p, i)));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(returns.p); ++i)
+      plan.returns.push_back(optional_code(PyTuple_GET_ITEM(returns.p, i)));
+    int truth = PyObject_IsTrue(may_alias.p);
+    if (truth < 0) throw PythonError();
+    plan.may_alias = truth;
+    plan.by_keyword = check(PyObject_GetAttrString(py.p, "by_keyword"));
+    if (!PyDict_Check(plan.by_keyword)) {
+      Py_DECREF(plan.by_keyword);
+      PyErr_SetString(PyExc_TypeError, "graphtrace: a plan's by_keyword must be a dict");
+      throw PythonError();
+    }
+    Py_INCREF(func);
+    return plans_.emplace(func, std::move(plan)).first->second;
+  }
+
+  int64_t current_module() {
+    Ref stack(PyObject_GetAttr(module_stack, stack_name));
+    if (!PyList_Check(stack.p) || PyList_GET_SIZE(stack.p) == 0) return -1;
+    return as_int(PyList_GET_ITEM(stack.p, PyList_GET_SIZE(stack.p) - 1));
+  }
+
+  bool is_input(int64_t sid) const {
+    for (int64_t s : inputs_) if (s == sid) return true;
+    return false;
+  }
+
+  void push(int64_t seq, int64_t code, int64_t slot) {
+    rows_.push_back(seq);
+    rows_.push_back(code);
+    rows_.push_back(slot);
+  }
+
+  // An input argument: a tensor or a (nested) list/tuple of them. True when a tensor was found.
+  bool put(int64_t seq, int64_t code, PyObject* v) {
+    if (THPVariable_CheckExact(v)) {
+      const int64_t slot = slot_of(v);
+      push(seq, code, slot);
+      inputs_.push_back(slot >> 32);
+      return true;
+    }
+    if (THPVariable_Check(v) || PyDict_Check(v)) throw Fallback();  // subclasses: flattened in Python
+    if (PyTuple_Check(v) || PyList_Check(v)) {
+      bool found = false;
+      const Py_ssize_t m = PySequence_Fast_GET_SIZE(v);
+      for (Py_ssize_t i = 0; i < m; ++i) found |= put(seq, code, PySequence_Fast_GET_ITEM(v, i));
+      return found;
+    }
+    return false;  // a leaf that is no tensor
+  }
+
+  // An output: a view when its storage is one of the op's inputs, else fresh (factory).
+  bool put_output(int64_t seq, int64_t name, PyObject* v) {
+    if (THPVariable_CheckExact(v)) {
+      const at::Tensor& t = THPVariable_Unpack(v);
+      const int64_t sid = table->find(storage_impl(t));
+      const bool is_view = sid >= 0 && is_input(sid);
+      push(seq, name | (is_view ? kView : kFactory), slot_of(v));
+      return !is_view;
+    }
+    if (THPVariable_Check(v) || PyDict_Check(v)) throw Fallback();
+    if (PyTuple_Check(v) || PyList_Check(v)) {
+      bool fresh = false;
+      const Py_ssize_t m = PySequence_Fast_GET_SIZE(v);
+      for (Py_ssize_t i = 0; i < m; ++i) fresh |= put_output(seq, name, PySequence_Fast_GET_ITEM(v, i));
+      return fresh;
+    }
+    return false;
+  }
+
+  static c10::StorageImpl* storage_impl(const at::Tensor& t) {
+    if (!t.has_storage()) throw Fallback();
+    return t.storage().unsafeGetStorageImpl();
+  }
+
+  // storage id << 32 | view id: two hash hits for any storage and view seen before.
+  int64_t slot_of(PyObject* v) {
+    const at::Tensor& t = THPVariable_Unpack(v);
+    c10::StorageImpl* impl = storage_impl(t);
+    auto sizes = t.sizes();  // throws for symbolic shapes: the Python writer reports those
+    auto strides = t.strides();
+    key_.clear();
+    key_.push_back(static_cast<int64_t>(t.scalar_type()));
+    key_.push_back(t.storage_offset());
+    key_.push_back(static_cast<int64_t>(sizes.size()));
+    key_.insert(key_.end(), sizes.begin(), sizes.end());
+    key_.insert(key_.end(), strides.begin(), strides.end());
+    const int64_t sid = table->add(impl);
+    auto it = table->views.find(key_);
+    return (sid << 32) | (it != table->views.end() ? it->second : view_id(t));
+  }
+
+  static PyObject* int_tuple(const int64_t* values, int64_t n) {
+    PyObject* tuple = check(PyTuple_New(n));
+    for (int64_t i = 0; i < n; ++i) {
+      PyObject* v = PyLong_FromLongLong(values[i]);
+      if (v == nullptr) {
+        Py_DECREF(tuple);
+        throw PythonError();
+      }
+      PyTuple_SET_ITEM(tuple, i, v);
+    }
+    return tuple;
+  }
+
+  // A view not seen yet (key_ holds it): its id from the trace's Interner, then cached.
+  int64_t view_id(const at::Tensor& t) {
+    const int64_t ndim = key_[2];
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type()));
+    Ref sizes(int_tuple(key_.data() + 3, ndim));
+    Ref shape(PyObject_CallOneArg(size_type, sizes.p));  // torch.Size, as Tensor.shape gives
+    Ref stride(int_tuple(key_.data() + 3 + ndim, ndim));
+    Ref offset(PyLong_FromLongLong(key_[1]));
+    Ref item(PyTuple_Pack(4, dtype, shape.p, stride.p, offset.p));
+    const int64_t vid = as_int(Ref(PyObject_CallOneArg(views, item.p)).p);
+    table->views.emplace(key_, vid);
+    return vid;
+  }
+
+  // `Tensor(a) self` may alias the output or not (aten::to copies on a dtype change): an
+  // input the schema calls a view is a read when no output shares its storage.
+  void unalias(size_t start, size_t end_inputs) {
+    for (size_t i = start + 1; i < end_inputs; i += 3) {
+      const int64_t code = rows_[i];
+      if ((code & 3) != kView) continue;
+      const int64_t sid = rows_[i + 1] >> 32;
+      bool shared = false;
+      for (size_t j = end_inputs + 2; j < rows_.size(); j += 3) {
+        if ((rows_[j] >> 32) == sid) { shared = true; break; }
+      }
+      if (!shared) rows_[i] = (code & ~int64_t(3)) | kRead;
+    }
+  }
+};
+
+// --------------------------------------------------------------------------- Python type
+
+struct PyWriterObject {
+  PyObject_HEAD
+  Writer* writer;
+};
+
+PyObject* get_attr(PyObject* obj, const char* name) {
+  PyObject* r = PyObject_GetAttrString(obj, name);
+  return r;  // new reference or nullptr
+}
+
+int Writer_init(PyWriterObject* self, PyObject* args, PyObject* kwds) {
+  static const char* names[] = {"capture", "storages", "views", "plan", "module_stack",
+                                "fallback", nullptr};
+  PyObject *capture, *storages, *views, *plan, *stack, *fallback;
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO", const_cast<char**>(names), &capture,
+                                   &storages, &views, &plan, &stack, &fallback)) {
+    return -1;
+  }
+  auto w = new Writer();
+  w->ops_arr = get_attr(capture, "ops");
+  w->modules_arr = get_attr(capture, "op_modules");
+  w->rows_arr = get_attr(capture, "accesses");
+  if (Py_TYPE(storages) != &StoragesType) {
+    PyErr_SetString(PyExc_TypeError, "graphtrace: Writer needs a graphtrace native Storages table");
+    delete w;
+    return -1;
+  }
+  Py_INCREF(storages);
+  w->storages = storages;
+  w->table = reinterpret_cast<StoragesObject*>(storages)->table;
+  w->stack_name = PyUnicode_InternFromString("stack");
+  Py_INCREF(views);
+  w->views = views;
+  Py_INCREF(plan);
+  w->plan_fn = plan;
+  Py_INCREF(stack);
+  w->module_stack = stack;
+  Py_INCREF(fallback);
+  w->fallback = fallback;
+  PyObject* torch_module = PyImport_ImportModule("torch");
+  if (torch_module != nullptr) {
+    w->size_type = get_attr(torch_module, "Size");
+    Py_DECREF(torch_module);
+  }
+  if (PyErr_Occurred() || !w->size_type || !w->stack_name) {
+    delete w;
+    return -1;
+  }
+  delete self->writer;
+  self->writer = w;
+  return 0;
+}
+
+void Writer_dealloc(PyWriterObject* self) {
+  delete self->writer;
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+Writer* writer_of(PyWriterObject* self) {
+  if (self->writer == nullptr) PyErr_SetString(PyExc_RuntimeError, "graphtrace: Writer not initialised");
+  return self->writer;
+}
+
+PyObject* Writer_record(PyWriterObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  Writer* w = writer_of(self);
+  if (w == nullptr) return nullptr;
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "record(func, args, kwargs, out) takes 4 arguments");
+    return nullptr;
+  }
+  const size_t n_ops = w->n_ops(), n_rows = w->n_rows();
+  try {
+    return PyLong_FromLong(w->record(args[0], args[1], args[2], args[3]));
+  } catch (const PythonError&) {
+    w->rollback(n_ops, n_rows);
+    return nullptr;
+  } catch (const Fallback&) {
+  } catch (const std::exception&) {  // c10::Error: symbolic shapes, no storage, ...
+  }
+  // The Python writer handles this op (and reports what it cannot): rows stay in order.
+  w->rollback(n_ops, n_rows);
+  try {
+    w->flush();
+  } catch (const PythonError&) {
+    return nullptr;
+  }
+  return PyObject_Vectorcall(w->fallback, args, 4, nullptr);
+}
+
+PyObject* Writer_flush(PyWriterObject* self, PyObject*) {
+  Writer* w = writer_of(self);
+  if (w == nullptr) return nullptr;
+  try {
+    w->flush();
+  } catch (const PythonError&) {
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef writer_methods[] = {
+    {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Writer_record)),
+     METH_FASTCALL, "record(func, args, kwargs, out) -> replay kind (1: wrote, 2: fresh output)"},
+    {"flush", reinterpret_cast<PyCFunction>(Writer_flush), METH_NOARGS,
+     "move buffered rows into the capture's arrays"},
+    {nullptr, nullptr, 0, nullptr}};
+
+
+// --------------------------------------------------------------------------- Storages type
+
+PyObject* Storages_new(PyTypeObject* type, PyObject*, PyObject*) {
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  reinterpret_cast<StoragesObject*>(self)->table = new Table();
+  return self;
+}
+
+void Storages_dealloc(StoragesObject* self) {
+  delete self->table;
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+const void* impl_arg(PyObject* arg) {
+  void* p = PyLong_AsVoidPtr(arg);
+  if (p == nullptr && PyErr_Occurred()) throw PythonError();
+  return p;
+}
+
+PyObject* Storages_find(StoragesObject* self, PyObject* arg) {
+  try {
+    return PyLong_FromLongLong(self->table->find(impl_arg(arg)));
+  } catch (const PythonError&) {
+    return nullptr;
+  }
+}
+
+PyObject* Storages_register(StoragesObject* self, PyObject* arg) {
+  try {
+    auto* impl = static_cast<c10::StorageImpl*>(const_cast<void*>(impl_arg(arg)));
+    return PyLong_FromLongLong(self->table->add(impl));
+  } catch (const PythonError&) {
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* Storages_since(StoragesObject* self, PyObject* arg) {
+  Py_ssize_t n = PyLong_AsSsize_t(arg);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  try {
+    return self->table->since(n < 0 ? 0 : static_cast<size_t>(n));
+  } catch (const PythonError&) {
+    return nullptr;
+  }
+}
+
+PyObject* Storages_memory(StoragesObject* self, PyObject*) {
+  return PyLong_FromSize_t(self->table->memory());
+}
+
+PyObject* Storages_release(StoragesObject* self, PyObject*) {
+  self->table->release();
+  Py_RETURN_NONE;
+}
+
+Py_ssize_t Storages_len(StoragesObject* self) {
+  return static_cast<Py_ssize_t>(self->table->size());
+}
+
+PyMethodDef storages_methods[] = {
+    {"find", reinterpret_cast<PyCFunction>(Storages_find), METH_O,
+     "find(storage._cdata) -> storage id, or -1 when not registered"},
+    {"register", reinterpret_cast<PyCFunction>(Storages_register), METH_O,
+     "register(storage._cdata) -> storage id; the caller keeps the storage alive meanwhile"},
+    {"since", reinterpret_cast<PyCFunction>(Storages_since), METH_O,
+     "since(n) -> (handles, data_ptrs, nbytes: int64 bytes; device names) of storages n.."},
+    {"release", reinterpret_cast<PyCFunction>(Storages_release), METH_NOARGS,
+     "free every weak handle"},
+    {"memory", reinterpret_cast<PyCFunction>(Storages_memory), METH_NOARGS,
+     "heap bytes of the table's containers"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PySequenceMethods storages_sequence = {reinterpret_cast<lenfunc>(Storages_len)};
+
+PyTypeObject WriterType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "graphtrace native recorder",
+                          "The recorder's per-op path in C++ (graphtrace/csrc/recorder.cpp).", -1,
+                          nullptr};
+
+}  // namespace
+
+#define GT_CAT2(a, b) a##b
+#define GT_CAT(a, b) GT_CAT2(a, b)
+
+PyMODINIT_FUNC GT_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  WriterType.tp_name = "graphtrace.native.Writer";
+  WriterType.tp_basicsize = sizeof(PyWriterObject);
+  WriterType.tp_flags = Py_TPFLAGS_DEFAULT;
+  WriterType.tp_doc = "Records one capture's ops into its Capture (see graphtrace.recorder).";
+  WriterType.tp_new = PyType_GenericNew;
+  WriterType.tp_init = reinterpret_cast<initproc>(Writer_init);
+  WriterType.tp_dealloc = reinterpret_cast<destructor>(Writer_dealloc);
+  WriterType.tp_methods = writer_methods;
+  if (PyType_Ready(&WriterType) < 0) return nullptr;
+  StoragesType.tp_name = "graphtrace.native.Storages";
+  StoragesType.tp_basicsize = sizeof(StoragesObject);
+  StoragesType.tp_flags = Py_TPFLAGS_DEFAULT;
+  StoragesType.tp_doc = "Every storage a trace has seen, by weak handle (see StorageTable).";
+  StoragesType.tp_new = Storages_new;
+  StoragesType.tp_dealloc = reinterpret_cast<destructor>(Storages_dealloc);
+  StoragesType.tp_methods = storages_methods;
+  StoragesType.tp_as_sequence = &storages_sequence;
+  if (PyType_Ready(&StoragesType) < 0) return nullptr;
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) return nullptr;
+  Py_INCREF(&WriterType);
+  Py_INCREF(&StoragesType);
+  if (PyModule_AddObject(m, "Writer", reinterpret_cast<PyObject*>(&WriterType)) < 0 ||
+      PyModule_AddObject(m, "Storages", reinterpret_cast<PyObject*>(&StoragesType)) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

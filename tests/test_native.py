@@ -1,0 +1,148 @@
+"""The native writer: same records as the Python writer, and a clear story when it can't build."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from torch.testing._internal.two_tensor import TwoTensor
+
+import graphtrace as gt
+from graphtrace import native
+from graphtrace.demo import ops
+
+
+class Workload(torch.nn.Module):
+    """Every argument shape the writers handle differently: lists with None, kwargs, out=,
+    in-place, views, conditional aliases, tuple and Tensor[] returns, a tensor subclass (the
+    native writer hands that op to the Python one), custom ops with a partial."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.proj = torch.nn.Linear(8, 8)
+        self.perm = torch.tensor([3, 1, 2, 0], dtype=torch.int32)
+        self.act_perm = functools.partial(ops.permute_cols, perm=self.perm)
+        self.b = torch.randint(-8, 8, (4, 3), dtype=torch.int8)
+        self.scales = torch.rand(2, 3)
+        self.index = torch.nn.Parameter(torch.tensor([1, 0]), requires_grad=False)
+        self.out = torch.empty(2, 8)
+
+    def forward(self, x):
+        h = self.proj(self.norm(x))                       # tuple return (native_layer_norm)
+        h = h.t().contiguous().t()                        # views and a copy
+        a, b = h.unbind(0)                                # Tensor[] return
+        c = torch.cat([a, b, a])                          # Tensor[] argument
+        g = c.view(3, 8)[:, torch.tensor([0, 2, 4, 6])]   # index with [None, idx]
+        torch.mm(x, self.proj.weight, out=self.out)       # out= write (kwarg)
+        self.out.add_(1)                                  # in-place write
+        y = self.act_perm(x[:, :4].contiguous())          # custom op + partial
+        z = ops.machete_mm(y, self.b, 0, None, self.scales, None, 2, None, None, None)
+        twin = TwoTensor(z, z * 2) * 3                    # subclass: the Python writer's op
+        s = torch.index_select(h, 0, self.index)          # a Parameter as an argument
+        d = g.to(torch.float64).sum() + h.to(torch.float32).sum()  # aten::to copies, then not
+        e = torch._foreach_add([a, b], 1.0)               # Tensor[] fresh outputs
+        return d + s.sum() + twin.a.sum() + e[1].sum()
+
+
+def _record(native_flag: bool, model: Workload, x: torch.Tensor):
+    with gt.trace(model, strict=True, native=native_flag) as t, torch.no_grad():
+        with gt.capture("g", emulate=False):
+            model(x)
+    assert t.recorder.backend == ("native" if native_flag else "python")
+    return t
+
+
+def test_native_and_python_writers_record_the_same_rows():
+    torch.manual_seed(0)
+    model, x = Workload(), torch.randn(2, 8)
+    py = _record(False, model, x).accesses
+    nat = _record(True, model, x).accesses
+    assert len(py) > 80 and {"read", "write", "view", "factory"} <= set(py.access.astype(str))
+    assert "graphtrace::machete_mm" in set(py.op.astype(str))
+    assert py[py.op.astype(str).str.startswith("aten::_foreach_add")].access.astype(str).tolist() \
+        == ["read", "read", "factory", "factory"]
+    # intermediates land at other addresses each run: compare everything else exactly
+    cols = [c for c in py.columns if c != "data_ptr"]
+    assert py[cols].astype(str).equals(nat[cols].astype(str))
+    # storages that outlive the runs (parameters, attributes, inputs) have the same addresses
+    external = {x.data_ptr(), model.perm.data_ptr(), model.proj.weight.data_ptr(),
+                model.index.data_ptr(), model.out.data_ptr()}
+    assert set(py.data_ptr) & external == external
+    assert set(py.data_ptr) & external == set(nat.data_ptr) & external
+
+
+def test_native_and_python_writers_give_the_same_report():
+    torch.manual_seed(0)
+    model, x = Workload(), torch.randn(2, 8)
+    traces = [_record(flag, model, x) for flag in (False, True)]
+    old = model.perm  # kept alive: stale (freed, it would be dangling)
+    model.perm = torch.tensor([0, 1, 2, 3], dtype=torch.int32)  # rebind: stale for both
+    model.act_perm = functools.partial(ops.permute_cols, perm=model.perm)
+    edges = [t.diff().edges for t in traces]
+    cols = ["graph", "storage_id", "verdict", "owners", "ops", "args"]
+    assert edges[0][cols].astype(str).equals(edges[1][cols].astype(str))
+    stale = edges[0][edges[0].verdict.astype(str) == "stale"]
+    assert len(stale) == 1 and "act_perm.keywords['perm']" in stale.owners.iloc[0]
+    assert stale.data_ptr.iloc[0] == old.data_ptr()
+
+
+@pytest.fixture
+def unbuilt(monkeypatch):
+    """A machine where the extension cannot be built (no compiler)."""
+    def fail():
+        raise RuntimeError("Error building extension\nrecorder.cpp:1: error: no C++ compiler\n"
+                           "ninja: build stopped")
+
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setattr(native, "_build", fail)
+
+
+def test_auto_falls_back_to_python_with_a_warning_when_it_cannot_build(unbuilt, monkeypatch):
+    monkeypatch.delenv("GRAPHTRACE_NATIVE", raising=False)
+    x = torch.randn(3)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler.*pure-Python recorder"):
+        t = gt.trace(strict=True)
+    with t:
+        with gt.capture():
+            x * 2
+    assert t.recorder.backend == "python" and len(t.accesses) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per process, not per trace
+        assert gt.trace().recorder.backend == "python"
+
+
+def test_required_native_fails_with_the_build_error(unbuilt, monkeypatch, capsys):
+    with pytest.raises(native.NativeUnavailable, match="required.*error: no C\\+\\+ compiler"):
+        gt.trace(native=True)
+    monkeypatch.setenv("GRAPHTRACE_NATIVE", "1")
+    with pytest.raises(native.NativeUnavailable, match="GRAPHTRACE_NATIVE=1"):
+        gt.trace()
+    assert native.main([]) == 1 and "no C++ compiler" in capsys.readouterr().err
+    monkeypatch.setenv("GRAPHTRACE_NATIVE", "0")
+    assert gt.trace().recorder.backend == "python"  # never tries
+
+
+def test_bad_native_settings_are_clear(monkeypatch):
+    monkeypatch.setenv("GRAPHTRACE_NATIVE", "sometimes")
+    with pytest.raises(ValueError, match="GRAPHTRACE_NATIVE='sometimes': use auto, 1 or 0"):
+        gt.trace()
+    with pytest.raises(TypeError, match="native must be True, False or None"):
+        gt.trace(native="yes")
+
+
+def test_native_table_holds_weak_handles_only():
+    x = torch.randn(1000)
+    with gt.trace(strict=True, native=True) as t:
+        with gt.capture("g", emulate=False):
+            y = x * 2
+    table = t.recorder.storages
+    sids = [table.find(v.untyped_storage()._cdata) for v in (x, y)]
+    assert None not in sids and all(table.alive(s) for s in sids)
+    del y
+    assert table.alive(sids[0]) and not table.alive(sids[1])  # freed: the trace kept nothing
+    assert table.upgrade(sids[1]) is None and table.upgrade(sids[0]).data_ptr() == x.data_ptr()
+    assert len(table.handles) == len(table.data_ptrs) == len(table.devices) == 2
