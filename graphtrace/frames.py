@@ -18,7 +18,8 @@ def _categorical(codes: np.ndarray, values: list[str]) -> pd.Categorical:
     if len(values) == 0:
         return pd.Categorical([], categories=pd.Index([], dtype=object))
     used = np.flatnonzero(np.bincount(codes, minlength=len(values)))
-    uniq, inverse = np.unique(np.asarray(values, dtype=object)[used], return_inverse=True)
+    # hashed, then only the distinct values sorted (a storage's device repeats 50k times)
+    inverse, uniq = pd.factorize(np.asarray(values, dtype=object)[used], sort=True)
     # codes as small as pandas keeps them (equal values share one category)
     to_cat = np.zeros(len(values), dtype=np.min_scalar_type(-len(uniq) - 1))
     to_cat[used] = inverse
