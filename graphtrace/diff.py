@@ -57,7 +57,7 @@ def _live_paths(models: dict) -> dict[str, dict[str, torch.Tensor]]:
 def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
     """One row per (storage, capture-time owner), with its status on the live model; rows
     in the order of `sids` (ascending), then model, path and kind."""
-    table = trace.recorder.storages
+    handles = trace.recorder.storages.handles
     captured = trace._owners
     rows = []
     moved_to: dict[int, torch.Tensor] = {}  # storage id -> a live tensor an owner moved to
@@ -65,7 +65,7 @@ def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
         owners = captured.get(sid)
         if not owners:
             continue
-        handle = table.handles[sid]
+        handle = handles[sid]
         for model, path, kind in (sorted(owners) if len(owners) > 1 else owners):
             tensor = live[model].get(path) if model in live else None
             status, ptr = _status(tensor, handle)
