@@ -16,7 +16,9 @@ differ now, `latent` when they are equal (a same-weights reload).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import gc
 import warnings
 from typing import TYPE_CHECKING
 
@@ -37,6 +39,20 @@ EDGE_COLUMNS = ["graph_id", "graph", "storage_id", "access", "ops", "args", "mod
                 "verdict", "impact", "origin"]
 OWNER_COLUMNS = ["storage_id", "model", "path", "kind", "status", "live_data_ptr"]
 STORAGE_COLUMNS = ["storage_id", "data_ptr", "nbytes", "device", "alive", "first_access"]
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No cyclic GC while the owner walk and resolution allocate their ~100k small objects
+    (none of them garbage): each full collection they would trigger walks the caller's whole
+    heap (0.04 s with 120k tracked objects, 0.25 s with 500k), for nothing to collect."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _live_paths(models: dict) -> dict[str, dict[str, torch.Tensor]]:
@@ -319,9 +335,9 @@ def diff(trace) -> "Report":
     internal = _writes(raw["access"][first_rows])  # written first
 
     # -- owners, verdicts, impact: per storage, then onto the edges ----------------------------
-    live = _live_paths(trace.models)
     edge_sids = np.flatnonzero(np.bincount(sids, minlength=n_storages))  # sorted, no hashing
-    owners, moved_to = _resolve_owners(trace, edge_sids, live)
+    with _gc_paused():
+        owners, moved_to = _resolve_owners(trace, edge_sids, _live_paths(trace.models))
     edges.update(_owner_columns(_per_storage(owners, alive), sids))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(
