@@ -120,8 +120,9 @@ def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.nd
     several = lengths > 1
     if several.any():
         rows = np.flatnonzero(np.repeat(several, lengths))  # the rows of those runs
-        first, picked = new[rows], codes[rows]
-        items = np.where(first, names[picked], (sep + names)[picked])
+        first = new[rows]
+        # one take from [sep + names, names]: a run's first name bare, the others after sep
+        items = np.concatenate([sep + names, names])[codes[rows] + first * len(names)]
         out[several] = np.add.reduceat(items, np.flatnonzero(first))
     return keys[starts], out
 
