@@ -182,6 +182,9 @@ def test_two_holders_one_moved_is_diverged():
     edge = report.edges[report.edges.owners.str.contains("layers.0.scale")].iloc[0]
     assert edge.owners == "layers.0.kernel.alias.keywords['other']; layers.0.scale"
     assert edge.verdict == "diverged"
+    assert (edge.owner_kinds, edge.n_owners) == ("attribute;buffer", 2)
+    # where the graph should read now: the moved holder's tensor, not the one still held
+    assert edge.live_data_ptr == layer.kernel.alias.keywords["other"].data_ptr()
     statuses = report.owners.set_index("path").status
     assert statuses["layers.0.scale"] == "holds"
     assert statuses["layers.0.kernel.alias.keywords['other']"] == "moved"
