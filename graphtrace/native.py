@@ -65,7 +65,7 @@ def _build() -> ModuleType:
     return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
 
 
-def _last_line(exc: BaseException) -> str:
+def _gist(exc: BaseException) -> str:
     """A build error's gist: its first compiler error, else its last line."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     errors = [line for line in lines if "error:" in line]
@@ -80,7 +80,7 @@ def load(required: bool = False) -> ModuleType | None:
             try:
                 _module = _build()
             except Exception as exc:  # no compiler, no headers, a failed build: say why
-                _error = _last_line(exc)
+                _error = _gist(exc)
                 if not required:
                     warnings.warn(f"graphtrace: native recorder unavailable ({_error}); using the "
                                   f"pure-Python recorder (same records, slower). Set {ENV}=0 to "

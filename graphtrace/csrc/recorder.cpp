@@ -464,11 +464,6 @@ struct PyWriterObject {
   Writer* writer;
 };
 
-PyObject* get_attr(PyObject* obj, const char* name) {
-  PyObject* r = PyObject_GetAttrString(obj, name);
-  return r;  // new reference or nullptr
-}
-
 int Writer_init(PyWriterObject* self, PyObject* args, PyObject* kwds) {
   static const char* names[] = {"capture", "storages", "views", "plan", "module_stack",
                                 "fallback", nullptr};
@@ -478,9 +473,9 @@ int Writer_init(PyWriterObject* self, PyObject* args, PyObject* kwds) {
     return -1;
   }
   auto w = new Writer();
-  w->ops_arr = get_attr(capture, "ops");
-  w->modules_arr = get_attr(capture, "op_modules");
-  w->rows_arr = get_attr(capture, "accesses");
+  w->ops_arr = PyObject_GetAttrString(capture, "ops");
+  w->modules_arr = PyObject_GetAttrString(capture, "op_modules");
+  w->rows_arr = PyObject_GetAttrString(capture, "accesses");
   if (Py_TYPE(storages) != &StoragesType) {
     PyErr_SetString(PyExc_TypeError, "graphtrace: Writer needs a graphtrace native Storages table");
     delete w;
@@ -500,7 +495,7 @@ int Writer_init(PyWriterObject* self, PyObject* args, PyObject* kwds) {
   w->fallback = fallback;
   PyObject* torch_module = PyImport_ImportModule("torch");
   if (torch_module != nullptr) {
-    w->size_type = get_attr(torch_module, "Size");
+    w->size_type = PyObject_GetAttrString(torch_module, "Size");
     Py_DECREF(torch_module);
   }
   if (PyErr_Occurred() || !w->size_type || !w->stack_name) {
