@@ -187,26 +187,28 @@ class NoOp(Recorder):
 
 
 class Graphtrace(Recorder):
-    def __init__(self, emulate: bool, native: bool = True, watch: bool = True):
-        self.emulate, self.native, self.watch = emulate, native, watch
+    def __init__(self, emulate: bool, native: bool = True, modules: str = "forward"):
+        self.emulate, self.native, self.modules = emulate, native, modules
         self.name = f"graphtrace emulate={emulate}" + ("" if native else ", Python writer") + (
-            "" if watch else ", no model")
-        if not watch:
-            self.note = "no module attribution (no model watched: no module hooks)"
+            "" if modules == "forward" else f", modules={modules}")
+        if modules == "hooks":
+            self.note = "module attribution by forward hooks (the default until 0.1.0+attribution)"
+        elif modules == "off":
+            self.note = "no module attribution (model still watched for owners)"
         elif not native:
             self.note = "the pure-Python writer (GRAPHTRACE_NATIVE=0)"
         else:
             self.note = ("replayable graph kept per capture" if emulate
                          else "records only (CUDA capture path)")
         self.trace = None
-        self.fixed: list[float] = []   # trace enter + exit per round (module hooks, owner walk)
+        self.fixed: list[float] = []   # trace enter + exit per round (module attribution, owner walk)
         self.n_accesses = 0
         self.n_ops = 0
         self.n_errors = 0
 
     def begin_round(self, model):
         t0 = time.perf_counter()
-        self.trace = gt.trace(model if self.watch else None, native=self.native)
+        self.trace = gt.trace(model, native=self.native, modules=self.modules)
         self.trace.__enter__()
         self._enter = time.perf_counter() - t0
 
@@ -232,7 +234,7 @@ class Graphtrace(Recorder):
 
 class TraceOpen(Recorder):
     name = "gt.trace open, outside capture"
-    note = "a plain forward while a trace is open (its module hooks)"
+    note = "a plain forward while a trace is open (its module attribution)"
 
     def begin_round(self, model):
         self.trace = gt.trace(model)
@@ -543,7 +545,8 @@ def main(argv=None) -> int:
 
     gt_false, gt_true = Graphtrace(emulate=False), Graphtrace(emulate=True)
     recorders: list[Recorder] = [Baseline(), NoOp(), gt_false, gt_true,
-                                 Graphtrace(emulate=False, watch=False),
+                                 Graphtrace(emulate=False, modules="hooks"),
+                                 Graphtrace(emulate=False, modules="off"),
                                  Graphtrace(emulate=False, native=False), TraceOpen()]
     n_ours = len(recorders)
     skipped = []
@@ -580,7 +583,7 @@ def main(argv=None) -> int:
     say(f"graphtrace: {fmt_int(gt_false.n_ops // max(n_caps, 1))} ops and "
         f"{fmt_int(gt_false.n_accesses // max(n_caps, 1))} recorded accesses per capture "
         f"({gt_false.n_accesses / max(gt_false.n_ops, 1):.2f} per op), "
-        f"{gt_false.n_errors} recorder errors; per-trace fixed cost (enter + exit: module hooks, "
+        f"{gt_false.n_errors} recorder errors; per-trace fixed cost (enter + exit: module attribution, "
         f"owner walk) {min(gt_false.fixed) * 1e3:.2f} ms, not in the table")
     for rec in recorders:
         if isinstance(rec, LivenessForced) and getattr(rec, "tracked", None) is not None:
@@ -621,7 +624,7 @@ def main(argv=None) -> int:
         f"expired, {off['alive']} alive ({off['alive_bytes']} B); graphtrace's table: "
         f"{fmt_int(off['gt_storages'])} storages, {fmt_int(off['gt_alive'])} alive (parameters "
         f"and inputs); RSS growth {off['rss_growth'] / 2**20:+.1f} MiB (the trace's own records "
-        f"and the StorageImpl headers its weak references keep; no tensor data) "
+        f"and the StorageImpl headers its weak handles keep for storages that outlived the sweeps; no tensor data) "
         f"-> {'no tensor memory kept' if off['alive'] == 0 else 'TENSOR MEMORY KEPT'}")
     say(f"  control, emulate=True with graphs held: {fmt_int(on['alive'])} of "
         f"{fmt_int(on['intermediates'])} intermediates alive ({on['alive_bytes'] / 2**20:.1f} MiB), "

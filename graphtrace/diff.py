@@ -329,7 +329,7 @@ def diff(trace) -> "Report":
     accesses = accesses_frame(trace, raw, views)
     table = rec.storages
     n_storages = len(table.handles)
-    alive = np.array([table.alive(s) for s in range(n_storages)], dtype=bool)
+    alive = table.alive_mask()
     nbytes = np.frombuffer(table.nbytes, dtype=np.int64) if n_storages else np.empty(0, np.int64)
     edges, first_rows, view_row = _edges(raw, accesses, rec.names.items, nbytes, n_storages)
     sids = edges["storage_id"]

@@ -4,7 +4,9 @@ The mode runs the op, then appends a few integers per tensor to columnar arrays.
 strings and DataFrames are built later, in `diff()`. Storages are held by weak reference
 only (the raw `_weak_ref` handle that `StorageWeakRef` wraps): a held weak reference keeps
 the StorageImpl allocation, and so its address, unique without keeping its data alive, so
-the handle is the storage's identity and `_expired` tells whether it was freed.
+the handle is the storage's identity and `_expired` tells whether it was freed. The native
+table releases the handles of storages that die young (a capture's intermediates: see
+csrc/recorder.cpp), which reads the same: freed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import traceback
 from array import array
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_iter
@@ -26,7 +29,8 @@ class _ModuleStack(threading.local):
         self.stack: list[int] = []
 
 
-# Per-thread stack of the innermost watched module running (its FQN id), kept by module hooks.
+# Per-thread stack of the watched modules running (FQN ids, innermost last), kept by
+# graphtrace.attribution; a writer reads its capturing thread's list directly.
 module_stack = _ModuleStack()
 
 # One access is three int64s: seq, (arg id << 2 | access kind), (storage id << 32 | view id).
@@ -62,7 +66,7 @@ class StorageTable:
     """
 
     __slots__ = ("_index", "_handles", "_data_ptrs", "_nbytes", "_devices", "_device_names",
-                 "_lock", "_native", "__weakref__")
+                 "_lock", "_native", "_released", "__weakref__")
 
     def __init__(self, native=None):
         # weak handle (StorageImpl address) -> storage id; the native table keeps its own
@@ -74,6 +78,7 @@ class StorageTable:
         self._device_names: dict = {}
         self._lock = threading.Lock()
         self._native = None if native is None else native.Storages()
+        self._released = 0  # the native table's sweep count when `_handles` was last read
 
     def lookup(self, storage: torch.UntypedStorage) -> int:
         """The storage's id, registering it (one weak handle) on first sight."""
@@ -98,6 +103,9 @@ class StorageTable:
                 self._index[handle] = sid
         return sid
 
+    def __len__(self) -> int:
+        return len(self._native) if self._native is not None else len(self._handles)
+
     def find(self, cdata: int) -> int | None:
         """The id of a registered storage (by its StorageImpl address), else None."""
         if self._native is not None:
@@ -110,13 +118,23 @@ class StorageTable:
         native = self._native
         if native is None:
             return
-        n = len(self._handles)
+        n = len(self._data_ptrs)
         if len(native) > n:
             handles, data_ptrs, nbytes, devices = native.since(n)
             self._handles.frombytes(handles)
             self._data_ptrs.frombytes(data_ptrs)
             self._nbytes.frombytes(nbytes)
             self._devices.extend(devices)
+        released = native.released()
+        if released != self._released:  # sweeps zeroed handles already read: read them again
+            self._handles = array("q", native.handles())
+            self._released = released
+
+    def sweep(self, first: int) -> None:
+        """Release the weak handles of storages `first`.. that are dead (a capture's
+        intermediates, at its end). Only the native table sweeps; it also sweeps as it goes."""
+        if self._native is not None:
+            self._native.sweep(first)
 
     @property
     def handles(self) -> array:
@@ -143,13 +161,25 @@ class StorageTable:
         return 0 if self._native is None else self._native.memory()
 
     def alive(self, sid: int) -> bool:
-        return not torch.UntypedStorage._expired(self.handles[sid])
+        if self._native is not None:
+            return self._native.alive(sid)
+        return not torch.UntypedStorage._expired(self._handles[sid])
+
+    def alive_mask(self) -> np.ndarray:
+        """One bool per storage id: still alive."""
+        if self._native is not None:
+            return np.frombuffer(self._native.alive_mask(), dtype=bool).copy()
+        expired = torch.UntypedStorage._expired
+        return np.fromiter((not expired(h) for h in self._handles), dtype=bool,
+                           count=len(self._handles))
 
     def upgrade(self, sid: int) -> torch.UntypedStorage | None:
         """A strong reference to a still-alive storage, for value checks in diff()."""
+        if self._native is not None:
+            return self._native.upgrade(sid)
         if not self.alive(sid):
             return None
-        return torch.UntypedStorage._new_with_weak_ptr(self.handles[sid])
+        return torch.UntypedStorage._new_with_weak_ptr(self._handles[sid])
 
     def release(self) -> None:
         """Free every weak handle (the trace is done with these storages)."""
@@ -236,20 +266,28 @@ class PyWriter:
 
     The reference for the native writer (graphtrace/csrc/recorder.cpp), which gives the same
     rows and hands this writer what it does not handle itself (tensor subclasses, dicts).
+    Made on the capturing thread: it keeps that thread's module stack.
     """
 
-    __slots__ = ("recorder", "capture", "_plans", "_lookup", "_find", "_views", "_slots",
-                 "_append")
+    __slots__ = ("recorder", "capture", "stack", "_plans", "_lookup", "_find", "_views",
+                 "_slots", "_append")
 
     def __init__(self, recorder: "Recorder", capture: Capture):
         self.recorder = recorder
         self.capture = capture
+        self.stack = module_stack.stack
         self._plans = recorder.plans
         self._lookup = recorder.storages.lookup
         self._find = recorder.storages.find
         self._views = recorder.views
         self._slots: dict = {}  # (storage, dtype, shape, stride, offset) -> sid << 32 | view id
         self._append = capture.accesses.extend
+
+    def fallback(self, func, args, kwargs, out) -> int:
+        """record() for an op the native writer hands over. Its table releases the handles of
+        dead storages, so an address cached here may belong to a new storage by now."""
+        self._slots.clear()
+        return self.record(func, args, kwargs, out)
 
     def record(self, func, args, kwargs, out) -> int:
         """Append one row per tensor; return what replay must do (1: writes, 2: fresh outputs).
@@ -263,7 +301,7 @@ class PyWriter:
         cap = self.capture
         seq = len(cap.ops)
         cap.ops.append(plan.op_id)
-        stack = module_stack.stack
+        stack = self.stack
         cap.op_modules.append(stack[-1] if stack else -1)
         slots, append = self._slots, self._append
         start = len(cap.accesses)
@@ -381,7 +419,7 @@ class RecordingMode(TorchDispatchMode):
         writer = PyWriter(recorder, capture)
         if recorder.native is not None:
             writer = recorder.native.Writer(capture, recorder.storages._native, recorder.views,
-                                            recorder.plan, module_stack, writer.record)
+                                            recorder.plan, writer.stack, writer.fallback)
         self.writer = writer
         self._record = writer.record
 

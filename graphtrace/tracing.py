@@ -15,7 +15,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from graphtrace.recorder import Capture, Recorder, RecordingMode, module_stack
+from graphtrace.attribution import MODES, ModuleAttribution
+from graphtrace.recorder import Capture, Recorder, RecordingMode
 
 
 class GraphtraceError(RuntimeError):
@@ -76,10 +77,11 @@ def _copy_into(dst, src) -> None:
 class _Region:
     """One open capture on one thread: the mode pushed, its records, maybe a replayable graph."""
 
-    __slots__ = ("trace", "capture", "mode", "graph")
+    __slots__ = ("trace", "capture", "mode", "graph", "first_storage")
 
     def __init__(self, trace: "Trace", label: str | None, kind: str, emulate: bool):
         self.trace = trace
+        self.first_storage = len(trace.recorder.storages)
         self.capture = trace.recorder.new_capture(label, kind)
         self.graph = EmulatedGraph(self.capture.label) if emulate else None
         if self.graph is not None:
@@ -92,6 +94,7 @@ class _Region:
     def close(self) -> None:
         self.mode.__exit__(None, None, None)
         self.mode.finish()
+        self.trace.recorder.storages.sweep(self.first_storage)  # its dead intermediates
         self.trace._after_capture(self.capture)
 
 
@@ -177,7 +180,7 @@ class Trace:
     """Everything recorded between `trace()` entry and `diff()`; see `graphtrace.trace`."""
 
     def __init__(self, model: torch.nn.Module | None = None, *, strict: bool = False,
-                 name: str | None = None, native: bool | None = None):
+                 name: str | None = None, native: bool | None = None, modules: str = "forward"):
         from graphtrace import native as _native
 
         self.recorder = Recorder(strict=strict, native=_native.resolve(native))
@@ -186,8 +189,7 @@ class Trace:
         self.blind_spots: list[str] = []
         self._regions = threading.local()
         self._cuda_regions: dict[int, _Region] = {}
-        self._hooks: list = []
-        self._module_names: dict[int, int] = {}
+        self._attribution = ModuleAttribution(modules)
         self._owner_cache: dict[str, Any] = {}
         self._owners: dict[int, set] = {}   # storage id -> {(model, path, kind)} at capture time
         self._owners_checked = 0            # storages below this id were matched to owners
@@ -209,7 +211,7 @@ class Trace:
             _active = self
         self._open = True
         for name, model in self.models.items():
-            self._install_module_hooks(name, model)
+            self._attribute_modules(name, model)
         self._patch.install()
         return self
 
@@ -219,9 +221,7 @@ class Trace:
         for region in list(self._cuda_regions.values()):
             region.close()
         self._cuda_regions.clear()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        self._attribution.uninstall()
         with _active_lock:
             _active = None
         self._open = False
@@ -243,31 +243,14 @@ class Trace:
             raise GraphtraceError(f"a model named {name!r} is already watched; pass name=...")
         self.models[name] = model
         if self._open:
-            self._install_module_hooks(name, model)
+            self._attribute_modules(name, model)
         self._owner_cache.pop(name, None)
         if self.recorder.captures:
             self._refresh_owners()
         return self
 
-    def _install_module_hooks(self, name: str, model: torch.nn.Module) -> None:
-        names = self.recorder.names
-        prefix = f"{name}:" if name else ""
-
-        def push(module, args):
-            stack = getattr(module_stack, "stack", None)
-            if stack is None:
-                stack = module_stack.stack = []
-            stack.append(self._module_names[id(module)])
-
-        def pop(module, args, output):
-            stack = getattr(module_stack, "stack", None)
-            if stack:
-                stack.pop()
-
-        for fqn, module in model.named_modules():
-            self._module_names[id(module)] = names(prefix + fqn)
-            self._hooks.append(module.register_forward_pre_hook(push))
-            self._hooks.append(module.register_forward_hook(pop, always_call=True))
+    def _attribute_modules(self, name: str, model: torch.nn.Module) -> None:
+        self._attribution.install(model, self.recorder.names, f"{name}:" if name else "")
 
     def _refresh_owners(self) -> None:
         """Walk the watched models again (trace exit, watch) and match captured storages."""
@@ -306,14 +289,19 @@ class Trace:
     def _match_owners(self) -> None:
         if not self.models:
             return
-        handles = self.recorder.storages.handles  # one read: a native table syncs on each
+        table = self.recorder.storages
+        handles = table.handles  # one read: a native table syncs on each
         n = len(handles)
         try:
             for name in self.models:
                 by_storage = self._walk(name)
                 for sid in range(self._owners_checked, n):
-                    for path, kind in by_storage.get(handles[sid], ()):
-                        self._owners.setdefault(sid, set()).add((name, path, kind))
+                    owners = by_storage.get(handles[sid])
+                    # a capture on another thread may have released sid meanwhile, and its
+                    # address gone to a new storage: the table's index says whose it is now
+                    if owners and table.find(handles[sid]) == sid:
+                        for path, kind in owners:
+                            self._owners.setdefault(sid, set()).add((name, path, kind))
             self._owners_checked = n
         except Exception as exc:
             self.recorder.fail("owner snapshot", exc)
@@ -407,16 +395,22 @@ class _Handles:
 
 
 def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
-          name: str | None = None, native: bool | None = None) -> Trace:
+          name: str | None = None, native: bool | None = None, modules: str = "forward") -> Trace:
     """Open a trace: every capture region and CUDA graph captured inside it is recorded.
 
     `model` (optional) is watched for owners; add more with `t.watch(model, name=...)`.
     `strict=True` raises internal errors instead of counting them (for tests).
     `native`: record with the C++ writer (True: required), the Python one (False), or as
     GRAPHTRACE_NATIVE says (None; default auto: C++ when it can be built). Same records.
+    `modules`: how recorded ops learn the watched module they ran in: "forward" (default;
+    wraps each module's forward while the trace is open), "hooks" (forward hooks: slower,
+    leaves `module.forward` untouched) or "off" (no attribution; cheapest).
+    See graphtrace.attribution.
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"graphtrace.trace() takes a torch.nn.Module, got {type(model).__name__}")
     if native not in (None, True, False):
         raise TypeError(f"native must be True, False or None, got {native!r}")
-    return Trace(model, strict=strict, name=name, native=native)
+    if modules not in MODES:
+        raise ValueError(f"modules must be one of {', '.join(map(repr, MODES))}; got {modules!r}")
+    return Trace(model, strict=strict, name=name, native=native, modules=modules)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
@@ -146,3 +147,35 @@ def test_native_table_holds_weak_handles_only():
     assert table.alive(sids[0]) and not table.alive(sids[1])  # freed: the trace kept nothing
     assert table.upgrade(sids[1]) is None and table.upgrade(sids[0]).data_ptr() == x.data_ptr()
     assert len(table.handles) == len(table.data_ptrs) == len(table.devices) == 2
+
+
+def test_dead_intermediates_are_released_and_their_addresses_are_new_storages():
+    """The native table releases the handles of storages that died (so their StorageImpls are
+    freed, as untraced); an address that comes back is a new storage, never the old one."""
+    x = torch.randn(64)
+    keep = []
+    with gt.trace(strict=True, native=True) as t:
+        with gt.capture("g", emulate=False):
+            for i in range(600):
+                y = x + i          # dies at the next iteration: its address is free again
+                if i % 100 == 0:
+                    keep.append(y)
+    table = t.recorder.storages
+    factory = t.accesses[t.accesses.access == "factory"]
+    assert len(factory) == 600 and factory.storage_id.nunique() == 600
+    assert table._native.released() >= 500
+    handles = np.frombuffer(table.handles, dtype=np.int64)
+    alive = table.alive_mask()
+    assert not alive[handles == 0].any()                # released reads freed
+    kept = [table.find(k.untyped_storage()._cdata) for k in keep]
+    assert None not in kept and all(alive[kept]) and all(handles[kept] != 0)
+    assert table.upgrade(kept[0]).data_ptr() == keep[0].data_ptr()
+    dead = int(np.flatnonzero(handles == 0)[0])
+    assert table.upgrade(dead) is None and not table.alive(dead)
+    # the same verdicts either way: the Python table keeps every handle and sweeps nothing
+    with gt.trace(strict=True, native=False) as tp:
+        with gt.capture("g", emulate=False):
+            for i in range(600):
+                y = x + i
+    assert tp.recorder.storages.alive_mask().sum() == 2  # x and the last y
+    assert alive.sum() == 2 + len(keep)

@@ -20,7 +20,8 @@ When on, in each process that hosts a vLLM worker:
 
 Environment: ``GRAPHTRACE_VLLM=1`` (on), ``GRAPHTRACE_VLLM_DIR`` (default
 ``./graphtrace-vllm``), ``GRAPHTRACE_VLLM_EMULATE`` (``1`` or a token count),
-``GRAPHTRACE_STRICT=1`` (raise instead of fail-open; tests).
+``GRAPHTRACE_STRICT=1`` (raise instead of fail-open; tests), ``GRAPHTRACE_MODULES``
+(module attribution: ``forward``, the default, ``hooks`` or ``off``; see graphtrace.attribution).
 
 From the client (string method names work across processes without pickling code)::
 
@@ -49,6 +50,7 @@ ENV_ON = "GRAPHTRACE_VLLM"
 ENV_DIR = "GRAPHTRACE_VLLM_DIR"
 ENV_EMULATE = "GRAPHTRACE_VLLM_EMULATE"
 ENV_STRICT = "GRAPHTRACE_STRICT"
+ENV_MODULES = "GRAPHTRACE_MODULES"
 DEFAULT_DIR = "graphtrace-vllm"
 
 _session = None          # the VllmTrace of this process (one per worker process)
@@ -57,8 +59,8 @@ _registered = False
 _written: dict[str, str] = {}
 _counter = 0
 
-__all__ = ["register", "enabled", "session", "write_report", "rpc_write_report",
-           "rpc_capture", "rpc_capture_dummy", "rpc_status", "WORKER_METHODS"]
+__all__ = ["register", "enabled", "session", "modules_setting", "write_report",
+           "rpc_write_report", "rpc_capture", "rpc_capture_dummy", "rpc_status", "WORKER_METHODS"]
 
 
 def enabled() -> bool:
@@ -92,6 +94,18 @@ def _strict() -> bool:
     return os.environ.get(ENV_STRICT) == "1"
 
 
+def modules_setting() -> str:
+    """``GRAPHTRACE_MODULES``, or "forward" (with a warning) when unset or not understood."""
+    from graphtrace.attribution import MODES
+
+    value = os.environ.get(ENV_MODULES, "").strip().lower() or "forward"
+    if value not in MODES:
+        logger.warning("graphtrace: %s=%r is not one of %s; using 'forward'", ENV_MODULES,
+                       value, ", ".join(MODES))
+        return "forward"
+    return value
+
+
 def _unwrap(worker):
     """collective_rpc passes the WorkerWrapperBase; the real worker is ``.worker``."""
     inner = worker.__dict__.get("worker") if hasattr(worker, "__dict__") else None
@@ -111,7 +125,7 @@ def _before_load(worker) -> None:
             logger.warning("graphtrace: a trace is already open in pid %d (graphtrace.vllm."
                            "trace_llm?); the plugin leaves this worker to it", os.getpid())
             return
-        vt = VllmTrace(strict=_strict())
+        vt = VllmTrace(strict=_strict(), modules=modules_setting())
         vt.__enter__()  # watches the worker's model right after load_model
         _session = vt
 

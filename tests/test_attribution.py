@@ -1,0 +1,226 @@
+"""Module attribution (gt.trace(modules=...)): which watched module each recorded op ran in.
+
+The "forward" keeper (default) and the "hooks" keeper must give the same attribution, leave
+every module as they found it, and never change what a module computes: not for a deep copy
+or a pickled copy made while traced, not for someone else's forward wrapper, not under
+torch.compile.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import graphtrace as gt
+
+KEEPERS = ["forward", "hooks"]
+
+
+@pytest.fixture(autouse=True, params=["python", "native"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("GRAPHTRACE_NATIVE", "0" if request.param == "python" else "1")
+    return request.param
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.norm(self.proj(x)).relu() + x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.shared = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = x * 2                          # in the root module itself
+        for block in self.blocks:
+            x = self.shared(block(x))      # one module called twice
+        return self.head(x)
+
+
+def op_modules(t, op):
+    """The module of each `op` call, in order: "" for none, "net:" for the root module, and
+    submodules without the "net:" prefix."""
+    df = t.accesses
+    df = df[(df.op == op) & (df.access == "read")]
+    mods = [m for _, m in dict.fromkeys(zip(df.seq, df.module.astype(str)))]
+    return [m[4:] if m.startswith("net:") and m != "net:" else m for m in mods]
+
+
+def capture_once(model, x, modules):
+    with gt.trace(model, strict=True, modules=modules, name="net") as t:
+        with gt.capture("fwd", emulate=False):
+            out = model(x)
+    return t, out
+
+
+@pytest.mark.parametrize("modules", KEEPERS)
+def test_ops_are_attributed_to_the_innermost_watched_module(modules):
+    model, x = Net(), torch.randn(3, 4)
+    t, _ = capture_once(model, x, modules)
+    assert op_modules(t, "aten::addmm") == ["blocks.0.proj", "shared", "blocks.1.proj", "shared",
+                                            "head"]
+    assert op_modules(t, "aten::native_layer_norm") == ["blocks.0.norm", "blocks.1.norm"]
+    assert op_modules(t, "aten::relu") == ["blocks.0", "blocks.1"]
+    assert op_modules(t, "aten::mul.Tensor") == ["net:"]   # the root module itself
+
+
+def test_both_keepers_attribute_every_op_alike():
+    x = torch.randn(3, 4)
+    model = Net()
+    per_keeper = {}
+    for modules in KEEPERS:
+        t, _ = capture_once(model, x, modules)
+        per_keeper[modules] = list(zip(t.accesses.op.astype(str), t.accesses.module.astype(str)))
+    assert per_keeper["forward"] == per_keeper["hooks"]
+    assert len(per_keeper["forward"]) > 20
+
+
+def test_off_records_the_same_rows_without_modules():
+    x = torch.randn(3, 4)
+    model = Net()
+    on, _ = capture_once(model, x, "forward")
+    off, _ = capture_once(model, x, "off")
+    assert list(off.accesses.op.astype(str)) == list(on.accesses.op.astype(str))
+    assert set(off.accesses.module.astype(str)) == {""}
+    assert "" not in set(on.accesses.module.astype(str))
+
+
+@pytest.mark.parametrize("modules", KEEPERS)
+def test_modules_are_left_as_found_and_outputs_unchanged(modules):
+    model, x = Net(), torch.randn(3, 4)
+    with torch.no_grad():
+        expected = model(x)
+        t, out = capture_once(model, x, modules)
+    assert torch.equal(out, expected)
+    for m in model.modules():
+        assert "forward" not in m.__dict__
+        assert not m._forward_hooks and not m._forward_pre_hooks
+    assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("modules", KEEPERS)
+def test_an_exception_inside_a_module_unwinds_the_stack(modules):
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(Boom()))
+    tail = nn.Linear(4, 4)
+    with gt.trace(model, strict=True, modules=modules, name="net") as t:
+        t.watch(tail, name="tail")
+        with gt.capture("fwd", emulate=False):
+            with pytest.raises(RuntimeError, match="boom"):
+                model(torch.randn(1, 4))
+            torch.randn(1, 4).exp()           # outside every module again
+            tail(torch.randn(1, 4))
+    assert op_modules(t, "aten::exp") == [""]
+    assert op_modules(t, "aten::addmm") == ["0", "tail:"]
+
+
+def test_a_deep_copy_made_while_traced_computes_with_its_own_weights():
+    model, x = Net(), torch.randn(3, 4)
+    with gt.trace(model, strict=True):
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            twin.head.weight.add_(1.0)
+            assert not torch.equal(twin(x), model(x))
+            with gt.capture("twin", emulate=False):
+                twin(x)
+    with torch.no_grad():
+        reference = copy.deepcopy(model)
+        reference.head.weight.add_(1.0)
+        assert torch.equal(twin(x), reference(x))
+
+
+def test_a_model_pickled_while_traced_loads_as_a_plain_model():
+    model, x = Net(), torch.randn(3, 4)
+    with gt.trace(model, strict=True):
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        blob = pickle.dumps(model)
+    buf.seek(0)
+    for loaded in (torch.load(buf, weights_only=False), pickle.loads(blob)):
+        with torch.no_grad():
+            assert torch.equal(loaded(x), model(x))
+
+
+def test_someone_elses_forward_wrapper_is_kept_and_still_attributed():
+    model = Net()
+    calls = []
+    original = model.head.forward
+
+    def theirs(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    model.head.forward = theirs
+    t, _ = capture_once(model, torch.randn(3, 4), "forward")
+    assert calls == [1]
+    assert op_modules(t, "aten::addmm")[-1] == "head"
+    assert model.head.__dict__["forward"] is theirs
+    assert not model.head._forward_hooks and not model.head._forward_pre_hooks
+
+
+def test_torch_compile_fullgraph_of_a_watched_model():
+    model, x = Net(), torch.randn(3, 4)
+    torch._dynamo.reset()
+    with gt.trace(model, strict=True):
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        with torch.no_grad():
+            assert torch.allclose(compiled(x), model(x))
+    torch._dynamo.reset()
+
+
+def test_each_thread_keeps_its_own_module_stack():
+    left, right = nn.Linear(4, 4), nn.Linear(4, 4)
+    barrier = threading.Barrier(2)
+
+    def work(name, module):
+        with gt.capture(name, emulate=False):
+            for _ in range(20):
+                barrier.wait()
+                module(torch.randn(1, 4))
+
+    with gt.trace(strict=True) as t:
+        t.watch(left, name="left")
+        t.watch(right, name="right")
+        threads = [threading.Thread(target=work, args=a) for a in (("l", left), ("r", right))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    df = t.accesses
+    for graph, owner in (("l", "left:"), ("r", "right:")):
+        mine = df[(df.graph == graph) & (df.op == "aten::addmm")]
+        assert len(mine) > 0 and set(mine.module.astype(str)) == {owner}
+
+
+def test_bad_modules_setting_is_a_clear_error():
+    with pytest.raises(ValueError, match="modules must be one of 'forward', 'hooks', 'off'"):
+        gt.trace(nn.Linear(2, 2), modules="fast")
+
+
+@pytest.mark.parametrize("value, expected", [("", "forward"), ("hooks", "hooks"), (" OFF ", "off"),
+                                             ("fast", "forward")])
+def test_vllm_plugin_reads_its_modules_setting_and_fails_open(monkeypatch, caplog, value, expected):
+    from graphtrace.vllm import plugin
+
+    monkeypatch.setenv("GRAPHTRACE_MODULES", value)
+    with caplog.at_level("WARNING", logger="graphtrace.vllm"):
+        assert plugin.modules_setting() == expected
+    assert ("not one of" in caplog.text) == (value == "fast")
