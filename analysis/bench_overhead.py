@@ -624,7 +624,8 @@ def main(argv=None) -> int:
         f"expired, {off['alive']} alive ({off['alive_bytes']} B); graphtrace's table: "
         f"{fmt_int(off['gt_storages'])} storages, {fmt_int(off['gt_alive'])} alive (parameters "
         f"and inputs); RSS growth {off['rss_growth'] / 2**20:+.1f} MiB (the trace's own records "
-        f"and the StorageImpl headers its weak handles keep for storages that outlived the sweeps; no tensor data) "
+        f"and the StorageImpl headers its weak handles keep for storages that outlived the "
+        f"sweeps; no tensor data) "
         f"-> {'no tensor memory kept' if off['alive'] == 0 else 'TENSOR MEMORY KEPT'}")
     say(f"  control, emulate=True with graphs held: {fmt_int(on['alive'])} of "
         f"{fmt_int(on['intermediates'])} intermediates alive ({on['alive_bytes'] / 2**20:.1f} MiB), "
