@@ -17,6 +17,8 @@ Recorders:
 - no-op TorchDispatchMode: the floor for any Python dispatch mode;
 - graphtrace, emulate=False (what a CUDA capture costs: records only) and emulate=True (also
   keeps a replayable graph), inside one `gt.trace(model)` per round (module attribution on);
+  also with `modules="hooks"` (forward hooks instead of forward wrappers), `modules="off"`,
+  and the pure-Python writer;
 - torch.cuda._sanitizer.CUDASanitizerDispatchMode: fails on CPU as shipped (the error is
   printed); it is also run with `torch.cuda.current_stream` stubbed, where it walks every
   schema argument and the Python stack per op but skips its per-tensor bookkeeping (CPU tensors
@@ -192,7 +194,7 @@ class Graphtrace(Recorder):
         self.name = f"graphtrace emulate={emulate}" + ("" if native else ", Python writer") + (
             "" if modules == "forward" else f", modules={modules}")
         if modules == "hooks":
-            self.note = "module attribution by forward hooks (the default until 0.1.0+attribution)"
+            self.note = "module attribution by forward hooks instead of forward wrappers"
         elif modules == "off":
             self.note = "no module attribution (model still watched for owners)"
         elif not native:
