@@ -234,12 +234,33 @@ class Graphtrace(Recorder):
         self.trace = None
 
 
+def module_calls(model: nn.Module, x: torch.Tensor) -> int:
+    """How many module calls one forward makes (containers like ModuleList are never called)."""
+    n = 0
+
+    def count(module, args):
+        nonlocal n
+        n += 1
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        handle.remove()
+    return n
+
+
 class TraceOpen(Recorder):
-    name = "gt.trace open, outside capture"
-    note = "a plain forward while a trace is open (its module attribution)"
+    def __init__(self, modules: str = "forward"):
+        self.modules = modules
+        self.name = "gt.trace open, outside capture" + (
+            "" if modules == "forward" else f", modules={modules}")
+        self.note = ("a plain forward while a trace is open (its module attribution: "
+                     + ("forward wrappers)" if modules == "forward" else f"{modules})"))
 
     def begin_round(self, model):
-        self.trace = gt.trace(model)
+        self.trace = gt.trace(model, modules=self.modules)
         self.trace.__enter__()
 
     def end_round(self):
@@ -549,7 +570,8 @@ def main(argv=None) -> int:
     recorders: list[Recorder] = [Baseline(), NoOp(), gt_false, gt_true,
                                  Graphtrace(emulate=False, modules="hooks"),
                                  Graphtrace(emulate=False, modules="off"),
-                                 Graphtrace(emulate=False, native=False), TraceOpen()]
+                                 Graphtrace(emulate=False, native=False), TraceOpen(),
+                                 TraceOpen(modules="hooks")]
     n_ours = len(recorders)
     skipped = []
     for make in (SanitizerStubbed, DebugModeRecorder, LivenessForced):
@@ -562,6 +584,7 @@ def main(argv=None) -> int:
     say(f"## {HEADER}")
     say(f"{'recorder':<34}{'ms/round':>10}{'µs/op':>9}{'added µs/op':>13}{'added / no-op':>15}  note")
     rows = {}
+    added_per_op = {}
     for rec in recorders:
         # sums over the captures this recorder ran; baseline and no-op over the same ones
         n = len(inputs[:rec.max_captures])
@@ -572,6 +595,7 @@ def main(argv=None) -> int:
         added = total - base
         ratio = added / noop_added if noop_added > 0 else float("nan")
         rows[rec.name] = ratio
+        added_per_op[rec.name] = added / ops
         ratio_s = "" if rec is recorders[0] else f"{ratio:.2f}x"
         note = rec.note
         if n < len(inputs) or (rec.max_rounds or rounds) < rounds:
@@ -587,6 +611,12 @@ def main(argv=None) -> int:
         f"({gt_false.n_accesses / max(gt_false.n_ops, 1):.2f} per op), "
         f"{gt_false.n_errors} recorder errors; per-trace fixed cost (enter + exit: module attribution, "
         f"owner walk) {min(gt_false.fixed) * 1e3:.2f} ms, not in the table")
+    calls = module_calls(model, inputs[0])
+    per_call = {r.modules: added_per_op[r.name] * ops_per_capture / calls * 1e6
+                for r in recorders if isinstance(r, TraceOpen)}
+    say(f"module attribution per module call ({calls} module calls per forward), outside "
+        f"captures: forward wrappers {per_call['forward']:+.2f} µs, forward hooks "
+        f"{per_call['hooks']:+.2f} µs")
     for rec in recorders:
         if isinstance(rec, LivenessForced) and getattr(rec, "tracked", None) is not None:
             say(f"liveness tracker: {rec.tracked} external inputs per capture, each with a Python "

@@ -14,15 +14,20 @@ cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) and loaded fro
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "recorder.cpp"
 ENV = "GRAPHTRACE_NATIVE"
+# torch's builder holds a `lock` file in the build folder while it runs ninja, and waits
+# forever for one left by a process killed meanwhile. A build takes ~20 s: older is stale.
+STALE_LOCK_S = 300
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -54,14 +59,45 @@ def _name() -> str:
     return f"graphtrace_recorder_{digest.hexdigest()[:12]}"
 
 
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _clear_stale_lock(folder: Path) -> None:
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        warnings.warn(f"graphtrace: removing {lock}, left {age / 60:.0f} min ago by a build that "
+                      "was interrupted (torch's builder would wait for it forever)",
+                      RuntimeWarning, stacklevel=4)
+        lock.unlink(missing_ok=True)
+
+
 def _build() -> ModuleType:
+    import torch  # noqa: F401  (the extension links against it: import it first)
     from torch.utils.cpp_extension import _get_build_directory, load
 
     name = _name()
-    built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-    if not built.exists():
-        print(f"graphtrace: building the native recorder (once per torch build; ~20 s) "
-              f"from {SOURCE}", file=sys.stderr, flush=True)
+    folder = Path(_get_build_directory(name, verbose=False))
+    built = folder / f"{name}.so"
+    if built.exists():
+        # The name hashes the source and the torch build, so a built file is current: import
+        # it without torch's builder, which takes the folder's lock and runs ninja every time.
+        try:
+            return _import(name, built)
+        except ImportError:
+            pass  # a partial or foreign file: build it again
+    _clear_stale_lock(folder)
+    print(f"graphtrace: building the native recorder (once per torch build; ~20 s) "
+          f"from {SOURCE}", file=sys.stderr, flush=True)
     return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
+import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,6 +128,49 @@ def test_required_native_fails_with_the_build_error(unbuilt, monkeypatch, capsys
     assert native.main([]) == 1 and "no C++ compiler" in capsys.readouterr().err
     monkeypatch.setenv("GRAPHTRACE_NATIVE", "0")
     assert gt.trace().recorder.backend == "python"  # never tries
+
+
+@pytest.fixture
+def fresh_load(monkeypatch):
+    """native.load() as in a new process; torch's builder replaced by `builder.calls`."""
+    import torch.utils.cpp_extension as cpp
+
+    calls = []
+
+    def fake_builder(name, sources, **kwargs):
+        folder = Path(cpp._get_build_directory(name, verbose=False))
+        calls.append({"name": name, "lock": (folder / "lock").exists()})
+        return native  # any module will do: nothing records with it here
+
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setattr(cpp, "load", fake_builder)
+    return calls
+
+
+def test_a_built_extension_is_imported_without_torchs_builder(fresh_load):
+    module = native.load(required=True)
+    assert fresh_load == [] and hasattr(module, "Writer") and hasattr(module, "Storages")
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed(fresh_load, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there yet
+    folder = tmp_path / native._name()
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.touch()
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="removing .*lock.*interrupted"):
+        native.load(required=True)
+    assert fresh_load == [{"name": native._name(), "lock": False}] and not lock.exists()
+    # a young lock is a build running in another process: left to torch's builder to wait on
+    monkeypatch.setattr(native, "_module", None)
+    lock.touch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        native.load(required=True)
+    assert fresh_load[-1] == {"name": native._name(), "lock": True} and lock.exists()
 
 
 def test_bad_native_settings_are_clear(monkeypatch):
