@@ -582,7 +582,7 @@ def main(argv=None) -> int:
     best = interleaved(recorders, model, inputs, rounds)
 
     say(f"## {HEADER}")
-    say(f"{'recorder':<34}{'ms/round':>10}{'µs/op':>9}{'added µs/op':>13}{'added / no-op':>15}  note")
+    say(f"{'recorder':<48}{'ms/round':>10}{'µs/op':>9}{'added µs/op':>13}{'added / no-op':>15}  note")
     rows = {}
     added_per_op = {}
     for rec in recorders:
@@ -601,7 +601,7 @@ def main(argv=None) -> int:
         if n < len(inputs) or (rec.max_rounds or rounds) < rounds:
             note += f" [{n} capture(s), min of {min(rec.max_rounds or rounds, rounds)}]"
         scale = len(inputs) / n  # ms per round as if all captures ran
-        say(f"{rec.name:<34}{total * scale * 1e3:>10.1f}{total / ops * 1e6:>9.2f}"
+        say(f"{rec.name:<48}{total * scale * 1e3:>10.1f}{total / ops * 1e6:>9.2f}"
             f"{added / ops * 1e6:>13.2f}{ratio_s:>15}  {note}")
     for s in skipped:
         say(f"skipped {s}")
@@ -611,7 +611,7 @@ def main(argv=None) -> int:
         f"({gt_false.n_accesses / max(gt_false.n_ops, 1):.2f} per op), "
         f"{gt_false.n_errors} recorder errors; per-trace fixed cost (enter + exit: module attribution, "
         f"owner walk) {min(gt_false.fixed) * 1e3:.2f} ms, not in the table")
-    calls = module_calls(model, inputs[0])
+    calls = module_calls(model, inputs[0][1])
     per_call = {r.modules: added_per_op[r.name] * ops_per_capture / calls * 1e6
                 for r in recorders if isinstance(r, TraceOpen)}
     say(f"module attribution per module call ({calls} module calls per forward), outside "
