@@ -18,7 +18,7 @@ Recorders:
 - graphtrace, emulate=False (what a CUDA capture costs: records only) and emulate=True (also
   keeps a replayable graph), inside one `gt.trace(model)` per round (module attribution on);
   also with `modules="hooks"` (forward hooks instead of forward wrappers), `modules="off"`,
-  and the pure-Python writer;
+  the native table's sweep off (every StorageImpl header kept) and the pure-Python writer;
 - torch.cuda._sanitizer.CUDASanitizerDispatchMode: fails on CPU as shipped (the error is
   printed); it is also run with `torch.cuda.current_stream` stubbed, where it walks every
   schema argument and the Python stack per op but skips its per-tensor bookkeeping (CPU tensors
@@ -189,11 +189,15 @@ class NoOp(Recorder):
 
 
 class Graphtrace(Recorder):
-    def __init__(self, emulate: bool, native: bool = True, modules: str = "forward"):
-        self.emulate, self.native, self.modules = emulate, native, modules
+    def __init__(self, emulate: bool, native: bool = True, modules: str = "forward",
+                 sweep: bool = True):
+        self.emulate, self.native, self.modules, self.sweep = emulate, native, modules, sweep
         self.name = f"graphtrace emulate={emulate}" + ("" if native else ", Python writer") + (
-            "" if modules == "forward" else f", modules={modules}")
-        if modules == "hooks":
+            "" if modules == "forward" else f", modules={modules}") + ("" if sweep else ", no sweep")
+        if not sweep:
+            self.note = ("native table without its sweep: every weak handle (and so every "
+                         "StorageImpl header) kept to trace end")
+        elif modules == "hooks":
             self.note = "module attribution by forward hooks instead of forward wrappers"
         elif modules == "off":
             self.note = "no module attribution (model still watched for owners)"
@@ -211,6 +215,8 @@ class Graphtrace(Recorder):
     def begin_round(self, model):
         t0 = time.perf_counter()
         self.trace = gt.trace(model, native=self.native, modules=self.modules)
+        if not self.sweep:
+            self.trace.recorder.storages._native.set_sweeping(False)
         self.trace.__enter__()
         self._enter = time.perf_counter() - t0
 
@@ -570,6 +576,7 @@ def main(argv=None) -> int:
     recorders: list[Recorder] = [Baseline(), NoOp(), gt_false, gt_true,
                                  Graphtrace(emulate=False, modules="hooks"),
                                  Graphtrace(emulate=False, modules="off"),
+                                 Graphtrace(emulate=False, sweep=False),
                                  Graphtrace(emulate=False, native=False), TraceOpen(),
                                  TraceOpen(modules="hooks")]
     n_ours = len(recorders)

@@ -225,3 +225,16 @@ def test_dead_intermediates_are_released_and_their_addresses_are_new_storages():
                 y = x + i
     assert tp.recorder.storages.alive_mask().sum() == 2  # x and the last y
     assert alive.sum() == 2 + len(keep)
+
+
+def test_sweeping_can_be_turned_off_for_measurement():
+    x = torch.randn(64)
+    t = gt.trace(strict=True, native=True)
+    t.recorder.storages._native.set_sweeping(False)
+    with t:
+        with gt.capture("g", emulate=False):
+            for i in range(300):
+                y = x + i
+    table = t.recorder.storages
+    assert table._native.released() == 0 and 0 not in table.handles
+    assert table.alive_mask().sum() == 2 and len(set(t.accesses.storage_id)) == 301

@@ -126,7 +126,7 @@ class Table {
     nbytes_.push_back(nb);
     devices_.push_back(d->second);
     index_.emplace(impl, sid);
-    if (handles_.size() >= swept_ + kSweepLag + kSweepBatch) {
+    if (sweeping && handles_.size() >= swept_ + kSweepLag + kSweepBatch) {
       sweep(swept_, handles_.size() - kSweepLag);
       swept_ = handles_.size() - kSweepLag;
     }
@@ -135,6 +135,7 @@ class Table {
 
   // Release the handles of storages in [from, to) that are dead.
   void sweep(size_t from, size_t to) {
+    if (!sweeping) return;
     to = std::min(to, handles_.size());
     for (size_t sid = from; sid < to; ++sid) {
       const int64_t h = handles_[sid];
@@ -178,6 +179,7 @@ class Table {
 
   // (dtype, offset, ndim, sizes..., strides...) -> the trace's view id (its Interner's)
   KeyMap views;
+  bool sweeping = true;  // off only to measure what sweeping gives (analysis/bench_overhead.py)
 
   // (handles, data_ptrs, nbytes as int64 bytes; device names) of storages n.. on.
   PyObject* since(size_t n) const {
@@ -681,6 +683,13 @@ PyObject* Storages_sweep(StoragesObject* self, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+PyObject* Storages_set_sweeping(StoragesObject* self, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  self->table->sweeping = on;
+  Py_RETURN_NONE;
+}
+
 PyObject* Storages_released(StoragesObject* self, PyObject*) {
   return PyLong_FromUnsignedLongLong(self->table->released());
 }
@@ -737,6 +746,8 @@ PyMethodDef storages_methods[] = {
      "heap bytes of the table's containers"},
     {"sweep", reinterpret_cast<PyCFunction>(Storages_sweep), METH_O,
      "sweep(from_sid): release the handles of dead storages from from_sid on"},
+    {"set_sweeping", reinterpret_cast<PyCFunction>(Storages_set_sweeping), METH_O,
+     "set_sweeping(flag): release dead storages' handles as registration goes (default on)"},
     {"released", reinterpret_cast<PyCFunction>(Storages_released), METH_NOARGS,
      "how many handles sweeps released so far"},
     {"handles", reinterpret_cast<PyCFunction>(Storages_handles), METH_NOARGS,
