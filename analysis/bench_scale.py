@@ -454,7 +454,7 @@ def main(argv=None) -> int:
                     help="largest size captured by real dispatch (default 100000; quick 20000)")
     ap.add_argument("--blocks", type=int, default=None, help="model blocks (default 2500 = 10,002 modules)")
     ap.add_argument("--storages", type=int, default=None, help="storage budget (default 50000)")
-    ap.add_argument("--repeat", type=int, default=None, help="min of N for diff and frames (default 3)")
+    ap.add_argument("--repeat", type=int, default=None, help="min of N for diff and frames (default 5)")
     ap.add_argument("--tracemalloc-max", type=int, default=100_000,
                     help="measure diff's peak Python memory with tracemalloc (a second diff) up to "
                          "this size (default 100000); RSS growth is printed for every size")
@@ -467,7 +467,9 @@ def main(argv=None) -> int:
     real_max = args.real_max if args.real_max is not None else (500 if args.quick else 100000)
     blocks = args.blocks or (50 if args.quick else 2500)
     storages = args.storages or (2000 if args.quick else 50000)
-    repeat = args.repeat or (1 if args.quick else 3)
+    # min of 5: the first diffs of a size vary most (a heap still growing, the RSS sampler
+    # beside the first one); the frames get the same number of tries
+    repeat = args.repeat or (1 if args.quick else 5)
     out_path = args.out if args.out is not None else (None if args.quick else RESULTS)
     per_graph = 500 if not args.quick else 25
     # owned storages: 6 parameters + 1 perm per block; the rest of the budget is intermediates

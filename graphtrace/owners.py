@@ -50,6 +50,8 @@ from typing import Iterator, Literal
 import torch
 from torch import nn
 
+from graphtrace.attribution import forward as _attributed_forward
+
 __all__ = ["OwnerKind", "walk_owners", "resolve_path"]
 
 OwnerKind = Literal["parameter", "buffer", "attribute"]
@@ -184,6 +186,8 @@ def _attribute_owners(model: nn.Module, max_depth: int,
         if h is None:
             h = _classify(type(v))
         if h == _LEAF or h == _MODULE:
+            return
+        if h == _METHOD and v.__func__ is _attributed_forward:  # graphtrace's, while tracing
             return
         if h == _TENSOR:
             out.append((path, v))

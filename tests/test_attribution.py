@@ -224,3 +224,4 @@ def test_vllm_plugin_reads_its_modules_setting_and_fails_open(monkeypatch, caplo
     with caplog.at_level("WARNING", logger="graphtrace.vllm"):
         assert plugin.modules_setting() == expected
     assert ("not one of" in caplog.text) == (value == "fast")
+
