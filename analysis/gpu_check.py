@@ -229,6 +229,15 @@ def check_env(ctx: Ctx) -> None:
     except Exception as exc:  # noqa: BLE001
         ctx.unavailable("triton", exc)
 
+    from graphtrace import native
+
+    try:  # built here once (~20 s) so that the checks after this one record with it
+        module = native.load(required=True)
+        ctx.figure("recorder", "native")
+        ctx.line(f"graphtrace recorder: native ({module.__file__})")
+    except native.NativeUnavailable as exc:
+        ctx.figure("recorder", "python")
+        ctx.line(f"graphtrace recorder: pure Python ({exc})")
     probes = probe_torch_features()
     ctx.figure("probes", probes)
     for key, (ok, detail) in probes.items():
