@@ -50,7 +50,7 @@ from typing import Iterator, Literal
 import torch
 from torch import nn
 
-from graphtrace.attribution import forward as _attributed_forward
+from graphtrace.attribution import is_wrapper as is_attribution_wrapper
 
 __all__ = ["OwnerKind", "walk_owners", "resolve_path"]
 
@@ -187,7 +187,7 @@ def _attribute_owners(model: nn.Module, max_depth: int,
             h = _classify(type(v))
         if h == _LEAF or h == _MODULE:
             return
-        if h == _METHOD and v.__func__ is _attributed_forward:  # graphtrace's, while tracing
+        if h == _METHOD and is_attribution_wrapper(v):  # graphtrace's own, while tracing
             return
         if h == _TENSOR:
             out.append((path, v))

@@ -9,6 +9,7 @@ torch.compile.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import pickle
 import threading
@@ -157,6 +158,15 @@ def test_a_model_pickled_while_traced_loads_as_a_plain_model():
     for loaded in (torch.load(buf, weights_only=False), pickle.loads(blob)):
         with torch.no_grad():
             assert torch.equal(loaded(x), model(x))
+
+
+def test_signatures_read_the_same_while_traced():
+    model = Net()
+    outside = {n: inspect.signature(m.forward) for n, m in model.named_modules()}
+    with gt.trace(model, strict=True):
+        assert "forward" in model.blocks[0].__dict__
+        inside = {n: inspect.signature(m.forward) for n, m in model.named_modules()}
+    assert inside == outside and str(inside["blocks.0"]) == "(x)"
 
 
 def test_someone_elses_forward_wrapper_is_kept_and_still_attributed():
