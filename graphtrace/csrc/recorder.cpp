@@ -14,7 +14,7 @@
 //
 // A weak handle keeps its StorageImpl (the object, never the data), so that no other storage
 // can take its address while the trace knows it. Kept for every intermediate, those headers
-// pile up between the allocator's live chunks and slow every later allocation down (0.41 us
+// pile up between the allocator's live chunks and slow every later allocation down (~0.4 us
 // per op on CPU: analysis/results/bench_overhead.txt, "no sweep"). So the table sweeps: each
 // storage is checked once, kSweepLag to kSweepLag + kSweepBatch registrations after its own,
 // and again at the end of its capture; a dead one's handle is released
