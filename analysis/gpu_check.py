@@ -1144,7 +1144,7 @@ def _measure(ctx: Ctx, key: str, *, model, fn, x, driver, compiled: bool, patch:
     with torch.no_grad():
         with gt.trace() as tr, recording_mode_ignores_compile_internals(patch):
             graph, y = capture_fn(fn, x, key, recorder)
-        tr.watch(model)  # after the capture: no module hooks around compiled code
+        tr.watch(model)  # after the capture: no module attribution around compiled code
         gid = _graph_id(tr, key)
         owned = _owned_frame(model)
         keep.extend(t for _, _, t in walk_owners(model))
