@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from graphtrace.attribution import MODES, ModuleAttribution
+from graphtrace.attribution import ModuleAttribution
 from graphtrace.recorder import Capture, Recorder, RecordingMode
 
 
@@ -183,13 +183,13 @@ class Trace:
                  name: str | None = None, native: bool | None = None, modules: str = "forward"):
         from graphtrace import native as _native
 
+        self._attribution = ModuleAttribution(modules)  # checks `modules` before any build
         self.recorder = Recorder(strict=strict, native=_native.resolve(native))
         self.strict = strict
         self.models: dict[str, torch.nn.Module] = {}
         self.blind_spots: list[str] = []
         self._regions = threading.local()
         self._cuda_regions: dict[int, _Region] = {}
-        self._attribution = ModuleAttribution(modules)
         self._owner_cache: dict[str, Any] = {}
         self._owners: dict[int, set] = {}   # storage id -> {(model, path, kind)} at capture time
         self._owners_checked = 0            # storages below this id were matched to owners
@@ -411,6 +411,4 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
         raise TypeError(f"graphtrace.trace() takes a torch.nn.Module, got {type(model).__name__}")
     if native not in (None, True, False):
         raise TypeError(f"native must be True, False or None, got {native!r}")
-    if modules not in MODES:
-        raise ValueError(f"modules must be one of {', '.join(map(repr, MODES))}; got {modules!r}")
     return Trace(model, strict=strict, name=name, native=native, modules=modules)

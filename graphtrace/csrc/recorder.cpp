@@ -244,7 +244,7 @@ class Writer {
   PyObject* views = nullptr;        // Interner: (dtype, shape, stride, offset) -> view id
   PyObject* plan_fn = nullptr;      // func -> _Plan
   PyObject* stack = nullptr;        // the capturing thread's module stack (a list of FQN ids)
-  PyObject* fallback = nullptr;     // PyWriter.record
+  PyObject* fallback = nullptr;     // PyWriter.fallback
   PyObject* size_type = nullptr;    // torch.Size
 
   ~Writer() {
@@ -549,7 +549,7 @@ int Writer_init(PyWriterObject* self, PyObject* args, PyObject* kwds) {
     w->size_type = PyObject_GetAttrString(torch_module, "Size");
     Py_DECREF(torch_module);
   }
-  if (PyErr_Occurred() || !w->size_type ) {
+  if (PyErr_Occurred() || !w->size_type) {
     delete w;
     return -1;
   }

@@ -95,7 +95,7 @@ def _strict() -> bool:
 
 
 def modules_setting() -> str:
-    """``GRAPHTRACE_MODULES``, or "forward" (with a warning) when unset or not understood."""
+    """``GRAPHTRACE_MODULES``; "forward" when unset, or (with a warning) not understood."""
     from graphtrace.attribution import MODES
 
     value = os.environ.get(ENV_MODULES, "").strip().lower() or "forward"
