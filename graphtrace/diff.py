@@ -29,16 +29,14 @@ import torch
 from graphtrace import __version__
 from graphtrace._schema import ACCESS_NAMES, FACTORY, READ, VIEW, WRITE
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
-from graphtrace.report import IMPACTS, VERDICTS
+from graphtrace.vocab import COLUMNS, IMPACTS, VERDICTS
 
 if TYPE_CHECKING:
     from graphtrace.report import Report
 
-EDGE_COLUMNS = ["graph_id", "graph", "storage_id", "access", "ops", "args", "module", "data_ptr",
-                "nbytes", "dtype", "shape", "owners", "owner_kinds", "n_owners", "live_data_ptr",
-                "verdict", "impact", "origin"]
-OWNER_COLUMNS = ["storage_id", "model", "path", "kind", "status", "live_data_ptr"]
-STORAGE_COLUMNS = ["storage_id", "data_ptr", "nbytes", "device", "alive", "first_access"]
+EDGE_COLUMNS = COLUMNS["edges"]
+OWNER_COLUMNS = COLUMNS["owners"]
+STORAGE_COLUMNS = COLUMNS["storages"]
 
 
 @contextlib.contextmanager

@@ -7,9 +7,9 @@ import pandas as pd
 
 from graphtrace._schema import ACCESS_NAMES
 from graphtrace.recorder import ACCESS_FIELDS
+from graphtrace.vocab import COLUMNS
 
-ACCESS_COLUMNS = ["graph_id", "graph", "seq", "op", "module", "arg", "access", "storage_id",
-                  "data_ptr", "dtype", "shape", "stride", "offset", "device"]
+ACCESS_COLUMNS = COLUMNS["accesses"]
 
 
 def _categorical(codes: np.ndarray, values: list[str]) -> pd.Categorical:

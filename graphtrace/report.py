@@ -50,6 +50,9 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import pandas as pd
 
+from graphtrace.vocab import COLUMN_KINDS as _KINDS
+from graphtrace.vocab import FRAMES, IMPACTS, SCHEMA, STALE_VERDICTS, VERDICTS
+
 __all__ = [
     "VERDICTS",
     "STALE_VERDICTS",
@@ -67,45 +70,12 @@ __all__ = [
     "graph_names",
 ]
 
-VERDICTS = ("stable", "stale", "dangling", "diverged", "orphaned", "unowned")
-STALE_VERDICTS = ("stale", "dangling", "diverged")
-IMPACTS = ("manifest", "latent", "unknown")
-
 FORMAT = "graphtrace-report"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 GRAPHML = "graph.graphml"
 GRAPHML_MAX_EDGES = 200_000
-FRAMES = ("accesses", "storages", "owners", "edges")
 
-# Column kinds: "int" int64 (no NA); "Int" nullable Int64; "bool" (no NA); "str" ("" when
-# unknown, never NA); "str?" (NA allowed, "" means NA); extra columns may also be "float"
-# and "boolean".
-SCHEMA: dict[str, tuple[tuple[str, str], ...]] = {
-    "accesses": (
-        ("graph_id", "int"), ("graph", "str"), ("seq", "int"), ("op", "str"),
-        ("module", "str"), ("arg", "str"), ("access", "str"), ("storage_id", "int"),
-        ("data_ptr", "int"), ("dtype", "str"), ("shape", "str"), ("stride", "str"),
-        ("offset", "int"), ("device", "str"),
-    ),
-    "storages": (
-        ("storage_id", "int"), ("data_ptr", "int"), ("nbytes", "int"), ("device", "str"),
-        ("alive", "bool"), ("first_access", "str"),
-    ),
-    "owners": (
-        ("storage_id", "int"), ("model", "str"), ("path", "str"), ("kind", "str"),
-        ("status", "str"), ("live_data_ptr", "Int"),
-    ),
-    "edges": (
-        ("graph_id", "int"), ("graph", "str"), ("storage_id", "int"), ("access", "str"),
-        ("ops", "str"), ("args", "str"), ("module", "str"), ("data_ptr", "int"),
-        ("nbytes", "int"), ("dtype", "str"), ("shape", "str"), ("owners", "str"),
-        ("owner_kinds", "str"), ("n_owners", "int"), ("live_data_ptr", "Int"),
-        ("verdict", "str"), ("impact", "str?"), ("origin", "str?"),
-    ),
-}
-
-_KINDS = ("int", "Int", "bool", "boolean", "float", "str", "str?")
 _READ_DTYPES = {"int": "int64", "Int": "Int64", "bool": "bool", "boolean": "boolean",
                 "float": "float64"}
 _NULLABLE = {"Int", "boolean", "float", "str?"}

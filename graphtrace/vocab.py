@@ -1,0 +1,86 @@
+"""The words and shapes of a report, in one place (imports no torch).
+
+Every list of verdicts, statuses, impacts, access kinds and frame columns in graphtrace is
+read from here, and so are the tables in docs/internals.md (a test compares them).
+`verdict_of` is the rule in scalar form: the reference that diff's vectorised path is
+tested against.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+__all__ = [
+    "VERDICTS", "STALE_VERDICTS", "IMPACTS", "ORIGINS", "OWNER_STATUSES", "OWNER_KINDS",
+    "ACCESS_KINDS", "EDGE_ACCESSES", "FRAMES", "SCHEMA", "COLUMNS", "COLUMN_KINDS",
+    "HOLDS", "MOVED", "ORPHANED", "verdict_of",
+]
+
+# -- verdicts (one per edge; the words are part of the public contract) ---------------------
+VERDICTS = ("stable", "stale", "dangling", "diverged", "orphaned", "unowned")
+STALE_VERDICTS = ("stale", "dangling", "diverged")   # what `report.stale` holds
+IMPACTS = ("manifest", "latent", "unknown")           # stale-like edges: do values differ now?
+ORIGINS = ("external", "internal")                    # unowned edges: written first in the graph?
+
+# -- owners ----------------------------------------------------------------------------------
+HOLDS, MOVED, ORPHANED = "holds", "moved", "orphaned"
+OWNER_STATUSES = (HOLDS, MOVED, ORPHANED)             # a capture-time owner on the live model
+OWNER_KINDS = ("parameter", "buffer", "attribute")
+
+# -- accesses --------------------------------------------------------------------------------
+ACCESS_KINDS = ("read", "write", "view", "factory")   # per recorded tensor (encoding.ACCESS_*)
+EDGE_ACCESSES = ("read", "read+write", "write")       # per (graph, storage) edge
+
+# -- frames ----------------------------------------------------------------------------------
+# Column kinds: "int" int64 (no NA); "Int" nullable Int64; "bool" (no NA); "str" ("" when
+# unknown, never NA); "str?" (NA allowed, "" means NA); extra columns may also be "float"
+# and "boolean".
+COLUMN_KINDS = ("int", "Int", "bool", "boolean", "float", "str", "str?")
+FRAMES = ("accesses", "storages", "owners", "edges")
+SCHEMA: dict[str, tuple[tuple[str, str], ...]] = {
+    "accesses": (
+        ("graph_id", "int"), ("graph", "str"), ("seq", "int"), ("op", "str"),
+        ("module", "str"), ("arg", "str"), ("access", "str"), ("storage_id", "int"),
+        ("data_ptr", "int"), ("dtype", "str"), ("shape", "str"), ("stride", "str"),
+        ("offset", "int"), ("device", "str"),
+    ),
+    "storages": (
+        ("storage_id", "int"), ("data_ptr", "int"), ("nbytes", "int"), ("device", "str"),
+        ("alive", "bool"), ("first_access", "str"),
+    ),
+    "owners": (
+        ("storage_id", "int"), ("model", "str"), ("path", "str"), ("kind", "str"),
+        ("status", "str"), ("live_data_ptr", "Int"),
+    ),
+    "edges": (
+        ("graph_id", "int"), ("graph", "str"), ("storage_id", "int"), ("access", "str"),
+        ("ops", "str"), ("args", "str"), ("module", "str"), ("data_ptr", "int"),
+        ("nbytes", "int"), ("dtype", "str"), ("shape", "str"), ("owners", "str"),
+        ("owner_kinds", "str"), ("n_owners", "int"), ("live_data_ptr", "Int"),
+        ("verdict", "str"), ("impact", "str?"), ("origin", "str?"),
+    ),
+}
+COLUMNS: dict[str, list[str]] = {name: [c for c, _ in cols] for name, cols in SCHEMA.items()}
+
+
+def verdict_of(statuses: Iterable[str], alive: bool) -> str:
+    """The verdict of one captured storage from its capture-time owners' statuses now.
+
+    The scalar statement of the rule (diff applies it vectorised, per storage):
+    no owner -> unowned; some hold and some do not -> diverged; all hold -> stable;
+    some moved -> stale if the captured storage is alive, else dangling; all orphaned ->
+    orphaned.
+    """
+    statuses = list(statuses)
+    bad = set(statuses) - set(OWNER_STATUSES)
+    if bad:
+        raise ValueError(f"unknown owner status {sorted(bad)[0]!r} (statuses are "
+                         f"{', '.join(OWNER_STATUSES)})")
+    if not statuses:
+        return "unowned"
+    holds = [s == HOLDS for s in statuses]
+    if any(holds):
+        return "stable" if all(holds) else "diverged"
+    if MOVED in statuses:
+        return "stale" if alive else "dangling"
+    return "orphaned"
