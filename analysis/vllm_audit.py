@@ -21,6 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from graphtrace.vocab import STALE_VERDICTS, VERDICTS
+
+__all__ = ["CASES", "md_table", "run_case", "case_section", "main"]
+
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "vllm_audit.md"
 
@@ -135,7 +139,7 @@ def case_section(res: dict) -> str:
     if len(owned):
         kt = pd.crosstab(owned["owner_kinds"], owned["verdict"])
         out += ["Owned edges by owner kind:", "", md_table(kt, index=True), ""]
-    stale = e[e["verdict"].isin(["stale", "dangling", "diverged", "orphaned"])]
+    stale = e[e["verdict"].isin([*STALE_VERDICTS, "orphaned"])]
     if len(stale):
         t = (stale[stale["graph"] == stale["graph"].iloc[0]]
              [["ops", "args", "owners", "verdict", "impact"]])
@@ -222,12 +226,10 @@ def main(argv=None) -> int:
     for r in results:
         e = r["report"].edges
         v = e["verdict"].astype(str).value_counts()
-        rows.append((r["name"], len(e), v.get("stable", 0), v.get("stale", 0), v.get("dangling", 0),
-                     v.get("diverged", 0), v.get("orphaned", 0), v.get("unowned", 0),
+        rows.append((r["name"], len(e), *(v.get(x, 0) for x in VERDICTS),
                      len(r["report"].blind_spots), r["after"] != r["before"]))
     lines += [md_table(pd.DataFrame(rows, columns=[
-        "case", "edges", "stable", "stale", "dangling", "diverged", "orphaned", "unowned",
-        "blind spots", "outputs changed"])), ""]
+        "case", "edges", *VERDICTS, "blind spots", "outputs changed"])), ""]
     lines += ["## Findings", "",
               "- Plain float32 linear layers: vLLM prepacks the weight into a oneDNN handle and "
               "registers an empty `weight`; graphs read the 0-d `handler_tensor` held in the "

@@ -17,15 +17,14 @@ import numpy as np
 import pandas as pd
 
 from graphtrace.report import (
-    STALE_VERDICTS,
-    VERDICTS,
     Report,
-    _group_keys,
-    _natural_key,
-    _split,
     graph_names,
+    group_keys,
     layer_of,
+    natural_key,
+    split_joined,
 )
+from graphtrace.vocab import IMPACTS, STALE_VERDICTS, VERDICTS
 
 __all__ = [
     "VERDICT_COLORS",
@@ -40,14 +39,10 @@ __all__ = [
     "plot_read_matrix",
 ]
 
-VERDICT_COLORS = {
-    "stable": "#4caf50",
-    "stale": "#d62728",
-    "dangling": "#6a1b9a",
-    "diverged": "#ff7f0e",
-    "orphaned": "#9e9e9e",
-    "unowned": "#90caf9",
-}
+# One colour per verdict, in the order of vocab.VERDICTS (stable, stale, dangling,
+# diverged, orphaned, unowned).
+VERDICT_COLORS = dict(zip(VERDICTS, (
+    "#4caf50", "#d62728", "#6a1b9a", "#ff7f0e", "#9e9e9e", "#90caf9"), strict=True))
 
 
 # --------------------------------------------------------------------------- frames
@@ -63,8 +58,8 @@ def stale_by(report: Report, by: str = "module") -> pd.DataFrame:
     path that has one, else ``(none)``.
     """
     stale = report.stale
-    cols = [*STALE_VERDICTS, "total", "manifest", "latent", "unknown", "storages", "graphs"]
-    keys = _group_keys(stale, by)
+    cols = [*STALE_VERDICTS, "total", *IMPACTS, "storages", "graphs"]
+    keys = group_keys(stale, by)
     if keys.empty:
         return pd.DataFrame({c: pd.Series([], dtype="int64") for c in cols},
                             index=pd.Index([], dtype=object, name=by))
@@ -80,12 +75,12 @@ def stale_by(report: Report, by: str = "module") -> pd.DataFrame:
     for key, g in frame.groupby(by, sort=False):
         rec = {v: int((g["verdict"] == v).sum()) for v in STALE_VERDICTS}
         rec["total"] = len(g)
-        for imp in ("manifest", "latent", "unknown"):
+        for imp in IMPACTS:
             rec[imp] = int((g["impact"] == imp).sum())
         rec["storages"] = int(g["storage_id"].nunique())
         rec["graphs"] = int(g["graph_id"].nunique())
         out[key] = rec
-    order = sorted(out, key=lambda k: (-out[k]["total"], _natural_key(k)))
+    order = sorted(out, key=lambda k: (-out[k]["total"], natural_key(k)))
     df = pd.DataFrame([out[k] for k in order], columns=cols,
                       index=pd.Index(order, dtype=object, name=by))
     return df.astype("int64")
@@ -213,7 +208,7 @@ def stale_subgraph(report: Report, layer_or_module: str | None = None):
         owners_of.setdefault(int(r.storage_id), []).append(f"owner:{r.model}:{r.path}")
     for r in stale.itertuples(index=False):
         if layer_or_module is not None:
-            paths = [r.module, *_split(r.owners, ";")]
+            paths = [r.module, *split_joined(r.owners, ";")]
             if not any(_matches(p, layer_or_module) for p in paths):
                 continue
         sid = int(r.storage_id)
@@ -299,11 +294,11 @@ def draw_stale_subgraph(report: Report, layer_or_module: str | None = None, *, a
     by_kind: dict[str, list[str]] = {k: [] for k in columns}
     for n, d in H.nodes(data=True):
         by_kind.setdefault(d.get("kind", "storage"), []).append(n)
-    by_kind["storage"].sort(key=_natural_key)
+    by_kind["storage"].sort(key=natural_key)
     rank = {n: i for i, n in enumerate(by_kind["storage"])}
     by_kind["owner"].sort(key=lambda n: (min((rank.get(s, 0) for s in H.successors(n)),
-                                             default=0), _natural_key(n)))
-    by_kind["graph"].sort(key=_natural_key)
+                                             default=0), natural_key(n)))
+    by_kind["graph"].sort(key=natural_key)
     pos = {}
     for kind, ns in by_kind.items():
         for i, n in enumerate(ns):

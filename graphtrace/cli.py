@@ -18,13 +18,8 @@ from typing import Sequence
 import pandas as pd
 
 from graphtrace import __version__
-from graphtrace.report import (
-    VERDICTS,
-    Report,
-    ReportError,
-    _is_na,
-    load_report,
-)
+from graphtrace.report import Report, ReportError, is_na, load_report
+from graphtrace.vocab import VERDICTS
 
 __all__ = ["main", "format_report", "build_parser"]
 
@@ -104,7 +99,7 @@ def stale_reads(report: Report) -> pd.DataFrame:
         owners.setdefault(int(r.storage_id), []).append(f"{name} ({r.kind}, {r.status})")
     groups: dict[tuple, dict] = {}
     for r in stale.sort_values(["graph_id", "storage_id"], kind="stable").itertuples(index=False):
-        impact = None if _is_na(r.impact) else str(r.impact)
+        impact = None if is_na(r.impact) else str(r.impact)
         key = (int(r.storage_id), str(r.verdict), impact)
         g = groups.setdefault(key, {"storage_id": key[0], "verdict": key[1], "impact": impact,
                                     "graphs": [], "nbytes": int(r.nbytes), "ops": [],

@@ -231,6 +231,13 @@ def test_round_trip_fixture(report, tmp_path):
     assert_graphs_equal(read_graphml(out / "graph.graphml"), report.graph)
     assert back.source == out and back.manifest == manifest
     assert Report().source is None and Report().manifest == {}
+    # Report.load is what load_report calls; a subclass loads as itself
+    class Sub(Report):
+        pass
+    loaded = Sub.load(str(out))
+    assert type(loaded) is Sub and type(Report.load(out)) is Report
+    assert_reports_equal(back, loaded)
+    assert loaded.source == out and loaded.manifest == manifest
     # a second write over the same folder is fine
     report.to_csv(out)
     assert_reports_equal(report, load_report(out))
@@ -303,9 +310,13 @@ def test_round_trip_empty_report(tmp_path):
 
 def test_load_report_is_torch_free(tmp_path):
     code = f"""
-import sys
+import importlib, pkgutil, sys
 sys.modules["torch"] = None  # any import of torch now fails
 import graphtrace.report as rep, graphtrace.analysis as an, graphtrace.cli as cli
+subs = [m.name for m in pkgutil.iter_modules(rep.__path__, "graphtrace.report.")]
+assert {{"graphtrace.report.core", "graphtrace.report.io"}} <= set(subs), subs
+for name in subs:
+    importlib.import_module(name)
 r = rep.load_report({str(FIXTURE)!r})
 assert r.counts()["stale"] == 4, r.counts()
 r.graph; r.summary(by="layer"); an.coverage(r); an.stale_by(r, "op")
@@ -347,7 +358,8 @@ def _manifest(folder: Path) -> dict:
     ("empty_csv", r"accesses.csv: unreadable CSV"),
     ("bad_verdict", "edges.verdict: unknown verdicts fresh"),
 ])
-def test_load_report_errors(tmp_path, case, pattern):
+@pytest.mark.parametrize("load", [load_report, Report.load], ids=["load_report", "Report.load"])
+def test_load_report_errors(tmp_path, case, pattern, load):
     folder = copy_fixture(tmp_path)
     if case == "missing":
         folder = tmp_path / "nope"
@@ -383,7 +395,7 @@ def test_load_report_errors(tmp_path, case, pattern):
         text = (folder / "edges.csv").read_text().replace(",stable,", ",fresh,", 1)
         (folder / "edges.csv").write_text(text)
     with pytest.raises(ReportError, match=pattern) as info:
-        load_report(folder)
+        load(folder)
     assert isinstance(info.value, ValueError)
     assert str(folder) in str(info.value) or case in ("missing_csv",)
     assert "\n" not in str(info.value)
@@ -462,3 +474,56 @@ def test_assert_no_stale_passes_on_a_clean_report(report):
     assert_no_stale(clean)
     clean.check()
     assert len(clean.stale) == 0
+
+
+# --------------------------------------------------------------------------- public surface
+
+def _private_report_imports(path: Path) -> list[str]:
+    """The private names a module takes from graphtrace.report: ``from graphtrace.report[.x]
+    import _name``, and ``alias._name`` where ``alias`` is bound to graphtrace.report[.x]."""
+    import ast
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bad, aliases = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("graphtrace.report"):
+            bad += [a.name for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.ImportFrom) and node.module == "graphtrace":
+            aliases.update(a.asname or a.name for a in node.names if a.name == "report")
+        elif isinstance(node, ast.Import):
+            aliases.update(a.asname for a in node.names
+                           if a.asname and a.name.startswith("graphtrace.report"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in aliases and node.attr.startswith("_"):
+            bad.append(node.attr)
+    return bad
+
+
+def test_private_report_imports_are_found(tmp_path):
+    mod = tmp_path / "m.py"
+    mod.write_text("from graphtrace.report import Report, _is_na\n"
+                   "from graphtrace.report.core import _x\n"
+                   "import graphtrace.report.io as rio\nrio._fail\n"
+                   "from graphtrace import report as r\nr._y, r.Report\n")
+    assert sorted(_private_report_imports(mod)) == ["_fail", "_is_na", "_x", "_y"]
+
+
+def test_report_public_surface():
+    import graphtrace
+    import graphtrace.report as rep
+
+    for name in rep.__all__:
+        value = getattr(rep, name)
+        if callable(value):
+            assert (value.__doc__ or "").strip(), f"{name} has no docstring"
+    assert not [n for n in rep.__all__ if n.startswith("_")]
+    for name in ("Report", "ReportError", "load_report", "assert_no_stale", "VERDICTS",
+                 "STALE_VERDICTS"):
+        assert getattr(graphtrace, name) is getattr(rep, name)
+    # every module outside the package uses only its public names
+    users = [p for p in (REPO / "graphtrace").rglob("*.py") if "report" not in p.parent.name]
+    users += list((REPO / "analysis").glob("*.py"))
+    found = {str(p.relative_to(REPO)): _private_report_imports(p) for p in users}
+    assert {k: v for k, v in found.items() if v} == {}
+

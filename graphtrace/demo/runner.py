@@ -36,6 +36,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from graphtrace.vocab import IMPACTS, STALE_VERDICTS
+
+__all__ = ["VARIANT_NOTES", "add_arguments", "build_parser", "Captured", "ScenarioResult",
+           "run_scenario", "check", "format_table", "run", "main"]
+
 VARIANT_NOTES = {
     "unfixed-partial": "Machete before the fix: act_perm = partial(permute_cols, perm=perm)",
     "unfixed-lambda": "Machete before the fix: act_perm = lambda x: x[:, perm]",
@@ -44,7 +49,6 @@ VARIANT_NOTES = {
     "marlin": "Marlin-style: workspace on the kernel, sort indices a plain layer attribute",
 }
 
-STALE_LIKE = ("stale", "dangling", "diverged")
 PERM_ARGS = {"perm", "indices", "perm_or_none"}
 
 
@@ -296,14 +300,14 @@ def run_scenario(variant: str, scenario: str, *, device, batch_sizes, seed: int,
 
     edges = report.edges
     verdict = edges["verdict"].astype(object)
-    res.counts = {v: int((verdict == v).sum()) for v in STALE_LIKE}
-    stale = edges[verdict.isin(STALE_LIKE)]
+    res.counts = {v: int((verdict == v).sum()) for v in STALE_VERDICTS}
+    stale = edges[verdict.isin(STALE_VERDICTS)]
     imp = stale["impact"].astype(object)
-    res.impact = {k: int((imp == k).sum()) for k in ("manifest", "latent", "unknown")}
+    res.impact = {k: int((imp == k).sum()) for k in IMPACTS}
     perm = _perm_edges(edges)
     res.perm_edges = len(perm)
     pv = perm["verdict"].astype(object)
-    res.perm_flagged = int(pv.isin(STALE_LIKE).sum())
+    res.perm_flagged = int(pv.isin(STALE_VERDICTS).sum())
     res.perm_verdicts = {v: int(n) for v, n in pv.value_counts().items()}
     res.flagged_owners = sorted({o for s in stale["owners"].astype(str) for o in s.split("; ") if o})
     res.n_errors = len(report.errors)
@@ -448,10 +452,10 @@ def format_table(new: ScenarioResult, same: ScenarioResult | None, verdict: str)
                 lambda r, h=holder: "{1}/{0} / {2}/{0}".format(*r.census.get(h, (0, 0, 0))))
         elif holder in ("act_perm", "registered"):
             add(f"{label} moved", lambda r: "n/a")
-    add("stale / dangling / diverged edges",
-        lambda r: " / ".join(str(r.counts[v]) for v in STALE_LIKE))
-    add("  impact manifest / latent / unknown",
-        lambda r: " / ".join(str(r.impact[k]) for k in ("manifest", "latent", "unknown")))
+    add(f"{' / '.join(STALE_VERDICTS)} edges",
+        lambda r: " / ".join(str(r.counts[v]) for v in STALE_VERDICTS))
+    add(f"  impact {' / '.join(IMPACTS)}",
+        lambda r: " / ".join(str(r.impact[k]) for k in IMPACTS))
     add("perm reads flagged", lambda r: _frac(r.perm_flagged, r.perm_edges))
     add("replay == eager after reload (rows)", lambda r: _frac(r.replay_eq_eager, r.rows))
     add("replay == replay before reload", lambda r: _frac(r.replay_eq_before, r.rows))
@@ -480,8 +484,8 @@ def _summary_rows(results) -> list[dict]:
             rows.append({
                 "variant": r.variant, "scenario": r.scenario, "backend": r.backend,
                 "device": r.device, "layers": r.n_layers,
-                **{f"edges_{v}": r.counts[v] for v in STALE_LIKE},
-                **{f"impact_{k}": r.impact[k] for k in ("manifest", "latent", "unknown")},
+                **{f"edges_{v}": r.counts[v] for v in STALE_VERDICTS},
+                **{f"impact_{k}": r.impact[k] for k in IMPACTS},
                 "perm_reads": r.perm_edges, "perm_reads_flagged": r.perm_flagged,
                 "rows": r.rows, "replay_eq_eager": r.replay_eq_eager,
                 "replay_eq_before": r.replay_eq_before,
