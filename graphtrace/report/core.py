@@ -32,7 +32,8 @@ class Report:
 
     Build one from frames with the columns of docs/internals.md (``Report(...)`` or
     ``Report.from_frames(...)``); a frame left out is empty. Missing columns raise
-    :class:`ReportError`.
+    :class:`ReportError`. ``Report.load(folder)`` (or ``load_report``) reads a folder
+    written by ``to_csv``; ``source`` and ``manifest`` then say where it came from.
     """
 
     def __init__(self, accesses: pd.DataFrame | None = None,
@@ -286,7 +287,7 @@ class Report:
 
         GraphML is for other graph tools; ``load_report`` rebuilds ``.graph`` from the CSVs.
         It costs ~10x the CSVs, so by default (``graphml=None``) it is left out above
-        ``GRAPHML_MAX_EDGES`` (graphtrace.report.io) edges, and the manifest says so; ``graphml=True`` forces it.
+        ``GRAPHML_MAX_EDGES`` edges, and the manifest says so; ``graphml=True`` forces it.
         """
         return _write_folder(path, self._frames, self._meta, lambda: self.graph, graphml)
 
