@@ -58,26 +58,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 
 import graphtrace as gt
+from _common import Results, revision
+from _common import rss as process_rss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_overhead.txt"
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 clock = time.thread_time  # set by --clock
 HEADER = "recorder overhead per capture"
-
-
-def _revision() -> str:
-    """The checkout measured: git commit (+ "dirty" when graphtrace/ has local changes)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                             capture_output=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "graphtrace"], cwd=root,
-                               text=True, capture_output=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (rev or "unknown") + (" (graphtrace/ modified)" if dirty else "")
 
 
 # --------------------------------------------------------------------------- workload
@@ -452,13 +439,7 @@ def _trim() -> None:
 def rss() -> int:
     gc.collect()
     _trim()
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss
-    except ImportError:  # Linux fallback
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return process_rss()
 
 
 def liveness(model, inputs, emulate: bool):
@@ -552,14 +533,11 @@ def main(argv=None) -> int:
     total_ops = sum(per_capture_ops)
     ops_per_capture = total_ops // n_caps
 
-    lines: list[str] = []
-
-    def say(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
+    results_file = Results()
+    say = results_file.say
 
     say(f"# graphtrace {HEADER} (analysis/bench_overhead.py{' --quick' if args.quick else ''})")
-    say(f"graphtrace {gt.__version__} at {_revision()}; torch {torch.__version__}, "
+    say(f"graphtrace {gt.__version__} at {revision()}; torch {torch.__version__}, "
         f"Python {platform.python_version()}, {platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
     say(f"workload: {blocks} blocks (d={args.d}, 4 heads, {args.tokens} tokens; matmul+softmax "
@@ -671,10 +649,7 @@ def main(argv=None) -> int:
         f"RSS growth {on['rss_growth'] / 2**20:+.1f} MiB; after dropping the graphs: "
         f"{on['alive_after_drop']} alive, RSS {on['rss_after_drop'] / 2**20:+.1f} MiB")
 
-    if out_path is not None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text("\n".join(lines) + "\n")
-        print(f"wrote {out_path}")
+    results_file.write(out_path)
     return 0
 
 

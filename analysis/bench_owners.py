@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from _common import best_of
 from graphtrace.owners import resolve_path, walk_owners
 
 
@@ -63,15 +63,6 @@ def build(blocks: int, d: int = 4) -> nn.Module:
     return model
 
 
-def best(fn, repeat: int) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), result
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=2500)
@@ -83,13 +74,13 @@ def main() -> None:
     print(f"torch {torch.__version__}; {n_modules} modules "
           f"({args.blocks} blocks); best of {args.repeat}")
 
-    t_mods, _ = best(lambda: list(model.named_modules(remove_duplicate=False)), args.repeat)
-    t_regs, _ = best(lambda: (list(model.named_parameters(remove_duplicate=False)),
+    t_mods, _ = best_of(lambda: list(model.named_modules(remove_duplicate=False)), args.repeat)
+    t_regs, _ = best_of(lambda: (list(model.named_parameters(remove_duplicate=False)),
                               list(model.named_buffers(remove_duplicate=False))), args.repeat)
-    t_walk, owners = best(lambda: list(walk_owners(model)), args.repeat)
+    t_walk, owners = best_of(lambda: list(walk_owners(model)), args.repeat)
     kinds = collections.Counter(k for _, k, _ in owners)
     paths = [p for p, _, _ in owners]
-    t_res, resolved = best(lambda: [resolve_path(model, p) for p in paths], args.repeat)
+    t_res, resolved = best_of(lambda: [resolve_path(model, p) for p in paths], args.repeat)
     assert all(r is t for r, (_, _, t) in zip(resolved, owners)), "round trip failed"
 
     print(f"owners: {len(owners)} ({', '.join(f'{k} {n}' for k, n in kinds.items())})")

@@ -57,27 +57,13 @@ from torch import nn
 
 import graphtrace as gt
 from graphtrace.recorder import ACCESS_FIELDS, FACTORY, VIEW, _Plan
+from _common import Results, best_of, revision, rss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_scale.txt"
 HEADER = "trace + diff + report at scale"
 D = 4
 ACCESSES_PER_BLOCK = 21
 OPS_PER_BLOCK = 6
-
-
-def _revision() -> str:
-    """The checkout measured: git commit (+ "dirty" when graphtrace/ has local changes)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                             capture_output=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "graphtrace"], cwd=root,
-                               text=True, capture_output=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (rev or "unknown") + (" (graphtrace/ modified)" if dirty else "")
 
 
 # --------------------------------------------------------------------------- model
@@ -267,15 +253,6 @@ def reload(model: Model, keep: list, fraction: float = 0.01) -> tuple[int, int]:
 
 # --------------------------------------------------------------------------- measuring
 
-def best_of(fn, repeat: int):
-    t_best, out = float("inf"), None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        t_best = min(t_best, time.perf_counter() - t0)
-    return t_best, out
-
-
 def frames_alone(report) -> callable:
     """A function building the report's edges/storages/owners frames from ready columns."""
     cols = {}
@@ -293,23 +270,13 @@ def frames_alone(report) -> callable:
     return build
 
 
-def _rss() -> int:
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss
-    except ImportError:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class RssPeak:
     """Peak growth of the process's resident memory while the block runs (sampled every 5 ms)."""
 
     def __enter__(self):
         import threading
 
-        self.start = self.peak = _rss()
+        self.start = self.peak = rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -317,12 +284,12 @@ class RssPeak:
 
     def _sample(self):
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss())
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, rss())
         self.growth = self.peak - self.start
 
 
@@ -476,14 +443,11 @@ def main(argv=None) -> int:
     pool = max(storages // 5, storages - 7 * blocks)
     torch.set_num_threads(1)
 
-    lines: list[str] = []
-
-    def say(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
+    results_file = Results()
+    say = results_file.say
 
     say(f"# graphtrace {HEADER} (analysis/bench_scale.py{' --quick' if args.quick else ''})")
-    say(f"graphtrace {gt.__version__} at {_revision()}; torch {torch.__version__}, "
+    say(f"graphtrace {gt.__version__} at {revision()}; torch {torch.__version__}, "
         f"pandas {pd.__version__}, numpy {np.__version__}, "
         f"Python {platform.python_version()}, {os.cpu_count()} CPUs")
     say(f"model: {blocks} blocks = {4 * blocks + 2:,} modules, {6 * blocks:,} parameters, "
@@ -572,10 +536,7 @@ def main(argv=None) -> int:
                 f"{' -> '.join(f'{p * 1e6:.2f}' for p in per)} -> "
                 f"{'met (at most linear)' if linear else 'NOT met (super-linear)'}")
 
-    if out_path is not None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text("\n".join(lines) + "\n")
-        print(f"wrote {out_path}")
+    results_file.write(out_path)
     return 0
 
 

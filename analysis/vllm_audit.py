@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import write_results
+
 from graphtrace.vocab import STALE_VERDICTS, VERDICTS
 
 __all__ = ["CASES", "md_table", "run_case", "case_section", "main"]
@@ -271,8 +273,7 @@ def main(argv=None) -> int:
     lines += ["", "## Cases", ""]
     for r in results:
         lines += [case_section(r), ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines).rstrip() + "\n")
+    write_results(args.out, "\n".join(lines).rstrip() + "\n")
     print(f"[vllm_audit] wrote {args.out} in {total:.0f} s", file=sys.stderr)
     return 0
 

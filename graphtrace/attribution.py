@@ -5,8 +5,8 @@ dispatched. Two ways keep the stack, chosen by `gt.trace(modules=...)`:
 
 - ``"forward"`` (default): each watched module gets an instance attribute ``forward``, a
   method bound to it that pushes its id, runs ``type(module).forward`` and pops. A module call
-  stays on ``nn.Module._call_impl``'s fast path: about 3x cheaper per module call than a
-  pre/post hook pair (analysis/results/bench_overhead.txt). Because it is a bound method, a
+  stays on ``nn.Module._call_impl``'s fast path (hooks cost more: docs/performance.md,
+  "Module attribution: forward wrappers against hooks"). Because it is a bound method, a
   ``copy.deepcopy`` of a watched module gets a wrapper bound to the copy (it computes with the
   copy's own forward and is attributed to nothing), and ``pickle`` stores it as
   ``getattr(module, "forward")``. Modules that already carry an instance ``forward`` (someone

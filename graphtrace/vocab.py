@@ -84,3 +84,32 @@ def verdict_of(statuses: Iterable[str], alive: bool) -> str:
     if MOVED in statuses:
         return "stale" if alive else "dangling"
     return "orphaned"
+
+
+# -- docs ------------------------------------------------------------------------------------
+WORD_LISTS = ("VERDICTS", "STALE_VERDICTS", "IMPACTS", "ORIGINS", "OWNER_STATUSES",
+              "OWNER_KINDS", "ACCESS_KINDS", "EDGE_ACCESSES", "COLUMN_KINDS")
+
+
+def markdown_tables() -> str:
+    """The word lists above and each frame's columns as markdown tables: the text that
+    docs/internals.md holds verbatim (tests/test_docs.py checks it), so the docs never list
+    a word this module does not."""
+    g = globals()
+    out = ["| list | words |", "|---|---|"]
+    out += [f"| `{name}` | {', '.join(f'`{w}`' for w in g[name])} |" for name in WORD_LISTS]
+    out += ["", "| frame | columns (kind) |", "|---|---|"]
+    out += [f"| `{frame}` | {', '.join(f'`{c}` {k}' for c, k in SCHEMA[frame])} |"
+            for frame in FRAMES]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    import argparse
+
+    _ap = argparse.ArgumentParser(prog="python -m graphtrace.vocab",
+                                  description="Print graphtrace's vocabulary.")
+    _ap.add_argument("--markdown", action="store_true", required=True,
+                     help="as the markdown tables of docs/internals.md")
+    _ap.parse_args()
+    print(markdown_tables(), end="")

@@ -15,11 +15,6 @@ FIXTURE = Path(__file__).parent / "data" / "reload_report"
 STALE_COLS = [*STALE_VERDICTS, "total", "manifest", "latent", "unknown", "storages", "graphs"]
 
 
-@pytest.fixture(scope="module")
-def report() -> Report:
-    return load_report(FIXTURE)
-
-
 def _expected(rows: dict, name: str) -> pd.DataFrame:
     return pd.DataFrame(list(rows.values()), columns=STALE_COLS,
                         index=pd.Index(list(rows), dtype=object, name=name), dtype="int64")

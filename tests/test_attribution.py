@@ -23,10 +23,7 @@ import graphtrace as gt
 KEEPERS = ["forward", "hooks"]
 
 
-@pytest.fixture(autouse=True, params=["python", "native"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("GRAPHTRACE_NATIVE", "0" if request.param == "python" else "1")
-    return request.param
+pytestmark = pytest.mark.usefixtures("writer")  # every test on both writers
 
 
 class Block(nn.Module):

@@ -4,8 +4,6 @@ through the built-in reload and through vLLM's real layerwise reload."""
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 import re
 
 import pandas as pd
@@ -18,20 +16,10 @@ from graphtrace.demo.kernels import VARIANTS
 BATCH_SIZES = (1, 2, 4)
 N_LAYERS = 4
 ROWS = sum(BATCH_SIZES)
-BACKENDS = ["builtin", pytest.param("vllm", marks=pytest.mark.vllm)]
-
-
-def need_vllm():
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("GRAPHTRACE_REQUIRE_VLLM") == "1":
-            pytest.fail("GRAPHTRACE_REQUIRE_VLLM=1 but vLLM is not installed")
-        pytest.skip("vLLM is not installed")
 
 
 @functools.lru_cache(maxsize=None)
 def scenario(variant: str, backend: str, kind: str = "new-weights") -> runner.ScenarioResult:
-    if backend == "vllm":
-        need_vllm()
     res = runner.run_scenario(variant, kind, device="cpu", batch_sizes=BATCH_SIZES, seed=0,
                               backend=backend, n_layers=N_LAYERS, out=None, strict=True)
     assert res.backend == backend
@@ -54,11 +42,10 @@ def owner_rows(report, pattern: str) -> pd.DataFrame:
 
 # ---------------------------------------------------------------------------- unfixed
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant,suffix", [("unfixed-partial", "act_perm.keywords['perm']"),
                                             ("unfixed-lambda", "act_perm.__closure__")])
-def test_unfixed_every_layer_has_a_stale_perm_read(variant, suffix, backend):
-    res = scenario(variant, backend)
+def test_unfixed_every_layer_has_a_stale_perm_read(variant, suffix, reload_backend):
+    res = scenario(variant, reload_backend)
     report = res.report
     perm = perm_edges(report)
     # one perm read per (graph, layer), every one of them stale (old storage kept alive)
@@ -87,9 +74,8 @@ def test_unfixed_every_layer_has_a_stale_perm_read(variant, suffix, backend):
 
 # ---------------------------------------------------------------------------- rejected fix
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rejected_fix_perm_edge_is_diverged(backend):
-    res = scenario("rejected-fix", backend)
+def test_rejected_fix_perm_edge_is_diverged(reload_backend):
+    res = scenario("rejected-fix", reload_backend)
     report = res.report
     perm = perm_edges(report)
     assert len(perm) == len(BATCH_SIZES) * N_LAYERS
@@ -113,9 +99,8 @@ def test_rejected_fix_perm_edge_is_diverged(backend):
 
 # ---------------------------------------------------------------------------- fix
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_fix_has_no_stale_edges_and_flip_changes_every_output(backend):
-    res = scenario("fixed", backend)
+def test_fix_has_no_stale_edges_and_flip_changes_every_output(reload_backend):
+    res = scenario("fixed", reload_backend)
     report = res.report
     assert len(report.stale) == 0
     perm = perm_edges(report)
@@ -129,9 +114,8 @@ def test_fix_has_no_stale_edges_and_flip_changes_every_output(backend):
 
 # ---------------------------------------------------------------------------- Marlin
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_marlin_workspace_and_sort_indices_flagged(backend):
-    res = scenario("marlin", backend)
+def test_marlin_workspace_and_sort_indices_flagged(reload_backend):
+    res = scenario("marlin", reload_backend)
     stale = res.report.stale
     owners = stale["owners"].astype(str)
     args = stale["args"].astype(str)
@@ -179,8 +163,8 @@ def edge_key(report) -> list[tuple]:
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.usefixtures("vllm_installed")
 def test_vllm_and_builtin_reload_give_identical_verdicts(variant):
-    need_vllm()
     for kind in ("new-weights", "same-weights"):
         a = scenario(variant, "builtin", kind)
         b = scenario(variant, "vllm", kind)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -12,16 +10,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from graphtrace.demo.kernels import VARIANTS, _perm_in_callable
 from graphtrace.demo.model import DemoModel
 from graphtrace.demo.reload import reload, resolve_backend
-
-
-def need_vllm():
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("GRAPHTRACE_REQUIRE_VLLM") == "1":
-            pytest.fail("GRAPHTRACE_REQUIRE_VLLM=1 but vLLM is not installed")
-        pytest.skip("vLLM is not installed")
-
-
-BACKENDS = ["builtin", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 def holders(model) -> dict[str, torch.Tensor]:
@@ -60,12 +48,9 @@ EXPECTED_MOVED = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_reload_keeps_registered_storages_and_rebinds_the_rest(variant, backend):
-    if backend == "vllm":
-        need_vllm()
-    pattern = reload_pattern(variant, backend)
+def test_reload_keeps_registered_storages_and_rebinds_the_rest(variant, reload_backend):
+    pattern = reload_pattern(variant, reload_backend)
     moved_kinds = {k.split(":")[0] for k, moved in pattern.items() if moved}
     assert moved_kinds == EXPECTED_MOVED[variant], pattern
     # every registered parameter kept its storage
@@ -78,17 +63,17 @@ def test_reload_keeps_registered_storages_and_rebinds_the_rest(variant, backend)
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.usefixtures("vllm_installed")
 def test_vllm_and_builtin_reload_move_the_same_storages(variant):
-    need_vllm()
     assert reload_pattern(variant, "vllm") == reload_pattern(variant, "builtin")
 
 
 @pytest.mark.vllm
+@pytest.mark.usefixtures("vllm_installed")
 def test_vllm_reload_restores_the_construction_time_set():
     """The seed's accounting test, on vLLM's real code: `g_idx_sort_indices` (registered by
     PWAL) is not counted as loadable, and a layer processes as soon as its last checkpoint
     tensor arrives."""
-    need_vllm()
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
                                                                    get_layerwise_info)
@@ -122,8 +107,8 @@ def test_vllm_reload_restores_the_construction_time_set():
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.usefixtures("vllm_installed")
 def test_vllm_reload_eager_equals_fresh_model(variant):
-    need_vllm()
     model = DemoModel(variant, seed=0, reload_backend="vllm")
     reload(model, model.make_checkpoint(1, 2), backend="vllm")
     fresh = DemoModel(variant, reload_backend="builtin")

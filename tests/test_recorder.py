@@ -16,11 +16,7 @@ import graphtrace as gt
 from graphtrace.demo import ops
 
 
-@pytest.fixture(autouse=True, params=["python", "native"])
-def backend(request, monkeypatch):
-    """Every recorder test runs on both writers (GRAPHTRACE_NATIVE picks the default)."""
-    monkeypatch.setenv("GRAPHTRACE_NATIVE", "0" if request.param == "python" else "1")
-    return request.param
+pytestmark = pytest.mark.usefixtures("writer")  # every test on both writers
 
 
 def rows(trace, **where):

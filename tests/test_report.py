@@ -34,11 +34,6 @@ FRAMES = ("accesses", "storages", "owners", "edges")
 PERM = "layers.0.kernel.act_perm.keywords['perm']"
 
 
-@pytest.fixture(scope="module")
-def report() -> Report:
-    return load_report(FIXTURE)
-
-
 def assert_reports_equal(a: Report, b: Report) -> None:
     for name in FRAMES:
         pd.testing.assert_frame_equal(getattr(a, name), getattr(b, name), obj=name)

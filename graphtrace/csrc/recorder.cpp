@@ -12,14 +12,8 @@
 // Everything runs under the GIL and calls no Python code while it changes the shared tables,
 // so captures on two threads never interleave inside one registration.
 //
-// A weak handle keeps its StorageImpl (the object, never the data), so that no other storage
-// can take its address while the trace knows it. Kept for every intermediate, those headers
-// pile up between the allocator's live chunks and slow every later allocation down (~0.4 us
-// per op on CPU: analysis/results/bench_overhead.txt, "no sweep"). So the table sweeps: each
-// storage is checked once, kSweepLag to kSweepLag + kSweepBatch registrations after its own,
-// and again at the end of its capture; a dead one's handle is released
-// (its column reads 0, "freed") and its address leaves the index, so a storage that later
-// gets that address is a new storage, as it should be.
+// Storages are held by weak handle and swept as registration goes: why, and what it means for
+// identity, is docs/internals.md, Note [weak handles and the sweep].
 
 #include <Python.h>
 

@@ -1,0 +1,46 @@
+"""Fixtures shared by the test files: the writer each recorder test runs on, the hand-made
+report folder, and the reload backends of the demo (vLLM's only where it is installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+REPORT_FIXTURE = Path(__file__).parent / "data" / "reload_report"
+
+
+@pytest.fixture(params=["python", "native"])
+def writer(request, monkeypatch) -> str:
+    """Runs a test on both access writers (GRAPHTRACE_NATIVE picks the default); a test file
+    opts in for every test with ``pytestmark = pytest.mark.usefixtures("writer")``."""
+    monkeypatch.setenv("GRAPHTRACE_NATIVE", "0" if request.param == "python" else "1")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def report():
+    """The hand-made report folder tests/data/reload_report, loaded (see tests/data/README.md)."""
+    from graphtrace.report import load_report
+
+    return load_report(REPORT_FIXTURE)
+
+
+@pytest.fixture
+def vllm_installed() -> None:
+    """Skips the test where vLLM is not installed; fails it instead under
+    GRAPHTRACE_REQUIRE_VLLM=1 (the CI job that installs vLLM)."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("GRAPHTRACE_REQUIRE_VLLM") == "1":
+            pytest.fail("GRAPHTRACE_REQUIRE_VLLM=1 but vLLM is not installed")
+        pytest.skip("vLLM is not installed")
+
+
+@pytest.fixture(params=["builtin", pytest.param("vllm", marks=pytest.mark.vllm)])
+def reload_backend(request) -> str:
+    """The demo's reload backends: the built-in one and vLLM's real layerwise reload."""
+    if request.param == "vllm":
+        request.getfixturevalue("vllm_installed")
+    return request.param
