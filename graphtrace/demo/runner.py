@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from graphtrace.vocab import STALE_VERDICTS
+
 VARIANT_NOTES = {
     "unfixed-partial": "Machete before the fix: act_perm = partial(permute_cols, perm=perm)",
     "unfixed-lambda": "Machete before the fix: act_perm = lambda x: x[:, perm]",
@@ -44,7 +46,6 @@ VARIANT_NOTES = {
     "marlin": "Marlin-style: workspace on the kernel, sort indices a plain layer attribute",
 }
 
-STALE_LIKE = ("stale", "dangling", "diverged")
 PERM_ARGS = {"perm", "indices", "perm_or_none"}
 
 
@@ -202,20 +203,8 @@ def _capture(model, batch_sizes, device, torch, gt) -> list[Captured]:
     for bs in batch_sizes:
         x = model.make_input(bs)
         label = f"bs{bs}"
-        if device.type == "cuda":
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up outside the capture, as vLLM does
-                    model(x)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                graph.graphtrace_label = label
-            except AttributeError:
-                pass
-            with torch.cuda.graph(graph):
-                y = model(x)
+        if device.type == "cuda":  # warm-up outside the capture, as vLLM does; then labelled
+            graph, y = gt.capture_cuda_graph(lambda x=x: model(x), label, warmup=2)
             # A CUDA graph holds addresses, not tensors. vLLM's capture/compile artifacts
             # keep the capture-time kernel tensors alive (the seed measured 0/88 freed), so
             # the reads are stale rather than dangling; model that here, as the emulated
@@ -296,14 +285,14 @@ def run_scenario(variant: str, scenario: str, *, device, batch_sizes, seed: int,
 
     edges = report.edges
     verdict = edges["verdict"].astype(object)
-    res.counts = {v: int((verdict == v).sum()) for v in STALE_LIKE}
-    stale = edges[verdict.isin(STALE_LIKE)]
+    res.counts = {v: int((verdict == v).sum()) for v in STALE_VERDICTS}
+    stale = edges[verdict.isin(STALE_VERDICTS)]
     imp = stale["impact"].astype(object)
     res.impact = {k: int((imp == k).sum()) for k in ("manifest", "latent", "unknown")}
     perm = _perm_edges(edges)
     res.perm_edges = len(perm)
     pv = perm["verdict"].astype(object)
-    res.perm_flagged = int(pv.isin(STALE_LIKE).sum())
+    res.perm_flagged = int(pv.isin(STALE_VERDICTS).sum())
     res.perm_verdicts = {v: int(n) for v, n in pv.value_counts().items()}
     res.flagged_owners = sorted({o for s in stale["owners"].astype(str) for o in s.split("; ") if o})
     res.n_errors = len(report.errors)
@@ -449,7 +438,7 @@ def format_table(new: ScenarioResult, same: ScenarioResult | None, verdict: str)
         elif holder in ("act_perm", "registered"):
             add(f"{label} moved", lambda r: "n/a")
     add("stale / dangling / diverged edges",
-        lambda r: " / ".join(str(r.counts[v]) for v in STALE_LIKE))
+        lambda r: " / ".join(str(r.counts[v]) for v in STALE_VERDICTS))
     add("  impact manifest / latent / unknown",
         lambda r: " / ".join(str(r.impact[k]) for k in ("manifest", "latent", "unknown")))
     add("perm reads flagged", lambda r: _frac(r.perm_flagged, r.perm_edges))
@@ -480,7 +469,7 @@ def _summary_rows(results) -> list[dict]:
             rows.append({
                 "variant": r.variant, "scenario": r.scenario, "backend": r.backend,
                 "device": r.device, "layers": r.n_layers,
-                **{f"edges_{v}": r.counts[v] for v in STALE_LIKE},
+                **{f"edges_{v}": r.counts[v] for v in STALE_VERDICTS},
                 **{f"impact_{k}": r.impact[k] for k in ("manifest", "latent", "unknown")},
                 "perm_reads": r.perm_edges, "perm_reads_flagged": r.perm_flagged,
                 "rows": r.rows, "replay_eq_eager": r.replay_eq_eager,
