@@ -55,6 +55,8 @@ def _here(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # env first: it builds the native recorder once, and its lines head the results file
+    items.sort(key=lambda item: not (_here(item) and item.name == "test_env"))
     reason = cuda_skip_reason()
     for item in items:
         if not _here(item):
@@ -108,7 +110,7 @@ def pytest_runtest_logreport(report):
         entry = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
                  "seconds": round(report.duration, 2), "message": ""}
         if report.skipped and isinstance(report.longrepr, tuple):
-            entry["message"] = str(report.longrepr[2])
+            entry["message"] = str(report.longrepr[2]).removeprefix("Skipped: ")
         elif report.failed:
             entry["message"] = report.longreprtext[-3000:]
         _results.append(entry)
