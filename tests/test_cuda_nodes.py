@@ -257,3 +257,32 @@ def test_coverage_of_fake_graph(fake_libcuda):
     # gemm-like: W, X, OUT; memcpy: X, OUT; memset: TMP (owned, unseen); triton: TMP, X
     assert (t["pointers"], t["attributed"], t["owned"], t["owned_attributed"]) == (8, 6, 3, 1)
     assert t["unseen_owners"] == "act_perm.keywords['index']"
+
+
+def test_decoded_node_through_coverage_arithmetic():
+    """A decoded node's words, with a Triton-like node, through graph_coverage: what the
+    dispatcher attributed, what a launch hook adds, which owned storage nobody saw."""
+    import pandas as pd
+
+    mem = FakeMemory()
+    W, X, OUT, TMP = 0x7F0000000000, 0x7F0000100000, 0x7F0000200000, 0x7F0000300000
+    raw, info = synthetic_kernel_node(mem, [("ptr", W), ("i32", 64), ("struct2", (X, OUT)),
+                                            ("ptr", 12345)])
+    p = cn.decode_kernel_node_params(raw)
+    words, method = cn.kernel_param_words(mem.read, p["kernel_params"], p["extra"], info)
+    assert method == "param-info" and [w[2] for w in words] == [W, X, OUT, 12345]
+    storages = pd.DataFrame({"storage_id": [0, 1, 2], "data_ptr": [W, X, OUT],
+                             "nbytes": [4096, 1024, 1024], "device": ["cuda:0"] * 3,
+                             "alive": [True, True, True], "first_access": ["read"] * 3})
+    accesses = pd.DataFrame({"graph_id": [0, 0], "storage_id": [0, 2],
+                             "access": ["read", "write"], "graph": ["g", "g"]})
+    owned = pd.DataFrame({"data_ptr": [W, TMP], "nbytes": [4096, 256],
+                          "label": ["fc.weight", "act_perm.keywords['index']"]})
+    hook = pd.DataFrame({"data_ptr": [TMP, X], "nbytes": [256, 1024],
+                         "label": ["t:in_ptr1", "t:in_ptr0"]})
+    nodes = [cov.KernelNode.from_words("gemm", words),
+             cov.KernelNode("triton_poi_fused_0", [X + 8, TMP, OUT])]
+    t = cov.graph_coverage(nodes, storages, accesses, 0, owned=owned, hook=hook).totals
+    assert (t["pointers"], t["attributed"], t["attributed_with_hook"], t["owned"],
+            t["owned_attributed"]) == (6, 3, 6, 2, 1)
+    assert t["unseen_owners"] == "act_perm.keywords['index']"
