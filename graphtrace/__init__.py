@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "trace": "graphtrace.tracing",
     "capture": "graphtrace.tracing",
+    "capture_cuda_graph": "graphtrace.tracing",
     "Trace": "graphtrace.tracing",
     "EmulatedGraph": "graphtrace.tracing",
     "GraphtraceError": "graphtrace.tracing",

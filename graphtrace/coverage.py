@@ -5,7 +5,7 @@ graphtrace records what the dispatcher sees. Kernels that launch without it (Ind
 Triton kernels, C++ kernels of compiled CPU code, library internals such as cuBLAS's
 workspace) read memory the recorder never hears of. A captured CUDA graph holds the
 ground truth: each kernel node keeps the argument values it was launched with. This module
-is the torch-free half of that comparison (numpy + pandas only; `analysis/gpu_check.py`
+is the torch-free half of that comparison (numpy + pandas only; `graphtrace.cuda_nodes`
 reads the kernel nodes on a GPU):
 
 1. `param_words` / `scan_words` turn a node's raw parameter bytes into pointer-sized words;

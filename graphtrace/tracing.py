@@ -3,11 +3,13 @@
 A `Trace` owns the recorder's tables. Recording happens only inside capture regions: an
 explicit `capture(label)` (an emulated, replayable graph on any device) or any CUDA graph
 captured while the trace is open (`torch.cuda.graph`, bare `CUDAGraph.capture_begin()`),
-which the trace wraps for its lifetime and unwraps when it closes.
+which the trace wraps for its lifetime and unwraps when it closes. A CUDA graph's capture
+is labelled by `capture(label, cuda_graph=g)` around it (see Note [CUDA graph labels]).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from typing import Any, Callable
@@ -99,19 +101,26 @@ class _Region:
 
 
 class _CaptureContext:
-    """`with gt.capture(label) as g:` -- g is the EmulatedGraph of the region."""
+    """`with gt.capture(label) as g:` -- g is the EmulatedGraph of the region; with
+    `cuda_graph=g`, the region is g's own capture (Note [CUDA graph labels])."""
 
-    def __init__(self, label: str | None, emulate: bool = True):
+    def __init__(self, label: str | None, emulate: bool = True, cuda_graph: Any = None):
         self.label = label
         self.emulate = emulate
+        self.cuda_graph = cuda_graph
         self._region: _Region | None = None
+        self._trace: Trace | None = None
 
-    def __enter__(self) -> EmulatedGraph | Capture:
+    def __enter__(self) -> EmulatedGraph | Capture | Any:
         trace = _active
         if trace is None:
             raise GraphtraceError(
                 "graphtrace.capture() must be used inside `with graphtrace.trace(...)`: "
                 "open a trace first so the capture has somewhere to be recorded")
+        if self.cuda_graph is not None:
+            trace._label_cuda_graph(self.cuda_graph, self.label)
+            self._trace = trace
+            return self.cuda_graph
         if trace._open_region() is not None:
             raise GraphtraceError("capture regions do not nest: this thread is already capturing "
                                   f"{trace._open_region().capture.label!r}")
@@ -120,17 +129,86 @@ class _CaptureContext:
         self._region.open()
         return self._region.graph if self.emulate else self._region.capture
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.cuda_graph is not None:
+            trace, self._trace = self._trace, None
+            captured = trace._unlabel_cuda_graph(self.cuda_graph)
+            if not captured and exc_type is None:
+                raise GraphtraceError(
+                    f"capture({self.label!r}, cuda_graph=...) closed without capturing its graph: "
+                    "call torch.cuda.graph(g) (or g.capture_begin()) inside it, on this thread")
+            return
         region, self._region = self._region, None
         region.trace._set_region(None)
         region.close()
 
 
-def capture(label: str | None = None, *, emulate: bool = True) -> _CaptureContext:
-    """Mark a region to record like a CUDA graph capture; yields a replayable EmulatedGraph."""
+# Note [CUDA graph labels]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# Every CUDA graph captured while a trace is open is recorded (the trace wraps
+# CUDAGraph.capture_begin/capture_end), under a generated label. To name it, wrap the capture:
+#
+#     with gt.capture("decode", cuda_graph=g):
+#         with torch.cuda.graph(g):
+#             model(x)
+#
+# Inside the context, a capture of `g` begun on this thread is recorded under "decode"; no
+# emulated region is opened (the real graph is the record, and it is replayed with
+# g.replay()). Other graphs, and `g` captured on other threads, keep their generated labels.
+# The context must see `g` captured: closing it without a capture is a GraphtraceError.
+# Without `cuda_graph`, capture() opens an emulated region as before. `capture_cuda_graph`
+# is the warm-up-and-capture recipe built on it.
+
+
+def capture(label: str | None = None, *, emulate: bool = True,
+            cuda_graph: Any = None) -> _CaptureContext:
+    """Mark a region to record like a CUDA graph capture; yields a replayable EmulatedGraph.
+
+    `cuda_graph`: a torch.cuda.CUDAGraph whose capture inside this context (on this thread)
+    is recorded under `label` instead of an emulated region; yields the graph itself. See
+    Note [CUDA graph labels].
+    """
     if label is not None and not isinstance(label, str):
         raise TypeError(f"capture label must be a str, got {type(label).__name__}")
-    return _CaptureContext(label, emulate)
+    if cuda_graph is not None:
+        from torch.cuda.graphs import CUDAGraph
+
+        if not isinstance(cuda_graph, CUDAGraph):
+            raise TypeError(f"cuda_graph must be a torch.cuda.CUDAGraph, got "
+                            f"{type(cuda_graph).__name__}")
+    return _CaptureContext(label, emulate, cuda_graph)
+
+
+def capture_cuda_graph(fn: Callable[[], Any], label: str | None = None, *, warmup: int = 2,
+                       graph: Any = None, pool: Any = None) -> tuple[Any, Any]:
+    """Warm `fn` up on a side stream, then capture `fn()` into a CUDA graph: (graph, output).
+
+    The recipe vLLM and torch's docs use: warm-up calls outside the capture (lazy
+    initialisation, autotuning, allocator growth must not happen inside it), then
+    `torch.cuda.graph(graph, pool=pool)`. Inside an open trace the capture is recorded under
+    `label` (Note [CUDA graph labels]); outside one it is a plain capture. `graph`: a
+    CUDAGraph to capture into (e.g. `CUDAGraph(keep_graph=True)`); default a new one.
+    """
+    if not callable(fn):
+        raise TypeError(f"capture_cuda_graph needs a callable, got {type(fn).__name__}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
+    if not torch.cuda.is_available():
+        raise GraphtraceError("capture_cuda_graph needs CUDA (torch.cuda.is_available() is "
+                              "False); use graphtrace.capture(label) for an emulated graph")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph() if graph is None else graph
+    label_it = capture(label, cuda_graph=graph) if _active is not None else contextlib.nullcontext()
+    with label_it:
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    return graph, out
 
 
 class _CudaGraphPatch:
@@ -190,6 +268,7 @@ class Trace:
         self.blind_spots: list[str] = []
         self._regions = threading.local()
         self._cuda_regions: dict[int, _Region] = {}
+        self._cuda_labels: dict[tuple[int, int], list] = {}  # (thread, id(graph)) -> [label, captured]
         self._owner_cache: dict[str, Any] = {}
         self._owners: dict[int, set] = {}   # storage id -> {(model, path, kind)} at capture time
         self._owners_checked = 0            # storages below this id were matched to owners
@@ -316,18 +395,33 @@ class Trace:
     def _after_capture(self, capture: Capture) -> None:
         self._match_owners()
 
+    def _label_cuda_graph(self, graph, label: str | None) -> None:
+        key = (threading.get_ident(), id(graph))
+        if key in self._cuda_labels:
+            raise GraphtraceError(f"this CUDA graph is already labelled "
+                                  f"{self._cuda_labels[key][0]!r} on this thread")
+        self._cuda_labels[key] = [label, False]
+
+    def _unlabel_cuda_graph(self, graph) -> bool:
+        """Drop the label of `graph` on this thread; whether a capture of it began meanwhile."""
+        entry = self._cuda_labels.pop((threading.get_ident(), id(graph)), None)
+        return bool(entry and entry[1])
+
     def _cuda_begin(self, graph, args, kwargs) -> None:
+        entry = self._cuda_labels.get((threading.get_ident(), id(graph)))
+        if entry is not None:
+            entry[1] = True
         outer = self._open_region()
         if outer is not None:  # recorded once, by the region already open on this thread
             self.add_blind_spot(f"a CUDA graph was captured inside capture region "
                                 f"{outer.capture.label!r}: its ops are recorded there")
             return
         try:
-            label = getattr(graph, "graphtrace_label", None)
+            label = entry[0] if entry is not None else None
             region = _Region(self, label, "cuda", emulate=False)
             pool = args[0] if args else kwargs.get("pool")
             region.capture.info = {"pool": repr(pool) if pool is not None else "",
-                                   "stream": str(torch.cuda.current_stream())}
+                                   "stream": _current_stream()}
             self._cuda_regions[id(graph)] = region
             region.open()
         except Exception as exc:
@@ -375,6 +469,13 @@ class Trace:
                 f"{len(self.recorder.captures)} graphs, {n} accesses, "
                 f"{len(self.recorder.storages.handles)} storages, {len(self.models)} models, "
                 f"{self.recorder.n_errors} errors>")
+
+
+def _current_stream() -> str:
+    try:
+        return str(torch.cuda.current_stream())
+    except Exception:  # no CUDA runtime (a fake graph in tests): nothing to name
+        return ""
 
 
 class _Handles:

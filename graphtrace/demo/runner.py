@@ -206,20 +206,8 @@ def _capture(model, batch_sizes, device, torch, gt) -> list[Captured]:
     for bs in batch_sizes:
         x = model.make_input(bs)
         label = f"bs{bs}"
-        if device.type == "cuda":
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up outside the capture, as vLLM does
-                    model(x)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                graph.graphtrace_label = label
-            except AttributeError:
-                pass
-            with torch.cuda.graph(graph):
-                y = model(x)
+        if device.type == "cuda":  # warm-up outside the capture, as vLLM does; then labelled
+            graph, y = gt.capture_cuda_graph(lambda x=x: model(x), label, warmup=2)
             # A CUDA graph holds addresses, not tensors. vLLM's capture/compile artifacts
             # keep the capture-time kernel tensors alive (the seed measured 0/88 freed), so
             # the reads are stale rather than dangling; model that here, as the emulated
