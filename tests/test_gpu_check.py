@@ -6,7 +6,6 @@ run. The libcuda reader itself is tested in tests/test_cuda_nodes.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -24,17 +23,8 @@ VARIANTS = ("unfixed-partial", "unfixed-lambda", "rejected-fix", "fixed", "marli
 N_GPU_TESTS = 21
 
 
-def _load(name: str, path: Path):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-checks = _load("graphtrace_gpu_checks", REPO / "tests" / "gpu" / "checks.py")
-script = _load("gpu_check_script", SCRIPT)
+from analysis import gpu_check as script
+from tests.gpu import checks
 
 
 def run_script(*args, timeout, env=None):

@@ -11,7 +11,6 @@ ran before it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -24,17 +23,7 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def _load_checks():
-    name = "graphtrace_gpu_checks"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / "checks.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-checks_module = _load_checks()
+from tests.gpu import checks as checks_module
 
 
 def cuda_skip_reason() -> str | None:
