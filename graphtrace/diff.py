@@ -145,29 +145,45 @@ def _per_storage(owners: pd.DataFrame, alive: np.ndarray) -> pd.DataFrame:
     starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
     status = owners["status"].to_numpy(dtype=object)
     owner_kind = owners["kind"].to_numpy(dtype=object)
-    verdict = storage_verdicts(status, starts, alive[keys])
+    n_owners = np.diff(starts, append=len(sid))
+    verdict = storage_verdicts(status, n_owners, alive[keys])
     kinds = np.full(len(keys), "", dtype=object)
     for k in sorted(OWNER_KINDS):  # sorted, ';'-joined
         has = np.logical_or.reduceat(owner_kind == k, starts)
         kinds = np.where(has, np.where(kinds == "", k, kinds + ";" + k), kinds)
     return pd.DataFrame({"owners": paths, "owner_kinds": kinds,
-                         "n_owners": np.diff(starts, append=len(sid)),
+                         "n_owners": n_owners,
                          "live_data_ptr": _live_pointer(owners["live_data_ptr"], status == MOVED,
                                                         starts),
                          "verdict": verdict},
                         index=pd.Index(keys, dtype=np.int64))
 
 
-def storage_verdicts(status: np.ndarray, starts: np.ndarray, alive: np.ndarray) -> np.ndarray:
-    """`vocab.verdict_of`, vectorised: the verdict of each storage from its owner rows'
-    statuses (`status`, one run of rows per storage, runs starting at `starts`) and whether
-    its captured storage is alive (`alive`, one per run). Object array of verdicts."""
+def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray) -> np.ndarray:
+    """`vocab.verdict_of`, vectorised: per storage, its verdict (an object array).
+
+    `status`: the owner statuses of all storages, one run per storage in storage order;
+    `n_owners`: each storage's run length (0: no owner, unowned); `alive`: whether each
+    captured storage is still alive."""
+    n_owners = np.asarray(n_owners, dtype=np.int64)
+    if len(status) != n_owners.sum() or len(alive) != len(n_owners) or (n_owners < 0).any():
+        raise ValueError(f"storage_verdicts needs one status per owner ({len(status)} for "
+                         f"{n_owners.sum()} owners) and one alive flag per storage "
+                         f"({len(alive)} for {len(n_owners)} storages)")
+    verdict = np.full(len(n_owners), UNOWNED, dtype=object)
+    owned = n_owners > 0
+    if not owned.any():
+        return verdict
+    status = np.asarray(status, dtype=object)
+    starts = np.cumsum(n_owners[owned]) - n_owners[owned]  # runs of owned storages only
     holds_row = status == HOLDS
     holds = np.logical_or.reduceat(holds_row, starts)
     moved = np.logical_or.reduceat(status == MOVED, starts)
-    return np.select(
-        [holds & ~np.logical_and.reduceat(holds_row, starts), holds, moved & alive, moved],
-        [DIVERGED, STABLE, STALE, DANGLING], default=ORPHANED_VERDICT).astype(object)
+    verdict[owned] = np.select(
+        [holds & ~np.logical_and.reduceat(holds_row, starts), holds,
+         moved & np.asarray(alive, dtype=bool)[owned], moved],
+        [DIVERGED, STABLE, STALE, DANGLING], default=ORPHANED_VERDICT)
+    return verdict
 
 
 def _live_pointer(ptrs: pd.Series, moved: np.ndarray, starts: np.ndarray):
