@@ -355,7 +355,8 @@ class PyWriter:
             name = plan.returns[0] if plan.returns else None
             if name is not None:  # None: a mutated argument, already recorded as a write
                 slot = slot_of(out)
-                fresh = (slot >> SID_SHIFT) not in inputs  # else a view (`_unsafe_view` claims fresh)
+                # else a view (`_unsafe_view` claims fresh)
+                fresh = (slot >> SID_SHIFT) not in inputs
                 append((seq, name | (FACTORY if fresh else VIEW), slot))
         elif isinstance(out, (tuple, list)):
             returns = plan.returns

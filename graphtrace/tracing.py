@@ -193,8 +193,8 @@ class Trace:
         self.blind_spots: list[str] = []
         self._regions = threading.local()
         self._cuda_regions: dict[int, _Region] = {}
-        # storage id -> {(model, path, owner kind)} at capture time
-        self.owners = OwnerSnapshot()
+        # capture-time owners of the captured storages, matched after each capture
+        self.owner_snapshot = OwnerSnapshot()
         self._patch = _CudaGraphPatch(self)
         self._open = False
         self._closed = False
@@ -246,7 +246,7 @@ class Trace:
         self.models[name] = model
         if self._open:
             self._attribute_modules(name, model)
-        self.owners.forget(name)
+        self.owner_snapshot.forget(name)
         if self.recorder.captures:
             self._refresh_owners()
         return self
@@ -257,7 +257,7 @@ class Trace:
     def _refresh_owners(self) -> None:
         """Walk the watched models again (trace exit, watch) and match captured storages."""
         try:
-            cut = self.owners.refresh(self.models, self.recorder.storages)
+            cut = self.owner_snapshot.refresh(self.models, self.recorder.storages)
         except Exception as exc:
             self.recorder.fail("owner snapshot", exc)
             return
@@ -267,7 +267,7 @@ class Trace:
     def _match_owners(self) -> None:
         """Match the storages captured since the last snapshot (after each capture)."""
         try:
-            cut = self.owners.update(self.models, self.recorder.storages)
+            cut = self.owner_snapshot.update(self.models, self.recorder.storages)
         except Exception as exc:
             self.recorder.fail("owner snapshot", exc)
             return
@@ -334,9 +334,7 @@ class Trace:
         """Resolve capture-time owners on the live model(s) and classify every edge."""
         from graphtrace.diff import diff
 
-        if self.recorder.captures and self.models:  # else diff says what is missing
-            self._match_owners()  # storages seen since the last snapshot; walk cuts noted
-        return diff(self.recorder, self.owners, self.models, self.blind_spots)
+        return diff(self.recorder, self.owner_snapshot, self.models, self.blind_spots)
 
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")
