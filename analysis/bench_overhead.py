@@ -203,7 +203,7 @@ class Graphtrace(Recorder):
         t0 = time.perf_counter()
         self.trace = gt.trace(model, native=self.native, modules=self.modules)
         if not self.sweep:
-            self.trace.recorder.storages._native.set_sweeping(False)
+            self.trace.recorder.storages.native_table.set_sweeping(False)
         self.trace.__enter__()
         self._enter = time.perf_counter() - t0
 

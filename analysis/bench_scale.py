@@ -12,11 +12,12 @@ Two sources of captures, both diffed through the public `t.diff()`:
 - real: `gt.capture(label, emulate=False)` around forwards over windows of blocks (10k and
   100k accesses; real dispatch costs ~20 us per op here, so 1M is left to the synthetic one);
 - synthetic: rows appended straight into each `Capture`'s columnar arrays the way
-  graphtrace.recorder does it (`_Plan` codes `arg << 2 | access`, `StorageTable.lookup`
-  for the storage id, the view interner for `(dtype, shape, stride, offset)`, rows
-  `seq, code, sid << 32 | view`, one op id and one module id per op), over real tensors: the
-  model's parameters and perm tensors, and a pool of intermediate tensors held alive (up to
-  50,000 storages in all), so that owners, liveness and value checks in diff are real.
+  graphtrace.recorder does it (`_Plan` codes `encoding.pack_code(arg, access)`,
+  `StorageTable.lookup` for the storage id, the view interner for `(dtype, shape, stride,
+  offset)`, rows `seq, code, encoding.pack_slot(sid, view)`, one op id and one module id
+  per op), over real tensors: the model's parameters and perm tensors, and a pool of
+  intermediate tensors held alive (up to 50,000 storages in all), so that owners, liveness
+  and value checks in diff are real.
 
 Before diffing, a reload: every parameter is copied in place (stable), 1% of the blocks
 rebind their perm tensor to a new one with new values (stale: the old perm is kept alive
@@ -56,7 +57,8 @@ import torch
 from torch import nn
 
 import graphtrace as gt
-from graphtrace.recorder import ACCESS_FIELDS, FACTORY, VIEW, _Plan
+from graphtrace.encoding import ACCESS_FIELDS, FACTORY, VIEW, pack_slot
+from graphtrace.recorder import _Plan
 from _common import Results, best_of, revision, rss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_scale.txt"
@@ -154,7 +156,7 @@ class Synthetic:
         rec = self.t.recorder
         sid = rec.storages.lookup(t.untyped_storage())
         key = view if view is not None else (t.dtype, t.shape, t.stride(), t.storage_offset())
-        return (sid << 32) | rec.views(key)
+        return pack_slot(sid, rec.views(key))
 
     def _block_slots(self, j: int) -> np.ndarray:
         """Storage/view slots of block j's owned tensors, in row order."""

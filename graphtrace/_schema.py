@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import torch
 
-# Access kinds, stored as small ints in the capture records.
-READ, WRITE, VIEW, FACTORY = 0, 1, 2, 3
-ACCESS_NAMES = ("read", "write", "view", "factory")
+# Accesses and return-slot kinds are ints of the record encoding (graphtrace.encoding).
+from graphtrace.encoding import OUT_ALIAS, OUT_FRESH, OUT_MUTATED, READ, VIEW, WRITE
 
-# What the returns of an op are, for one output slot.
-OUT_FRESH, OUT_ALIAS, OUT_MUTATED = 0, 1, 2
+__all__ = ["OpInfo", "op_name", "parse_schema", "op_info"]
 
 
 class OpInfo:
@@ -24,7 +22,7 @@ class OpInfo:
     def __init__(self, name: str, positional: tuple, by_keyword: dict, returns: tuple,
                  may_alias: bool):
         self.name = name
-        # positional[i] / by_keyword[name] = (argument name, access kind) for tensor-carrying args
+        # positional[i] / by_keyword[name] = (argument name, access) for tensor-carrying args
         self.positional = positional
         self.by_keyword = by_keyword
         self.returns = returns  # one OUT_* per return slot
@@ -70,7 +68,7 @@ def parse_schema(func: torch._ops.OpOverload) -> OpInfo:
             returns.append(OUT_MUTATED)
         else:
             returns.append(OUT_ALIAS)
-    may_alias = any(kind == VIEW for _, kind in by_keyword.values())
+    may_alias = any(access == VIEW for _, access in by_keyword.values())
     return OpInfo(op_name(func), tuple(positional), by_keyword, tuple(returns), may_alias)
 
 

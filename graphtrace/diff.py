@@ -20,23 +20,33 @@ import contextlib
 import datetime as _dt
 import gc
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
 import pandas as pd
 import torch
 
 from graphtrace import __version__
-from graphtrace._schema import ACCESS_NAMES, FACTORY, READ, VIEW, WRITE
+from graphtrace.encoding import FACTORY, READ, VIEW, WRITE
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
-from graphtrace.vocab import COLUMNS, IMPACTS, VERDICTS
+from graphtrace.owners import OwnerSnapshot, walk_owners
+from graphtrace.vocab import (ACCESS_KINDS, COLUMNS, EDGE_ACCESSES, HOLDS, IMPACTS, MOVED,
+                              ORIGINS, ORPHANED, OWNER_KINDS, VERDICTS)
 
 if TYPE_CHECKING:
+    from graphtrace.recorder import Recorder
     from graphtrace.report import Report
+
+__all__ = ["diff", "storage_verdicts"]
 
 EDGE_COLUMNS = COLUMNS["edges"]
 OWNER_COLUMNS = COLUMNS["owners"]
 STORAGE_COLUMNS = COLUMNS["storages"]
+# verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
+_V = {v: v for v in VERDICTS}
+STABLE, STALE, DANGLING, DIVERGED, UNOWNED = (
+    _V[v] for v in ("stable", "stale", "dangling", "diverged", "unowned"))
+ORPHANED_VERDICT = _V["orphaned"]
 
 
 @contextlib.contextmanager
@@ -55,8 +65,6 @@ def _gc_paused():
 
 def _live_paths(models: dict) -> dict[str, dict[str, torch.Tensor]]:
     """Per watched model: every owner path on the live model -> the tensor it reaches now."""
-    from graphtrace.owners import walk_owners
-
     live = {}
     for name, model in models.items():
         paths: dict[str, torch.Tensor] = {}
@@ -68,11 +76,10 @@ def _live_paths(models: dict) -> dict[str, dict[str, torch.Tensor]]:
     return live
 
 
-def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
+def _resolve_owners(handles, captured: dict, sids: np.ndarray,
+                    live) -> tuple[pd.DataFrame, dict]:
     """One row per (storage, capture-time owner), with its status on the live model; rows
-    in the order of `sids` (ascending), then model, path and kind."""
-    handles = trace.recorder.storages.handles
-    captured = trace._owners
+    in the order of `sids` (ascending), then model, path and owner kind."""
     rows = []
     moved_to: dict[int, torch.Tensor] = {}  # storage id -> a live tensor an owner moved to
     for sid in sids.tolist():
@@ -80,12 +87,12 @@ def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
         if not owners:
             continue
         handle = handles[sid]
-        for model, path, kind in (sorted(owners) if len(owners) > 1 else owners):
+        for model, path, owner_kind in (sorted(owners) if len(owners) > 1 else owners):
             tensor = live[model].get(path) if model in live else None
             status, ptr = _status(tensor, handle)
-            if status == "moved":
+            if status == MOVED:
                 moved_to.setdefault(sid, tensor)
-            rows.append((sid, model, path, kind, status, ptr))
+            rows.append((sid, model, path, owner_kind, status, ptr))
     frame = pd.DataFrame(rows, columns=OWNER_COLUMNS)
     frame["live_data_ptr"] = frame["live_data_ptr"].astype("Int64")
     return frame, moved_to
@@ -94,13 +101,13 @@ def _resolve_owners(trace, sids: np.ndarray, live) -> tuple[pd.DataFrame, dict]:
 def _status(tensor: torch.Tensor | None, handle: int) -> tuple[str, object]:
     """An owner's status (holds, moved, orphaned) and the data_ptr it reaches now."""
     if tensor is None:
-        return "orphaned", pd.NA
+        return ORPHANED, pd.NA
     try:
         same = tensor.untyped_storage()._cdata == handle
         ptr = tensor.data_ptr()
     except Exception:  # tensors without storage (meta, functional wrappers)
-        return "moved", pd.NA
-    return ("holds" if same else "moved"), ptr
+        return MOVED, pd.NA
+    return (HOLDS if same else MOVED), ptr
 
 
 def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.ndarray, np.ndarray]:
@@ -136,22 +143,47 @@ def _per_storage(owners: pd.DataFrame, alive: np.ndarray) -> pd.DataFrame:
     sid = owners["storage_id"].to_numpy(dtype=np.int64)
     keys, paths = _joined(sid, np.arange(len(sid)), owners["path"].to_numpy(dtype=object), "; ")
     starts = np.flatnonzero(np.r_[True, sid[1:] != sid[:-1]])
-    status, kind = owners["status"].to_numpy(dtype=object), owners["kind"].to_numpy(dtype=object)
-    holds_row, moved_row = status == "holds", status == "moved"
-    holds = np.logical_or.reduceat(holds_row, starts)
-    moved = np.logical_or.reduceat(moved_row, starts)
-    verdict = np.select(
-        [holds & ~np.logical_and.reduceat(holds_row, starts), holds, moved & alive[keys], moved],
-        ["diverged", "stable", "stale", "dangling"], default="orphaned").astype(object)
+    status = owners["status"].to_numpy(dtype=object)
+    owner_kind = owners["kind"].to_numpy(dtype=object)
+    n_owners = np.diff(starts, append=len(sid))
+    verdict = storage_verdicts(status, n_owners, alive[keys])
     kinds = np.full(len(keys), "", dtype=object)
-    for k in ("attribute", "buffer", "parameter"):  # sorted, ';'-joined
-        has = np.logical_or.reduceat(kind == k, starts)
+    for k in sorted(OWNER_KINDS):  # sorted, ';'-joined
+        has = np.logical_or.reduceat(owner_kind == k, starts)
         kinds = np.where(has, np.where(kinds == "", k, kinds + ";" + k), kinds)
     return pd.DataFrame({"owners": paths, "owner_kinds": kinds,
-                         "n_owners": np.diff(starts, append=len(sid)),
-                         "live_data_ptr": _live_pointer(owners["live_data_ptr"], moved_row, starts),
+                         "n_owners": n_owners,
+                         "live_data_ptr": _live_pointer(owners["live_data_ptr"], status == MOVED,
+                                                        starts),
                          "verdict": verdict},
                         index=pd.Index(keys, dtype=np.int64))
+
+
+def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray) -> np.ndarray:
+    """`vocab.verdict_of`, vectorised: per storage, its verdict (an object array).
+
+    `status`: the owner statuses of all storages, one run per storage in storage order;
+    `n_owners`: each storage's run length (0: no owner, unowned); `alive`: whether each
+    captured storage is still alive."""
+    n_owners = np.asarray(n_owners, dtype=np.int64)
+    if len(status) != n_owners.sum() or len(alive) != len(n_owners) or (n_owners < 0).any():
+        raise ValueError(f"storage_verdicts needs one status per owner ({len(status)} for "
+                         f"{n_owners.sum()} owners) and one alive flag per storage "
+                         f"({len(alive)} for {len(n_owners)} storages)")
+    verdict = np.full(len(n_owners), UNOWNED, dtype=object)
+    owned = n_owners > 0
+    if not owned.any():
+        return verdict
+    status = np.asarray(status, dtype=object)
+    starts = np.cumsum(n_owners[owned]) - n_owners[owned]  # runs of owned storages only
+    holds_row = status == HOLDS
+    holds = np.logical_or.reduceat(holds_row, starts)
+    moved = np.logical_or.reduceat(status == MOVED, starts)
+    verdict[owned] = np.select(
+        [holds & ~np.logical_and.reduceat(holds_row, starts), holds,
+         moved & np.asarray(alive, dtype=bool)[owned], moved],
+        [DIVERGED, STABLE, STALE, DANGLING], default=ORPHANED_VERDICT)
+    return verdict
 
 
 def _live_pointer(ptrs: pd.Series, moved: np.ndarray, starts: np.ndarray):
@@ -166,9 +198,9 @@ def _live_pointer(ptrs: pd.Series, moved: np.ndarray, starts: np.ndarray):
     return ptrs.array.take(np.where(pick < none, pick, -1), allow_fill=True)
 
 
-def _impact(trace, sid: int, view: tuple, live: torch.Tensor) -> str:
+def _impact(table, sid: int, view: tuple, live: torch.Tensor) -> str:
     """Do the values a graph reads from the old storage differ from the owner's live values?"""
-    old = trace.recorder.storages.upgrade(sid)
+    old = table.upgrade(sid)
     if old is None:
         return "unknown"
     dtype, shape, stride, offset = view
@@ -213,31 +245,31 @@ def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray) -> dict:
         "owner_kinds": pd.Categorical(values("owner_kinds", ""))[at],
         "n_owners": np.append(per_storage["n_owners"].to_numpy(dtype=np.int64), 0)[at],
         "live_data_ptr": per_storage["live_data_ptr"].astype("Int64").array.take(at, allow_fill=True),
-        "verdict": pd.Categorical(values("verdict", "unowned"), VERDICTS)[at],
+        "verdict": pd.Categorical(values("verdict", UNOWNED), VERDICTS)[at],
     }
 
 
-def _impacts(trace, verdict: pd.Categorical, sids: np.ndarray, views: np.ndarray,
+def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndarray,
              moved_to: dict) -> pd.Categorical:
     """`impact` per edge: value checks for stale and diverged edges (once per storage and
     view), unknown for dangling ones, empty otherwise."""
     names = ["", *IMPACTS]
-    codes = np.where(verdict == "dangling", names.index("unknown"), 0)
-    items = trace.recorder.views.items
+    codes = np.where(verdict == DANGLING, names.index("unknown"), 0)
+    items = recorder.views.items
     cache: dict[tuple[int, int], int] = {}
-    for i in np.flatnonzero((verdict == "stale") | (verdict == "diverged")).tolist():
+    for i in np.flatnonzero((verdict == STALE) | (verdict == DIVERGED)).tolist():
         k = sid, v = int(sids[i]), int(views[i])
         if k not in cache:
-            cache[k] = names.index(_impact(trace, sid, items[v], moved_to[sid])
+            cache[k] = names.index(_impact(recorder.storages, sid, items[v], moved_to[sid])
                                    if sid in moved_to else "unknown")
         codes[i] = cache[k]
     return pd.Categorical.from_codes(codes, names)
 
 
-def _writes(kinds: np.ndarray) -> np.ndarray:
-    """Which access kinds write (in place or as a fresh output): two compares, where np.isin
-    over int8 kinds takes ~100x longer (a sort or table per call)."""
-    return (kinds == WRITE) | (kinds == FACTORY)
+def _writes(access: np.ndarray) -> np.ndarray:
+    """Which accesses write (in place or as a fresh output): two compares, where np.isin
+    over int8 accesses takes ~100x longer (a sort or table per call)."""
+    return (access == WRITE) | (access == FACTORY)
 
 
 def _edge_runs(raw: dict, n_storages: int) -> tuple[np.ndarray, np.ndarray]:
@@ -258,12 +290,12 @@ def _edges(raw: dict, accesses: pd.DataFrame, names: list, nbytes: np.ndarray,
     """Edge columns up to `shape`, each edge's first access row, and the access row it
     describes (its first read, else its first write)."""
     rows, starts = _edge_runs(raw, n_storages)
-    kinds = raw["access"][rows]
+    access = raw["access"][rows]
     first_rows = rows[starts]
     big = np.iinfo(np.int64).max
     if len(starts):
-        first_read = np.minimum.reduceat(np.where(kinds == READ, rows, big), starts)
-        has_write = np.logical_or.reduceat(_writes(kinds), starts)
+        first_read = np.minimum.reduceat(np.where(access == READ, rows, big), starts)
+        has_write = np.logical_or.reduceat(_writes(access), starts)
     else:
         first_read, has_write = np.empty(0, np.int64), np.empty(0, bool)
     has_read = first_read != big
@@ -278,8 +310,8 @@ def _edges(raw: dict, accesses: pd.DataFrame, names: list, nbytes: np.ndarray,
         "graph_id": raw["graph_id"][first_rows],
         "graph": accesses["graph"].array[first_rows],  # categoricals: a take of their codes
         "storage_id": sids,
-        "access": pd.Categorical.from_codes(np.where(has_read, np.where(has_write, 1, 0), 2),
-                                            ["read", "read+write", "write"]),
+        "access": pd.Categorical.from_codes(  # EDGE_ACCESSES: read, read+write, write
+            np.where(has_read, np.where(has_write, 1, 0), 2), list(EDGE_ACCESSES)),
         "ops": _joined_runs(raw["op"][rows], run, names_arr),
         "args": _joined_runs(raw["arg"][rows], run, names_arr),
         "module": accesses["module"].array[first_rows],
@@ -293,7 +325,7 @@ def _edges(raw: dict, accesses: pd.DataFrame, names: list, nbytes: np.ndarray,
 
 def _storages(table, alive: np.ndarray, nbytes: np.ndarray, access: np.ndarray,
               sids: np.ndarray, first_rows: np.ndarray) -> pd.DataFrame:
-    """One row per storage; `first_access`: the kind of its first reading or writing row
+    """One row per storage; `first_access`: the access of its first reading or writing row
     (the earliest first row of its edges), else view."""
     n = len(alive)
     first = np.full(n, len(access), dtype=np.int64)
@@ -307,24 +339,35 @@ def _storages(table, alive: np.ndarray, nbytes: np.ndarray, access: np.ndarray,
         "nbytes": nbytes,
         "device": list(table.devices),
         "alive": alive,
-        "first_access": np.asarray(ACCESS_NAMES, dtype=object)[first_code],
+        "first_access": np.asarray(ACCESS_KINDS, dtype=object)[first_code],
     }, columns=STORAGE_COLUMNS)
 
 
-def diff(trace) -> "Report":
+def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, torch.nn.Module],
+         blind_spots: Iterable[str] = ()) -> "Report":
+    """The Report of a reload: every edge of `recorder`'s captures, its capture-time owners
+    (`snapshot`, updated first with the storages it has not matched yet) resolved on the
+    live `models` (name -> module, as the snapshot was taken). `blind_spots`: texts for the
+    report's meta, plus what that update's owner walks had to cut."""
     from graphtrace.report import Report
 
-    rec = trace.recorder
+    rec = recorder
     if not rec.captures:
         raise ValueError("nothing to diff: the trace recorded no capture. Capture inside "
                          "`with graphtrace.trace(...)` with `graphtrace.capture(label)` or a CUDA graph")
-    if not trace.models:
+    if not models:
         raise ValueError("nothing to diff against: no model is watched. Pass the model to "
                          "graphtrace.trace(model) or call t.watch(model) before the reload")
-    trace._match_owners()  # storages seen since the last snapshot
-    raw = raw_accesses(trace)
+    blind_spots = list(blind_spots)
+    try:  # storages seen since the last snapshot
+        cut = snapshot.update(models, rec.storages)
+    except Exception as exc:
+        rec.fail("owner snapshot", exc)
+        cut = []
+    blind_spots += [text for text in cut if text not in blind_spots]
+    raw = raw_accesses(rec)
     views = view_table(rec.views.items)
-    accesses = accesses_frame(trace, raw, views)
+    accesses = accesses_frame(rec, raw, views)
     table = rec.storages
     n_storages = len(table.handles)
     alive = table.alive_mask()
@@ -336,12 +379,13 @@ def diff(trace) -> "Report":
     # -- owners, verdicts, impact: per storage, then onto the edges ----------------------------
     edge_sids = np.flatnonzero(np.bincount(sids, minlength=n_storages))  # sorted, no hashing
     with _gc_paused():
-        owners, moved_to = _resolve_owners(trace, edge_sids, _live_paths(trace.models))
+        owners, moved_to = _resolve_owners(table.handles, snapshot.owners, edge_sids,
+                                           _live_paths(models))
     edges.update(_owner_columns(_per_storage(owners, alive), sids))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(
-        np.where(verdict == "unowned", np.where(internal, 2, 1), 0), ["", "external", "internal"])
-    edges["impact"] = _impacts(trace, verdict, sids, raw["view"][view_row], moved_to)
+        np.where(verdict == UNOWNED, np.where(internal, 2, 1), 0), ["", *ORIGINS])
+    edges["impact"] = _impacts(rec, verdict, sids, raw["view"][view_row], moved_to)
 
     storages = _storages(table, alive, nbytes, raw["access"], sids, first_rows)
     edges = pd.DataFrame(edges, columns=EDGE_COLUMNS, copy=False)  # fresh columns: no copy
@@ -352,9 +396,9 @@ def diff(trace) -> "Report":
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "errors": list(rec.errors),
         "n_errors": rec.n_errors,
-        "blind_spots": list(trace.blind_spots),
+        "blind_spots": blind_spots,
         "graphs": [{"graph_id": c.graph_id, "label": c.label, "kind": c.kind, "n_ops": c.n_ops,
                     "n_accesses": c.n_accesses, "thread": c.thread} for c in rec.captures],
-        "models": list(trace.models),
+        "models": list(models),
     }
     return Report(accesses=accesses, storages=storages, owners=owners, edges=edges, meta=meta)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from graphtrace._schema import ACCESS_NAMES
-from graphtrace.recorder import ACCESS_FIELDS
-from graphtrace.vocab import COLUMNS
+from graphtrace.encoding import ACCESS_FIELDS, unpack_rows
+from graphtrace.vocab import ACCESS_KINDS, COLUMNS
+
+__all__ = ["view_table", "raw_accesses", "accesses_frame"]
 
 ACCESS_COLUMNS = COLUMNS["accesses"]
 
@@ -39,15 +40,16 @@ def view_table(views: list) -> dict[str, np.ndarray | list]:
     }
 
 
-# raw column dtypes: ids of names and views fit int32, access kinds int8 (less memory to fill)
+# raw column dtypes: ids of names and views fit int32, accesses int8 (less memory to fill)
 _RAW_DTYPES = {"graph_id": np.int64, "seq": np.int64, "op": np.int32, "module": np.int32,
                "arg": np.int32, "access": np.int8, "storage_id": np.int64, "view": np.int32}
 
 
-def raw_accesses(trace) -> dict[str, np.ndarray]:
-    """All captures' records as integer columns (graph_id, seq, op, module, arg, access, sid,
-    view), each filled in place capture by capture: no per-capture parts to concatenate."""
-    captures = trace.recorder.captures
+def raw_accesses(recorder) -> dict[str, np.ndarray]:
+    """All of a Recorder's captures' records as integer columns (graph_id, seq, op, module,
+    arg, access, storage_id, view), each filled in place capture by capture: no per-capture
+    parts to concatenate."""
+    captures = recorder.captures
     sizes = [len(cap.accesses) // ACCESS_FIELDS for cap in captures]
     raw = {n: np.empty(sum(sizes), dtype=d) for n, d in _RAW_DTYPES.items()}
     end = 0
@@ -55,24 +57,20 @@ def raw_accesses(trace) -> dict[str, np.ndarray]:
         if not size:
             continue
         start, end = end, end + size
-        rows = np.frombuffer(cap.accesses, dtype=np.int64).reshape(-1, ACCESS_FIELDS)
-        seq, code, slot = rows[:, 0], rows[:, 1], rows[:, 2]
         part = {n: a[start:end] for n, a in raw.items()}
+        unpack_rows(cap.accesses, part)
+        seq = part["seq"]
         part["graph_id"][:] = cap.graph_id
-        part["seq"][:] = seq
         part["op"][:] = np.frombuffer(cap.ops, dtype=np.int32)[seq]
         part["module"][:] = np.frombuffer(cap.op_modules, dtype=np.int32)[seq]
-        np.right_shift(code, 2, out=part["arg"], casting="unsafe")
-        np.bitwise_and(code, 3, out=part["access"], casting="unsafe")
-        np.right_shift(slot, 32, out=part["storage_id"])
-        np.bitwise_and(slot, 0xFFFFFFFF, out=part["view"], casting="unsafe")
     return raw
 
 
-def accesses_frame(trace, raw: dict | None = None, views: dict | None = None) -> pd.DataFrame:
-    raw = raw_accesses(trace) if raw is None else raw
-    views = view_table(trace.recorder.views.items) if views is None else views
-    rec = trace.recorder
+def accesses_frame(recorder, raw: dict | None = None, views: dict | None = None) -> pd.DataFrame:
+    """A Recorder's every access as a DataFrame (`raw`/`views`: already made, to reuse)."""
+    raw = raw_accesses(recorder) if raw is None else raw
+    views = view_table(recorder.views.items) if views is None else views
+    rec = recorder
     names = list(rec.names.items)
     labels = [c.label for c in rec.captures]
     table = rec.storages
@@ -89,7 +87,7 @@ def accesses_frame(trace, raw: dict | None = None, views: dict | None = None) ->
         "op": _categorical(raw["op"], names),
         "module": _categorical(module_codes, names + [""]),
         "arg": _categorical(raw["arg"], names),
-        "access": _categorical(raw["access"], list(ACCESS_NAMES)),
+        "access": _categorical(raw["access"], list(ACCESS_KINDS)),
         "storage_id": sid,
         "data_ptr": sid if empty else base[sid] + view_bytes[v],
         "dtype": _categorical(v, views["dtype"]),

@@ -45,16 +45,17 @@ import functools
 import sys
 import types
 import warnings
-from typing import Iterator, Literal
+from typing import Iterator, Literal, Mapping
 
 import torch
 from torch import nn
 
 from graphtrace.attribution import is_wrapper as is_attribution_wrapper
 
-__all__ = ["OwnerKind", "walk_owners", "resolve_path"]
+__all__ = ["OwnerKind", "Owner", "OwnerSnapshot", "walk_owners", "resolve_path"]
 
 OwnerKind = Literal["parameter", "buffer", "attribute"]
+Owner = tuple[str, str, str]  # (model name, path, owner kind)
 
 # Instance attributes every nn.Module has (registries and hook dicts), plus what
 # `Module.compile()` adds: skipping them by name keeps a 10k-module walk cheap.
@@ -397,3 +398,91 @@ def resolve_path(model: nn.Module, path: str) -> torch.Tensor | None:
         if obj is _MISSING:
             return None
     return obj if isinstance(obj, torch.Tensor) else None
+
+
+class _Handles:
+    """Weak storage handles of an owner walk, freed when the walk result is dropped."""
+
+    __slots__ = ("handles", "free")
+
+    def __init__(self, handles: list, free):
+        self.handles = handles
+        self.free = free
+
+    def __del__(self):
+        try:
+            for h in self.handles:
+                self.free(h)
+        except Exception:
+            pass
+
+
+class OwnerSnapshot:
+    """The capture-time owners of captured storages: `owners[storage id]` is the set of
+    (model, path, owner kind) that reached that storage when it was captured.
+
+    `update(models, table)` matches the storages a storage table (graphtrace.recorder's
+    StorageTable: `handles`, `find`) registered since the last update against one owner walk
+    per model, cached; `refresh` walks the models again and matches every storage (owners
+    only accumulate). A walk's weak storage handles keep the walked storages' addresses
+    unique while the walk is cached, and are freed when it is dropped. Both return what
+    the walks they made had to cut (depth, size) as texts, for the report's blind spots.
+    """
+
+    __slots__ = ("owners", "_walks", "_checked")
+
+    def __init__(self):
+        self.owners: dict[int, set[Owner]] = {}
+        self._walks: dict[str, tuple[dict[int, list], _Handles]] = {}
+        self._checked = 0  # storages below this id were matched to owners
+
+    def forget(self, model: str) -> None:
+        """Drop the cached walk of `model` (it was replaced): the next update walks it again."""
+        self._walks.pop(model, None)
+
+    def refresh(self, models: Mapping[str, nn.Module], table) -> list[str]:
+        """Walk every model again and match every storage of `table`."""
+        self._walks.clear()
+        self._checked = 0
+        return self.update(models, table)
+
+    def update(self, models: Mapping[str, nn.Module], table) -> list[str]:
+        """Match the storages `table` registered since the last update to their owners."""
+        cut: list[str] = []
+        if not models:
+            return cut
+        handles = table.handles  # one read: a native table syncs on each
+        n = len(handles)
+        for name, model in models.items():
+            by_storage = self._walk(name, model, cut)
+            for sid in range(self._checked, n):
+                found = by_storage.get(handles[sid])
+                # a capture on another thread may have released sid meanwhile, and its
+                # address gone to a new storage: the table's index says whose it is now
+                if found and table.find(handles[sid]) == sid:
+                    for path, owner_kind in found:
+                        self.owners.setdefault(sid, set()).add((name, path, owner_kind))
+        self._checked = n
+        return cut
+
+    def _walk(self, name: str, model: nn.Module, cut: list[str]) -> dict[int, list]:
+        """StorageImpl address -> [(path, owner kind)] of one model, walked once and cached."""
+        cached = self._walks.get(name)
+        if cached is None:
+            by_storage: dict[int, list] = {}
+            keep = []  # the walked tensors' storages' weak handles stay unique while we hold them
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", RuntimeWarning)
+                walked = list(walk_owners(model))
+            cut.extend(f"owners of model {name!r}: {w.message}" if name else f"owners: {w.message}"
+                       for w in caught)
+            for path, owner_kind, tensor in walked:
+                try:
+                    storage = tensor.untyped_storage()
+                except Exception:
+                    continue
+                by_storage.setdefault(storage._cdata, []).append((path, owner_kind))
+                keep.append(storage._weak_ref())
+            cached = self._walks[name] = (by_storage,
+                                          _Handles(keep, torch.UntypedStorage._free_weak_ref))
+        return cached[0]

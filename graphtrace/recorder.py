@@ -14,14 +14,20 @@ from __future__ import annotations
 import threading
 import traceback
 from array import array
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_iter
 
-from graphtrace._schema import FACTORY, OUT_MUTATED, READ, VIEW, WRITE, op_info
+from graphtrace._schema import op_info
+from graphtrace.encoding import (ACCESS_FIELDS, ACCESS_MASK, FACTORY, OUT_MUTATED, READ,
+                                 REPLAY_FRESH, REPLAY_WROTE, SID_SHIFT, VIEW, WRITE, pack_code,
+                                 pack_slot, with_access)
 
+__all__ = ["RecordingMode", "Writer", "PyWriter", "Recorder", "Capture", "StorageTable",
+           "Interner", "module_stack"]
 
 
 class _ModuleStack(threading.local):
@@ -33,8 +39,7 @@ class _ModuleStack(threading.local):
 # graphtrace.attribution; a writer reads its capturing thread's list directly.
 module_stack = _ModuleStack()
 
-# One access is three int64s: seq, (arg id << 2 | access kind), (storage id << 32 | view id).
-ACCESS_FIELDS = 3
+# One access is ACCESS_FIELDS int64s: seq, code, slot (the layout: graphtrace.encoding).
 
 
 class Interner:
@@ -63,6 +68,7 @@ class StorageTable:
 
     Pure Python, or backed by the native recorder's table (`native`), which both writers then
     register into; either way the columns read the same (they are synced on access).
+    `native_table` is that table, for the native Writer to register into.
     """
 
     __slots__ = ("_index", "_handles", "_data_ptrs", "_nbytes", "_devices", "_device_names",
@@ -79,6 +85,11 @@ class StorageTable:
         self._lock = threading.Lock()
         self._native = None if native is None else native.Storages()
         self._released = 0  # the native table's sweep count when `_handles` was last read
+
+    @property
+    def native_table(self):
+        """The native `Storages` table this one is backed by, else None (pure Python)."""
+        return self._native
 
     def lookup(self, storage: torch.UntypedStorage) -> int:
         """The storage's id, registering it (one weak handle) on first sight."""
@@ -212,7 +223,7 @@ class Capture:
         self.thread = threading.current_thread().name
         self.ops = array("i")          # op name id, per op
         self.op_modules = array("i")   # module FQN id (-1 unknown), per op
-        self.accesses = array("q")     # ACCESS_FIELDS int64s per access
+        self.accesses = array("q")     # ACCESS_FIELDS int64s per access (graphtrace.encoding)
         self.info: dict = {}           # pool, stream, ... where known
 
     @property
@@ -237,10 +248,6 @@ def _plain_tensors(t: torch.Tensor):
         yield t
 
 
-def _code(arg: int, access: int) -> int:
-    return (arg << 2) | access
-
-
 class _Plan:
     """An op's schema facts with this trace's name ids filled in: one dict hit per call."""
 
@@ -249,16 +256,31 @@ class _Plan:
     def __init__(self, func, names: "Interner"):
         info = op_info(func)
         self.op_id = names(info.name)
-        # each tensor argument as its row code (arg id << 2 | access kind), ready to append
-        self.positional = tuple(None if e is None else _code(names(e[0]), e[1])
+        # each tensor argument as its record code (encoding.pack_code), ready to append
+        self.positional = tuple(None if e is None else pack_code(names(e[0]), e[1])
                                 for e in info.positional)
-        self.by_keyword = {k: _code(names(e[0]), e[1]) for k, e in info.by_keyword.items()}
+        self.by_keyword = {k: pack_code(names(e[0]), e[1]) for k, e in info.by_keyword.items()}
         self.may_alias = info.may_alias
         n = len(info.returns)
-        # each return slot as its arg id << 2 (access bits added per call), None when mutated
+        # each return slot as its code with access READ (0: the access is or-ed in per call),
+        # None when mutated
         self.returns = tuple(None if slot == OUT_MUTATED
-                             else names("out" if n == 1 else f"out{i}") << 2
+                             else pack_code(names("out" if n == 1 else f"out{i}"), READ)
                              for i, slot in enumerate(info.returns))
+
+
+@runtime_checkable
+class Writer(Protocol):
+    """What RecordingMode calls on its capture's writer: PyWriter, or the native Writer
+    (graphtrace/csrc/recorder.cpp), which hands PyWriter.fallback what it does not handle."""
+
+    def record(self, func, args, kwargs, out) -> int:
+        """Append the op's records; return its replay flags (encoding.REPLAY_*)."""
+        ...
+
+    def flush(self) -> None:
+        """Land buffered records in the Capture's arrays."""
+        ...
 
 
 class PyWriter:
@@ -280,7 +302,7 @@ class PyWriter:
         self._lookup = recorder.storages.lookup
         self._find = recorder.storages.find
         self._views = recorder.views
-        self._slots: dict = {}  # (storage, dtype, shape, stride, offset) -> sid << 32 | view id
+        self._slots: dict = {}  # view key (see _slot_of) -> slot (encoding.pack_slot)
         self._append = capture.accesses.extend
 
     def fallback(self, func, args, kwargs, out) -> int:
@@ -289,11 +311,15 @@ class PyWriter:
         self._slots.clear()
         return self.record(func, args, kwargs, out)
 
-    def record(self, func, args, kwargs, out) -> int:
-        """Append one row per tensor; return what replay must do (1: writes, 2: fresh outputs).
+    def flush(self) -> None:
+        """Nothing to land: this writer appends to the Capture's arrays directly."""
 
-        The plain-tensor case is inlined: this loop runs for every argument of every op, and
-        one dict hit on (storage, view) finds both ids for any tensor seen before.
+    def record(self, func, args, kwargs, out) -> int:
+        """Append one row per tensor; return its replay flags (REPLAY_WROTE: it wrote an
+        input, REPLAY_FRESH: it made a fresh output).
+
+        This loop runs for every argument of every op: one dict hit on the view key
+        (storage, view) finds both ids for any tensor seen before.
         """
         plan = self._plans.get(func)
         if plan is None:
@@ -303,7 +329,7 @@ class PyWriter:
         cap.ops.append(plan.op_id)
         stack = self.stack
         cap.op_modules.append(stack[-1] if stack else -1)
-        slots, append = self._slots, self._append
+        slot_of, append = self._slot_of, self._append
         start = len(cap.accesses)
         inputs: list[int] = []
         wrote = False
@@ -312,14 +338,10 @@ class PyWriter:
                 continue
             tp = type(value)
             if tp is torch.Tensor or tp is torch.nn.Parameter:
-                key = (value.untyped_storage()._cdata, value.dtype, value.shape, value.stride(),
-                       value.storage_offset())
-                slot = slots.get(key)
-                if slot is None:
-                    slot = self._slot(key, value)
+                slot = slot_of(value)
                 append((seq, code, slot))
-                inputs.append(slot >> 32)
-                wrote |= (code & 3) == WRITE
+                inputs.append(slot >> SID_SHIFT)
+                wrote |= (code & ACCESS_MASK) == WRITE
             elif tp not in _SCALARS:
                 wrote |= self._put(seq, code, value, inputs)
         if kwargs:
@@ -332,19 +354,16 @@ class PyWriter:
         if type(out) is torch.Tensor:
             name = plan.returns[0] if plan.returns else None
             if name is not None:  # None: a mutated argument, already recorded as a write
-                key = (out.untyped_storage()._cdata, out.dtype, out.shape, out.stride(),
-                       out.storage_offset())
-                slot = slots.get(key)
-                if slot is None:
-                    slot = self._slot(key, out)
-                fresh = (slot >> 32) not in inputs  # else a view (`_unsafe_view` claims fresh)
+                slot = slot_of(out)
+                # else a view (`_unsafe_view` claims fresh)
+                fresh = (slot >> SID_SHIFT) not in inputs
                 append((seq, name | (FACTORY if fresh else VIEW), slot))
         elif isinstance(out, (tuple, list)):
             returns = plan.returns
             # one return slot: `out` is that slot's Tensor[] (unbind, split, _foreach_*)
-            slots = ((returns[0], out),) if len(returns) == 1 else (
+            named = ((returns[0], out),) if len(returns) == 1 else (
                 (returns[i] if i < len(returns) else None, value) for i, value in enumerate(out))
-            for name, value in slots:
+            for name, value in named:
                 if name is not None:
                     for item in tree_iter(value):
                         if isinstance(item, torch.Tensor):
@@ -353,32 +372,32 @@ class PyWriter:
             fresh = self._put_output(seq, plan.returns[0], out, inputs)
         if plan.may_alias:
             self._unalias(start, end_inputs)
-        return (1 if wrote else 0) | (2 if fresh else 0)
+        return (REPLAY_WROTE if wrote else 0) | (REPLAY_FRESH if fresh else 0)
 
     def _unalias(self, start: int, end_inputs: int) -> None:
         """`Tensor(a) self` may alias the output or not (`aten::to` copies on a dtype change):
         an input the schema calls a view is a read when no output shares its storage."""
         rows = self.capture.accesses
-        shared = {rows[i] >> 32 for i in range(end_inputs + 2, len(rows), ACCESS_FIELDS)}
+        shared = {rows[i] >> SID_SHIFT for i in range(end_inputs + 2, len(rows), ACCESS_FIELDS)}
         for i in range(start + 1, end_inputs, ACCESS_FIELDS):
             code = rows[i]
-            if (code & 3) == VIEW and (rows[i + 1] >> 32) not in shared:
-                rows[i] = (code & ~3) | READ
+            if (code & ACCESS_MASK) == VIEW and (rows[i + 1] >> SID_SHIFT) not in shared:
+                rows[i] = with_access(code, READ)
 
-    def _slot(self, key: tuple, t: torch.Tensor) -> int:
-        """(storage id << 32 | view id) for a tensor not seen in this capture yet."""
-        sid = self._lookup(t.untyped_storage())
-        slot = (sid << 32) | self._views(key[1:])
-        self._slots[key] = slot
+    def _slot_of(self, t: torch.Tensor) -> int:
+        """The tensor's slot (encoding.pack_slot), by its view key: (storage, dtype, shape,
+        stride, offset), the one place that key is made."""
+        key = (t.untyped_storage()._cdata, t.dtype, t.shape, t.stride(), t.storage_offset())
+        slot = self._slots.get(key)
+        if slot is None:  # not seen in this capture yet
+            slot = self._slots[key] = pack_slot(self._lookup(t.untyped_storage()),
+                                                self._views(key[1:]))
         return slot
 
     def _row(self, seq: int, code: int, t: torch.Tensor) -> int:
-        key = (t.untyped_storage()._cdata, t.dtype, t.shape, t.stride(), t.storage_offset())
-        slot = self._slots.get(key)
-        if slot is None:
-            slot = self._slot(key, t)
+        slot = self._slot_of(t)
         self._append((seq, code, slot))
-        return slot >> 32
+        return slot >> SID_SHIFT
 
     def _put(self, seq: int, code: int, value, inputs: list) -> bool:
         """Tensors inside subclasses and containers (Tensor[], Tensor?[]): the slow path."""
@@ -388,7 +407,7 @@ class PyWriter:
                 for t in _plain_tensors(item):
                     inputs.append(self._row(seq, code, t))
                     found = True
-        return found and (code & 3) == WRITE
+        return found and (code & ACCESS_MASK) == WRITE
 
     def _put_output(self, seq: int, name: int, value: torch.Tensor, inputs: list) -> bool:
         """Outputs sharing an input's storage are views (`_unsafe_view` claims otherwise)."""
@@ -416,12 +435,8 @@ class RecordingMode(TorchDispatchMode):
         self.recorder = recorder
         self.capture = capture
         self.emulated = emulated  # an EmulatedGraph that keeps (op, args, outputs) for replay
-        writer = PyWriter(recorder, capture)
-        if recorder.native is not None:
-            writer = recorder.native.Writer(capture, recorder.storages._native, recorder.views,
-                                            recorder.plan, writer.stack, writer.fallback)
-        self.writer = writer
-        self._record = writer.record
+        self.writer: Writer = recorder.new_writer(capture)
+        self._record = self.writer.record
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -444,12 +459,10 @@ class RecordingMode(TorchDispatchMode):
 
     def finish(self) -> None:
         """Land buffered rows in the Capture (the native writer buffers until now)."""
-        flush = getattr(self.writer, "flush", None)
-        if flush is not None:
-            try:
-                flush()
-            except Exception as exc:
-                self.recorder.fail("flushing the capture's records", exc)
+        try:
+            self.writer.flush()
+        except Exception as exc:
+            self.recorder.fail("flushing the capture's records", exc)
 
 
 class Recorder:
@@ -483,6 +496,16 @@ class Recorder:
                     plan = self.plans[func] = _Plan(func, self.names)
         return plan
 
+    def new_writer(self, capture: Capture) -> Writer:
+        """The writer of one capture, made on its capturing thread (PyWriter keeps that
+        thread's module stack): the native Writer when this recorder has one, with a
+        PyWriter for what it hands over."""
+        writer = PyWriter(self, capture)
+        if self.native is None:
+            return writer
+        return self.native.Writer(capture, self.storages.native_table, self.views, self.plan,
+                                  writer.stack, writer.fallback)
+
     def new_capture(self, label: str | None, kind: str) -> Capture:
         with self._lock:
             graph_id = len(self.captures)
@@ -502,6 +525,3 @@ class Recorder:
                 "traceback": "".join(traceback.format_exception(exc)),
             })
 
-
-__all__ = ["RecordingMode", "PyWriter", "Recorder", "Capture", "StorageTable", "module_stack",
-           "READ", "WRITE", "VIEW", "FACTORY", "ACCESS_FIELDS"]

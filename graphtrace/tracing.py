@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from graphtrace.attribution import ModuleAttribution
+from graphtrace.encoding import REPLAY_FRESH
+from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
+
+__all__ = ["GraphtraceError", "Trace", "EmulatedGraph", "trace", "capture", "active_trace"]
 
 
 class GraphtraceError(RuntimeError):
@@ -48,15 +51,15 @@ class EmulatedGraph:
         self.capture: Capture | None = None
         self._ops: list = []
 
-    def _keep(self, func, args, kwargs, out, kind: int) -> None:
-        if kind:  # 0: a pure view, which a graph bakes in and never re-runs
-            self._ops.append((func, args, kwargs, out, kind))
+    def _keep(self, func, args, kwargs, out, replay_flags: int) -> None:
+        if replay_flags:  # 0: a pure view, which a graph bakes in and never re-runs
+            self._ops.append((func, args, kwargs, out, replay_flags))
 
     def replay(self) -> None:
         with torch.no_grad(), _disable_current_modes():
-            for func, args, kwargs, out, kind in self._ops:
+            for func, args, kwargs, out, replay_flags in self._ops:
                 result = func(*args, **kwargs)
-                if kind & 2:
+                if replay_flags & REPLAY_FRESH:
                     _copy_into(out, result)
 
     def __len__(self) -> int:
@@ -269,9 +272,8 @@ class Trace:
         self._regions = threading.local()
         self._cuda_regions: dict[int, _Region] = {}
         self._cuda_labels: dict[tuple[int, int], list] = {}  # (thread, id(graph)) -> [label, captured]
-        self._owner_cache: dict[str, Any] = {}
-        self._owners: dict[int, set] = {}   # storage id -> {(model, path, kind)} at capture time
-        self._owners_checked = 0            # storages below this id were matched to owners
+        # capture-time owners of the captured storages, matched after each capture
+        self.owner_snapshot = OwnerSnapshot()
         self._patch = _CudaGraphPatch(self)
         self._open = False
         self._closed = False
@@ -323,7 +325,7 @@ class Trace:
         self.models[name] = model
         if self._open:
             self._attribute_modules(name, model)
-        self._owner_cache.pop(name, None)
+        self.owner_snapshot.forget(name)
         if self.recorder.captures:
             self._refresh_owners()
         return self
@@ -333,57 +335,23 @@ class Trace:
 
     def _refresh_owners(self) -> None:
         """Walk the watched models again (trace exit, watch) and match captured storages."""
-        self._owner_cache.clear()
-        self._owners_checked = 0
-        self._match_owners()
-
-    def _walk(self, name: str):
-        from graphtrace.owners import walk_owners
-
-        cached = self._owner_cache.get(name)
-        if cached is None:
-            by_storage: dict[int, list] = {}
-            keep = []  # the walked tensors' storages' weak handles stay unique while we hold them
-            free = torch.UntypedStorage._free_weak_ref
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", RuntimeWarning)
-                walked = list(walk_owners(self.models[name]))
-            self._note_walk_warnings(name, caught)
-            for path, kind, tensor in walked:
-                try:
-                    storage = tensor.untyped_storage()
-                except Exception:
-                    continue
-                by_storage.setdefault(storage._cdata, []).append((path, kind))
-                keep.append(storage._weak_ref())
-            cached = self._owner_cache[name] = (by_storage, _Handles(keep, free))
-        return cached[0]
-
-    def _note_walk_warnings(self, name: str, caught) -> None:
-        """What the owner walk had to cut (depth, size) goes into the report, not to stderr."""
-        for w in caught:
-            text = f"owners of model {name!r}: {w.message}" if name else f"owners: {w.message}"
+        try:
+            cut = self.owner_snapshot.refresh(self.models, self.recorder.storages)
+        except Exception as exc:
+            self.recorder.fail("owner snapshot", exc)
+            return
+        for text in cut:  # what the owner walk had to cut goes into the report, not stderr
             self.add_blind_spot(text)
 
     def _match_owners(self) -> None:
-        if not self.models:
-            return
-        table = self.recorder.storages
-        handles = table.handles  # one read: a native table syncs on each
-        n = len(handles)
+        """Match the storages captured since the last snapshot (after each capture)."""
         try:
-            for name in self.models:
-                by_storage = self._walk(name)
-                for sid in range(self._owners_checked, n):
-                    owners = by_storage.get(handles[sid])
-                    # a capture on another thread may have released sid meanwhile, and its
-                    # address gone to a new storage: the table's index says whose it is now
-                    if owners and table.find(handles[sid]) == sid:
-                        for path, kind in owners:
-                            self._owners.setdefault(sid, set()).add((name, path, kind))
-            self._owners_checked = n
+            cut = self.owner_snapshot.update(self.models, self.recorder.storages)
         except Exception as exc:
             self.recorder.fail("owner snapshot", exc)
+            return
+        for text in cut:
+            self.add_blind_spot(text)
 
     # -- capture regions ---------------------------------------------------------------------
     def _open_region(self) -> _Region | None:
@@ -454,13 +422,13 @@ class Trace:
         """Every recorded access as a DataFrame (columns in docs/internals.md)."""
         from graphtrace.frames import accesses_frame
 
-        return accesses_frame(self)
+        return accesses_frame(self.recorder)
 
     def diff(self):
         """Resolve capture-time owners on the live model(s) and classify every edge."""
         from graphtrace.diff import diff
 
-        return diff(self)
+        return diff(self.recorder, self.owner_snapshot, self.models, self.blind_spots)
 
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")
@@ -476,23 +444,6 @@ def _current_stream() -> str:
         return str(torch.cuda.current_stream())
     except Exception:  # no CUDA runtime (a fake graph in tests): nothing to name
         return ""
-
-
-class _Handles:
-    """Weak storage handles of an owner walk, freed when the walk result is dropped."""
-
-    __slots__ = ("handles", "free")
-
-    def __init__(self, handles, free):
-        self.handles = handles
-        self.free = free
-
-    def __del__(self):
-        try:
-            for h in self.handles:
-                self.free(h)
-        except Exception:
-            pass
 
 
 def trace(model: torch.nn.Module | None = None, *, strict: bool = False,

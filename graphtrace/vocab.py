@@ -28,7 +28,7 @@ OWNER_STATUSES = (HOLDS, MOVED, ORPHANED)             # a capture-time owner on 
 OWNER_KINDS = ("parameter", "buffer", "attribute")
 
 # -- accesses --------------------------------------------------------------------------------
-ACCESS_KINDS = ("read", "write", "view", "factory")   # per recorded tensor (encoding.ACCESS_*)
+ACCESS_KINDS = ("read", "write", "view", "factory")   # per recorded tensor (encoding.READ..: indices)
 EDGE_ACCESSES = ("read", "read+write", "write")       # per (graph, storage) edge
 
 # -- frames ----------------------------------------------------------------------------------

@@ -317,3 +317,78 @@ def test_edge_lists_distinct_ops_and_args_in_first_seen_order():
     assert edge["ops"] == "aten::mul.Tensor;aten::add.Tensor"
     assert edge["args"] == "self;other"
     del g, y
+
+
+def _recorded_without_a_trace(model, x, native_module):
+    """Records and a capture-time owner snapshot made by the lower layers' public API alone:
+    a Recorder, one capture recorded by a RecordingMode, an OwnerSnapshot matched to it."""
+    from graphtrace.owners import OwnerSnapshot
+    from graphtrace.recorder import Recorder, RecordingMode
+
+    recorder = Recorder(strict=True, native=native_module)
+    capture = recorder.new_capture("bs2", "emulated")
+    mode = RecordingMode(recorder, capture)
+    with mode, torch.no_grad():
+        y = model(x)
+    mode.finish()
+    snapshot = OwnerSnapshot()
+    assert snapshot.update({"": model}, recorder.storages) == []  # nothing cut by the walk
+    return recorder, snapshot, y
+
+
+@pytest.mark.parametrize("use_native", [False, True], ids=["python", "native"])
+def test_diff_runs_on_records_and_a_snapshot_without_a_trace(use_native):
+    from graphtrace import native
+    from graphtrace.diff import diff
+
+    model, x = Model(0), torch.rand(2, 8)
+    recorder, snapshot, y = _recorded_without_a_trace(
+        model, x, native.load(required=True) if use_native else None)
+    kept = [(layer.kernel, layer.config) for layer in model.layers]  # old tensors stay alive
+    reload(model, seed=10)
+    report = diff(recorder, snapshot, {"": model}, ["a note"])
+    expected = {f"layers.{i}.{path}": v for i in (0, 1) for path, v in EXPECTED_OWNERS.items()}
+    assert verdicts_by_owner(report) == expected
+    assert set(report.stale.impact) == {"manifest"}
+    assert report.meta["blind_spots"] == ["a note"] and report.meta["models"] == [""]
+    assert [g["label"] for g in report.meta["graphs"]] == ["bs2"]
+    # the same edges as gt.trace + t.diff() give for the same model and reload
+    model2 = Model(0)
+    t, g, y2 = traced(model2, x)
+    reload(model2, seed=10)
+    cols = ["graph", "storage_id", "access", "ops", "args", "owners", "verdict", "impact", "origin"]
+    assert report.edges[cols].astype(str).equals(t.diff().edges[cols].astype(str))
+    del kept, g, y, y2
+
+
+def test_diff_without_a_trace_refuses_empty_input():
+    from graphtrace.diff import diff
+    from graphtrace.owners import OwnerSnapshot
+    from graphtrace.recorder import Recorder
+
+    model = Model(0)
+    recorder, snapshot, y = _recorded_without_a_trace(model, torch.rand(2, 8), None)
+    with pytest.raises(ValueError, match="recorded no capture"):
+        diff(Recorder(), OwnerSnapshot(), {"": model})
+    with pytest.raises(ValueError, match="no model is watched"):
+        diff(recorder, snapshot, {})
+
+
+def test_owner_snapshot_matches_storages_to_their_capture_time_owners():
+    from graphtrace.owners import OwnerSnapshot
+    from graphtrace.recorder import StorageTable
+
+    model = Model(0)
+    table = StorageTable()
+    weight = table.lookup(model.layers[0].weight.untyped_storage())
+    other = table.lookup(torch.rand(3).untyped_storage())
+    snapshot = OwnerSnapshot()
+    snapshot.update({"m": model}, table)
+    assert snapshot.owners == {weight: {("m", "layers.0.weight", "parameter")}}
+    # a model watched later: refresh walks it and matches every storage again
+    gate = table.lookup(model.layers[1].kernel.tables["gate"].untyped_storage())
+    snapshot.update({"m": model}, table)  # only storages registered since the last update
+    assert gate in snapshot.owners and other not in snapshot.owners
+    snapshot.refresh({"m": model, "n": model}, table)
+    assert ("n", "layers.0.weight", "parameter") in snapshot.owners[weight]
+    assert ("m", "layers.0.weight", "parameter") in snapshot.owners[weight]  # owners accumulate

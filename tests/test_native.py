@@ -209,7 +209,7 @@ def test_dead_intermediates_are_released_and_their_addresses_are_new_storages():
     table = t.recorder.storages
     factory = t.accesses[t.accesses.access == "factory"]
     assert len(factory) == 600 and factory.storage_id.nunique() == 600
-    assert table._native.released() >= 500
+    assert table.native_table.released() >= 500
     handles = np.frombuffer(table.handles, dtype=np.int64)
     alive = table.alive_mask()
     assert not alive[handles == 0].any()                # released reads freed
@@ -230,11 +230,45 @@ def test_dead_intermediates_are_released_and_their_addresses_are_new_storages():
 def test_sweeping_can_be_turned_off_for_measurement():
     x = torch.randn(64)
     t = gt.trace(strict=True, native=True)
-    t.recorder.storages._native.set_sweeping(False)
+    t.recorder.storages.native_table.set_sweeping(False)
     with t:
         with gt.capture("g", emulate=False):
             for i in range(300):
                 y = x + i
     table = t.recorder.storages
-    assert table._native.released() == 0 and 0 not in table.handles
+    assert table.native_table.released() == 0 and 0 not in table.handles
     assert table.alive_mask().sum() == 2 and len(set(t.accesses.storage_id)) == 301
+
+
+def test_the_extension_packs_records_with_encoding_py_constants():
+    from graphtrace import encoding
+
+    module = native.load(required=True)
+    values = {name: getattr(module, name, None) for name in encoding.NATIVE_CONSTANTS}
+    assert values == {name: getattr(encoding, name) for name in encoding.NATIVE_CONSTANTS}
+    # and a row it writes unpacks with encoding's helpers to what the op did
+    x = torch.randn(4)
+    with gt.trace(strict=True, native=True) as t:
+        with gt.capture("g", emulate=False):
+            x.add_(1)
+    cap = t.recorder.captures[0]
+    rows = np.frombuffer(cap.accesses, dtype=np.int64).reshape(-1, encoding.ACCESS_FIELDS)
+    assert [encoding.code_access(int(c)) for c in rows[:, 1]] == [encoding.WRITE]
+    sid = encoding.slot_storage(int(rows[0, 2]))
+    assert sid == t.recorder.storages.find(x.untyped_storage()._cdata)
+
+
+@pytest.mark.parametrize("use_native", [False, True], ids=["python", "native"])
+def test_both_writers_follow_the_writer_protocol(use_native):
+    from graphtrace.recorder import PyWriter, Recorder, RecordingMode, Writer
+
+    recorder = Recorder(strict=True, native=native.load(required=True) if use_native else None)
+    assert (recorder.storages.native_table is not None) == use_native
+    mode = RecordingMode(recorder, recorder.new_capture("g", "emulated"))
+    assert isinstance(mode.writer, Writer)
+    assert isinstance(mode.writer, PyWriter) != use_native
+    with mode:
+        torch.randn(3) * 2
+    assert len(mode.capture.ops) == (0 if use_native else 2)  # the native one buffers
+    mode.finish()
+    assert len(mode.capture.ops) == 2

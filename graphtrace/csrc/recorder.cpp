@@ -1,7 +1,8 @@
 // The recorder's per-op path in C++: the same rows as graphtrace.recorder.PyWriter, faster.
 //
-// A Writer serves one capture. For every op it appends (seq, arg << 2 | access, sid << 32 |
-// view) per tensor to buffers that flush() moves into the Capture's arrays. It shares the
+// A Writer serves one capture. For every op it appends one record (seq, code, slot: the
+// layout of graphtrace/encoding.py) per tensor to buffers that flush() moves into the
+// Capture's arrays. It shares the
 // trace's tables with the Python writer: storages are registered in one native Table (a weak
 // handle per storage, exactly what UntypedStorage._weak_ref() makes; Python's StorageTable
 // registers there too) and views are interned by the trace's Interner, so both writers give
@@ -31,8 +32,19 @@
 
 namespace {
 
-// Access kinds, as in graphtrace._schema.
-constexpr int64_t kRead = 0, kWrite = 1, kView = 2, kFactory = 3;
+// The record encoding, defined once here with the values of graphtrace/encoding.py (the
+// extension exports them under encoding.py's names; tests/test_native.py compares them).
+constexpr int64_t kRead = 0, kWrite = 1, kView = 2, kFactory = 3;  // access
+constexpr int kAccessBits = 2;                                      // code = arg << bits | access
+constexpr int64_t kAccessMask = (int64_t(1) << kAccessBits) - 1;
+constexpr int kSidShift = 32;                                       // slot = sid << shift | view
+constexpr size_t kAccessFields = 3;                                 // int64s per record
+constexpr int kReplayWrote = 1, kReplayFresh = 2;                   // what record() returns
+
+int64_t code_access(int64_t code) { return code & kAccessMask; }
+int64_t with_access(int64_t code, int64_t access) { return (code & ~kAccessMask) | access; }
+int64_t pack_slot(int64_t sid, int64_t view) { return (sid << kSidShift) | view; }
+int64_t slot_storage(int64_t slot) { return slot >> kSidShift; }
 
 struct PythonError {};  // a Python exception is set
 struct Fallback {};     // this op goes to the Python writer
@@ -77,7 +89,7 @@ struct Plan {
   int64_t op_id = 0;
   std::vector<int64_t> positional;  // row code per positional argument, -1: no tensor
   PyObject* by_keyword = nullptr;   // dict: argument name -> row code (owned)
-  std::vector<int64_t> returns;     // arg id << 2 per return slot, -1: a mutated argument
+  std::vector<int64_t> returns;     // code with access 0 per return slot, -1: a mutated argument
   bool may_alias = false;
 };
 
@@ -252,7 +264,8 @@ class Writer {
     }
   }
 
-  // One op: rows appended; returns 1 if it wrote an input, | 2 if it made a fresh output.
+  // One op: rows appended; returns kReplayWrote if it wrote an input, | kReplayFresh if it
+  // made a fresh output.
   int record(PyObject* func, PyObject* args, PyObject* kwargs, PyObject* out) {
     const Plan& plan = plan_for(func);
     if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs))) throw Fallback();
@@ -272,7 +285,7 @@ class Writer {
       if (code < 0) continue;
       PyObject* v = PyTuple_GET_ITEM(args, i);
       if (is_scalar(v)) continue;
-      wrote |= put(seq, code, v) && (code & 3) == kWrite;
+      wrote |= put(seq, code, v) && code_access(code) == kWrite;
     }
     if (kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0) {
       Py_ssize_t pos = 0;
@@ -285,7 +298,7 @@ class Writer {
         }
         if (is_scalar(v)) continue;
         const int64_t code = as_int(code_obj);
-        wrote |= put(seq, code, v) && (code & 3) == kWrite;
+        wrote |= put(seq, code, v) && code_access(code) == kWrite;
       }
     }
     const size_t end_inputs = rows_.size();
@@ -295,7 +308,7 @@ class Writer {
     if (is_exact_tensor(out)) {
       if (first >= 0) {
         const int64_t slot = slot_of(out);
-        const bool is_fresh = !is_input(slot >> 32);
+        const bool is_fresh = !is_input(slot_storage(slot));
         push(seq, first | (is_fresh ? kFactory : kView), slot);
         fresh = is_fresh;
       }
@@ -315,7 +328,7 @@ class Writer {
       if (first >= 0) fresh = put_output(seq, first, out);
     }
     if (plan.may_alias) unalias(start, end_inputs);
-    return (wrote ? 1 : 0) | (fresh ? 2 : 0);
+    return (wrote ? kReplayWrote : 0) | (fresh ? kReplayFresh : 0);
   }
 
   void rollback(size_t n_ops, size_t n_rows) {
@@ -401,7 +414,7 @@ class Writer {
     if (THPVariable_CheckExact(v)) {
       const int64_t slot = slot_of(v);
       push(seq, code, slot);
-      inputs_.push_back(slot >> 32);
+      inputs_.push_back(slot_storage(slot));
       return true;
     }
     if (THPVariable_Check(v) || PyDict_Check(v)) throw Fallback();  // subclasses: flattened in Python
@@ -438,7 +451,7 @@ class Writer {
     return t.storage().unsafeGetStorageImpl();
   }
 
-  // storage id << 32 | view id: two hash hits for any storage and view seen before.
+  // The tensor's slot (pack_slot): two hash hits for any storage and view seen before.
   int64_t slot_of(PyObject* v) {
     const at::Tensor& t = THPVariable_Unpack(v);
     c10::StorageImpl* impl = storage_impl(t);
@@ -452,7 +465,7 @@ class Writer {
     key_.insert(key_.end(), strides.begin(), strides.end());
     const int64_t sid = table->add(impl);
     auto it = table->views.find(key_);
-    return (sid << 32) | (it != table->views.end() ? it->second : view_id(t));
+    return pack_slot(sid, it != table->views.end() ? it->second : view_id(t));
   }
 
   static PyObject* int_tuple(const int64_t* values, int64_t n) {
@@ -485,15 +498,15 @@ class Writer {
   // `Tensor(a) self` may alias the output or not (aten::to copies on a dtype change): an
   // input the schema calls a view is a read when no output shares its storage.
   void unalias(size_t start, size_t end_inputs) {
-    for (size_t i = start + 1; i < end_inputs; i += 3) {
+    for (size_t i = start + 1; i < end_inputs; i += kAccessFields) {
       const int64_t code = rows_[i];
-      if ((code & 3) != kView) continue;
-      const int64_t sid = rows_[i + 1] >> 32;
+      if (code_access(code) != kView) continue;
+      const int64_t sid = slot_storage(rows_[i + 1]);
       bool shared = false;
-      for (size_t j = end_inputs + 2; j < rows_.size(); j += 3) {
-        if ((rows_[j] >> 32) == sid) { shared = true; break; }
+      for (size_t j = end_inputs + 2; j < rows_.size(); j += kAccessFields) {
+        if (slot_storage(rows_[j]) == sid) { shared = true; break; }
       }
-      if (!shared) rows_[i] = (code & ~int64_t(3)) | kRead;
+      if (!shared) rows_[i] = with_access(code, kRead);
     }
   }
 };
@@ -601,7 +614,7 @@ PyObject* Writer_flush(PyWriterObject* self, PyObject*) {
 
 PyMethodDef writer_methods[] = {
     {"record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Writer_record)),
-     METH_FASTCALL, "record(func, args, kwargs, out) -> replay kind (1: wrote, 2: fresh output)"},
+     METH_FASTCALL, "record(func, args, kwargs, out) -> replay flags (1: wrote, 2: fresh output)"},
     {"flush", reinterpret_cast<PyCFunction>(Writer_flush), METH_NOARGS,
      "move buffered rows into the capture's arrays"},
     {nullptr, nullptr, 0, nullptr}};
@@ -792,7 +805,18 @@ PyMODINIT_FUNC GT_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
   Py_INCREF(&WriterType);
   Py_INCREF(&StoragesType);
   if (PyModule_AddObject(m, "Writer", reinterpret_cast<PyObject*>(&WriterType)) < 0 ||
-      PyModule_AddObject(m, "Storages", reinterpret_cast<PyObject*>(&StoragesType)) < 0) {
+      PyModule_AddObject(m, "Storages", reinterpret_cast<PyObject*>(&StoragesType)) < 0 ||
+      // the record encoding, under graphtrace/encoding.py's names (encoding.NATIVE_CONSTANTS)
+      PyModule_AddIntConstant(m, "READ", kRead) < 0 ||
+      PyModule_AddIntConstant(m, "WRITE", kWrite) < 0 ||
+      PyModule_AddIntConstant(m, "VIEW", kView) < 0 ||
+      PyModule_AddIntConstant(m, "FACTORY", kFactory) < 0 ||
+      PyModule_AddIntConstant(m, "ACCESS_BITS", kAccessBits) < 0 ||
+      PyModule_AddIntConstant(m, "ACCESS_MASK", kAccessMask) < 0 ||
+      PyModule_AddIntConstant(m, "SID_SHIFT", kSidShift) < 0 ||
+      PyModule_AddIntConstant(m, "ACCESS_FIELDS", static_cast<long>(kAccessFields)) < 0 ||
+      PyModule_AddIntConstant(m, "REPLAY_WROTE", kReplayWrote) < 0 ||
+      PyModule_AddIntConstant(m, "REPLAY_FRESH", kReplayFresh) < 0) {
     Py_DECREF(m);
     return nullptr;
   }
