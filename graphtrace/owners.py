@@ -288,27 +288,34 @@ def _attribute_owners(model: nn.Module, max_depth: int,
                 if type(x) not in _LEAF_TYPES and type(k) is str and k.isidentifier():
                     step(x, f"{path}.{k}", depth)
 
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        hit = seen.get(id(module))
-        if hit is not None:  # shared module: same findings under this name too
-            old = len(hit[3])
-            out.extend([(prefix + p[old:], t) for p, t in out[hit[1]:hit[2]]])
-            continue
-        entry = [module, None, None, prefix]
-        seen[id(module)] = entry
-        start = len(out)
-        dot = prefix + "." if prefix else ""
-        for k, x in list(module.__dict__.items()):
-            if (k in _MODULE_INTERNALS or type(x) in _LEAF_TYPES
-                    or type(k) is not str or not k.isidentifier()):
+    try:
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            hit = seen.get(id(module))
+            if hit is not None:  # shared module: same findings under this name too
+                old = len(hit[3])
+                out.extend([(prefix + p[old:], t) for p, t in out[hit[1]:hit[2]]])
                 continue
-            step(x, dot + k, 1)
-        entry[1], entry[2] = start, len(out)
+            entry = [module, None, None, prefix]
+            seen[id(module)] = entry
+            start = len(out)
+            dot = prefix + "." if prefix else ""
+            for k, x in list(module.__dict__.items()):
+                if (k in _MODULE_INTERNALS or type(x) in _LEAF_TYPES
+                        or type(k) is not str or not k.isidentifier()):
+                    continue
+                step(x, dot + k, 1)
+            entry[1], entry[2] = start, len(out)
 
-    if cut:
-        detail = "; ".join(f"{n} {what} (first: {first_cut[what]})" for what, n in cut.items())
-        warnings.warn(f"walk_owners: some objects were not walked: {detail}", RuntimeWarning,
-                      stacklevel=3)
+        if cut:
+            detail = "; ".join(f"{n} {what} (first: {first_cut[what]})" for what, n in cut.items())
+            warnings.warn(f"walk_owners: some objects were not walked: {detail}", RuntimeWarning,
+                          stacklevel=3)
+    finally:
+        # `step` and `attrs` reach each other (and `out`, `seen`) through closure cells: a
+        # reference cycle that would keep every tensor found alive until the garbage
+        # collector runs, hiding a freed storage (dangling) as a live one (stale). Break it.
+        seen.clear()
+        step = attrs = None  # noqa: F841
     return out
 
 

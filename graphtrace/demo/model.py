@@ -43,11 +43,12 @@ class ActOrderLinear(torch.nn.Module):
     """A linear layer whose weights and forward belong to its `quant_method` (vLLM's
     `LinearBase` pattern)."""
 
-    def __init__(self, variant: str, config: LayerConfig, device=None):
+    def __init__(self, variant: str | type, config: LayerConfig, device=None):
         super().__init__()
         self.input_size = config.in_features
         self.output_size = config.out_features
-        self.quant_method = WNA16ActOrderLinearMethod(KERNELS[variant], config)
+        kernel_cls = variant if isinstance(variant, type) else KERNELS[variant]
+        self.quant_method = WNA16ActOrderLinearMethod(kernel_cls, config)
         self.quant_method.create_weights(self, device=device)
 
     def forward(self, x):
@@ -110,7 +111,8 @@ def make_checkpoint(seed: int = 0, act_order_seed: int | None = None, *, n_layer
 
 
 class DemoModel(torch.nn.Module):
-    """`n_layers` act-order blocks of one kernel `variant` (see `kernels.KERNELS`).
+    """`n_layers` act-order blocks of one kernel `variant` (a name in `kernels.KERNELS`, or
+    a kernel class: the case library's variants that the seed demo does not run).
 
     ``seed=None`` leaves the model as vLLM leaves it after construction (empty
     checkpoint-format parameters); an int loads `make_checkpoint(seed)` and runs PWAL.
@@ -119,15 +121,15 @@ class DemoModel(torch.nn.Module):
     before anything is loaded, as vLLM's loader does.
     """
 
-    def __init__(self, variant: str = "fixed", n_layers: int = 4, k: int = 64, n: int = 64,
+    def __init__(self, variant: str | type = "fixed", n_layers: int = 4, k: int = 64, n: int = 64,
                  group: int = 16, seed: int | None = None, *, dtype=torch.float32,
                  device="cpu", reload_backend: str = "auto"):
         super().__init__()
-        if variant not in KERNELS:
+        if not (isinstance(variant, type) or variant in KERNELS):
             raise ValueError(f"unknown variant {variant!r}; choose from {sorted(KERNELS)}")
         if k % PACK_FACTOR or n % PACK_FACTOR:
             raise ValueError("k and n must be multiples of 8")
-        self.variant = variant
+        self.variant = variant.name if isinstance(variant, type) else variant
         self.config = dict(n_layers=n_layers, k=k, n=n, group=group, dtype=dtype)
         device = torch.device(device)
         self.layers = torch.nn.ModuleList(

@@ -196,8 +196,20 @@ def _reload_builtin(model, checkpoint) -> None:
 
     # 2. load through the weight loaders
     model.load_weights(checkpoint)
+    loaded = {name.rpartition(".")[0] for name in checkpoint}
 
-    for m in modules:
+    for prefix, m in model.named_modules():
+        if prefix not in loaded:
+            # nothing loaded into this module: put its kernel tensors back unprocessed, as
+            # vLLM's finalize_layerwise_processing does (`_place_kernel_tensors`)
+            k_params, k_buffers, non_persistent = kernel[m]
+            for name in list(m._parameters) + list(m._buffers):
+                delattr(m, name)
+            for name, p in k_params.items():
+                m.register_parameter(name, p)
+            for name, b in k_buffers.items():
+                m.register_buffer(name, b, persistent=name not in non_persistent)
+            continue
         # 3. process
         qm = getattr(m, "quant_method", None)
         if qm is not None and hasattr(qm, "process_weights_after_loading"):

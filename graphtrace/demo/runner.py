@@ -90,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layers", type=int, default=4, metavar="N",
         help="act-order layers in the model (default: 4)")
     parser.add_argument(
+        "--case", action="append", metavar="NAME",
+        help="run a case of the case library instead of the seed's variants (published "
+             "stale-read bugs, each with a buggy and a fixed variant), repeatable; 'all' "
+             "runs every case; --list-cases names them")
+    parser.add_argument(
+        "--list-cases", action="store_true", help="list the case library and exit")
+    parser.add_argument(
         "--quiet", action="store_true",
         help="no progress lines and no per-variant tables; print the summary and where "
              "the reports are")
@@ -494,6 +501,10 @@ def run(args: argparse.Namespace) -> int:
     from .kernels import VARIANTS
     from .reload import resolve_backend
 
+    if getattr(args, "case", None) or getattr(args, "list_cases", False):
+        from .cases import command
+
+        return command.run(args)
     quiet = bool(getattr(args, "quiet", False))
     variants = list(dict.fromkeys(getattr(args, "variant", None) or VARIANTS))
     batch_sizes = _batch_sizes(getattr(args, "batch_sizes", "1,2,4,8"))

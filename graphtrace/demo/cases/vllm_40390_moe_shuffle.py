@@ -1,0 +1,100 @@
+"""vLLM #40390 (NeMo-RL #2895): the MoE weight shuffle re-registers `w13_weight` / `w2_weight`
+on every weight update.
+
+Real code: `vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py`,
+`UnquantizedFusedMoEMethod._setup_kernel` shuffles the expert weights into the kernel's
+layout (`convert_to_unquantized_kernel_format`; AITER's `shuffle_weight` on ROCm) and
+registered the result with `replace_parameter(layer, "w13_weight", w13_new)`: a new
+Parameter, a new storage. RL refits (NeMo-RL's `update_weights_via_ipc_zmq`, verl) load
+new weights into the live parameters and run `process_weights_after_loading` again, so the
+decode CUDA graphs kept reading the old weights ("decode-only garbage"; prefill runs eager
+and looked fine). Fixed in vLLM 0.21 by `replace_parameter(..., prefer_copy=is_weight_update)`
+with `is_weight_update = self.moe_kernel is not None`.
+
+vLLM's layerwise reload (which copies processed values back into the kernel tensors) masks
+this bug; the case uses the in-place refit the thread describes. Flip test: the live
+`w13_weight` (what an eager forward reads), negated in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _moe
+from .harness import make_param, replace_parameter
+from .spec import Case, Expect, Variant
+
+EXPERTS = "layers.*.mlp.experts"
+BLOCK = 4  # the shuffle's block along the input dimension
+
+
+def shuffle_weight(w: torch.Tensor) -> torch.Tensor:
+    """A shape-preserving layout change (AITER's `shuffle_weight` keeps shape, moves bytes)."""
+    *lead, k = w.shape
+    return w.reshape(*lead, k // BLOCK, BLOCK).transpose(-1, -2).reshape(*lead, k).contiguous()
+
+
+def unshuffle_weight(w: torch.Tensor) -> torch.Tensor:
+    *lead, k = w.shape
+    return w.reshape(*lead, BLOCK, k // BLOCK).transpose(-1, -2).reshape(*lead, k)
+
+
+class UnquantizedFusedMoEMethod:
+    def __init__(self, prefer_copy_on_update: bool):
+        self.prefer_copy_on_update = prefer_copy_on_update
+        self.moe_kernel = None
+
+    def create_weights(self, layer):
+        layer.w13_weight = make_param((_moe.E, 2 * _moe.I, _moe.H))
+        layer.w2_weight = make_param((_moe.E, _moe.H, _moe.I))
+
+    def process_weights_after_loading(self, layer):
+        w13_new, w2_new = shuffle_weight(layer.w13_weight), shuffle_weight(layer.w2_weight)
+        is_weight_update = self.moe_kernel is not None
+        prefer_copy = is_weight_update and self.prefer_copy_on_update
+        replace_parameter(layer, "w13_weight", w13_new, prefer_copy=prefer_copy)
+        replace_parameter(layer, "w2_weight", w2_new, prefer_copy=prefer_copy)
+        if not is_weight_update:
+            self.moe_kernel = "rocm_aiter_fused_experts"  # set up once
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        return _moe.dense_moe(x, unshuffle_weight(layer.w13_weight),
+                              unshuffle_weight(layer.w2_weight), topk_weights, topk_ids,
+                              _moe.silu_and_mul)
+
+
+def run(variant: str, backend: str = "auto"):
+    from .harness import capture_reload_diff, reload_inplace
+
+    model = _moe.MoEModel(lambda: UnquantizedFusedMoEMethod(variant == "fixed"), backend=None)
+    model.load(model.checkpoint(0))
+
+    def perturb(m):
+        for experts in m.experts():
+            experts.w13_weight.neg_()
+        return "the live w13_weight, negated in place"
+
+    return capture_reload_diff(model, model.inputs(),
+                               lambda m: reload_inplace(m, m.checkpoint(1)), perturb)
+
+
+CASE = Case(
+    name="vllm-40390-moe-shuffle",
+    reference="vLLM #40390, NeMo-RL #2895",
+    source="vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py: "
+           "UnquantizedFusedMoEMethod._setup_kernel",
+    rebound="`w13_weight` / `w2_weight` re-registered by `replace_parameter` after the "
+            "shuffle on every weight update",
+    fix="`replace_parameter(..., prefer_copy=is_weight_update)`",
+    reload="vllm-inplace",
+    variants=(
+        Variant("buggy", "buggy", "replace_parameter without prefer_copy",
+                (Expect(f"{EXPERTS}.w13_weight", "stale"),
+                 Expect(f"{EXPERTS}.w2_weight", "stale")), flip="frozen"),
+        Variant("fixed", "fixed", "prefer_copy=is_weight_update",
+                (Expect(f"{EXPERTS}.w13_weight", "stable"),
+                 Expect(f"{EXPERTS}.w2_weight", "stable")), flip="follows"),
+    ),
+    run=run,
+    note="on CUDA the replaced parameters are freed (dangling) unless something else holds them",
+)
