@@ -26,8 +26,8 @@ _LAZY = {
     "ReportError": "graphtrace.report",
     "load_report": "graphtrace.report",
     "assert_no_stale": "graphtrace.report",
-    "VERDICTS": "graphtrace.report",
-    "STALE_VERDICTS": "graphtrace.report",
+    "VERDICTS": "graphtrace.vocab",
+    "STALE_VERDICTS": "graphtrace.vocab",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -23,6 +23,10 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
+__all__ = [
+    "SOURCE", "ENV", "STALE_LOCK_S", "NativeUnavailable", "mode", "load", "resolve", "main"
+]
+
 SOURCE = Path(__file__).resolve().parent / "csrc" / "recorder.cpp"
 ENV = "GRAPHTRACE_NATIVE"
 # torch's builder holds a `lock` file in the build folder while it runs ninja, and waits

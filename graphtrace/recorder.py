@@ -452,7 +452,7 @@ class RecordingMode(TorchDispatchMode):
         try:
             replay = self._record(func, args, kwargs, out)
             if self.emulated is not None:
-                self.emulated._keep(func, args, kwargs, out, replay)
+                self.emulated.keep(func, args, kwargs, out, replay)
         except Exception as exc:  # fail open: never break the traced program
             self.recorder.fail(f"recording {func}", exc)
         return out

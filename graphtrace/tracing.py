@@ -51,7 +51,7 @@ class EmulatedGraph:
         self.capture: Capture | None = None
         self._ops: list = []
 
-    def _keep(self, func, args, kwargs, out, replay_flags: int) -> None:
+    def keep(self, func, args, kwargs, out, replay_flags: int) -> None:
         if replay_flags:  # 0: a pure view, which a graph bakes in and never re-runs
             self._ops.append((func, args, kwargs, out, replay_flags))
 

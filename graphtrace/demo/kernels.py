@@ -47,6 +47,14 @@ import torch
 
 from . import marlin_ops, ops
 
+__all__ = [
+    "UINT4B8", "PACK_FACTOR", "pack_int4_rows", "unpack_int4_rows", "weight_loader",
+    "replace_parameter", "LayerConfig", "WNA16ActOrderLinearMethod", "MPLinearKernelBase",
+    "MacheteUnfixedKernel", "MacheteUnfixedPartialKernel", "MacheteUnfixedLambdaKernel",
+    "MacheteRejectedFixKernel", "MacheteFixedKernel", "MarlinStyleKernel", "VARIANTS",
+    "dequantize_reference"
+]
+
 # vLLM's ScalarType ids are opaque ints; the reference ops ignore them.
 UINT4B8 = 0x4B8
 PACK_FACTOR = 8  # int4 values per int32

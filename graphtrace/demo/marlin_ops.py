@@ -18,6 +18,8 @@ import torch
 
 from .ops import NAMESPACE
 
+__all__ = []
+
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 _lib.define(
     "gptq_marlin_gemm(Tensor a, Tensor? c_or_none, Tensor b_q_weight, Tensor? b_bias_or_none, "

@@ -26,6 +26,11 @@ import torch.nn.functional as F
 from .kernels import (KERNELS, PACK_FACTOR, LayerConfig, WNA16ActOrderLinearMethod,
                       pack_int4_rows, weight_loader)
 
+__all__ = [
+    "RMSNorm", "ActOrderLinear", "DemoMLP", "DemoDecoderLayer", "make_checkpoint",
+    "DemoModel"
+]
+
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, dtype=torch.float32, device=None):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["NAMESPACE"]
+
 NAMESPACE = "graphtrace"
 
 _lib = torch.library.Library(NAMESPACE, "DEF")

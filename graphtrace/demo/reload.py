@@ -38,6 +38,8 @@ import weakref
 
 import torch
 
+__all__ = ["BACKENDS", "vllm_available", "resolve_backend", "record_metadata", "reload"]
+
 BACKENDS = ("auto", "vllm", "builtin")
 
 # module -> (params, buffers): construction-time tensors as meta tensors with attributes

@@ -31,6 +31,11 @@ import sys
 import threading
 from typing import Callable
 
+__all__ = [
+    "EVENTS", "add_listener", "remove_listener", "install", "uninstall", "worker_model",
+    "worker_rank"
+]
+
 logger = logging.getLogger("graphtrace.vllm")
 
 EVENTS = ("before_load", "after_load", "after_warmup", "shutdown")

@@ -12,6 +12,8 @@ import importlib
 
 from .spec import Case, Expect, Finding, Outcome, Variant, VariantResult  # noqa: F401
 
+__all__ = ["MODULES", "get", "select"]
+
 MODULES = (
     "vllm_48539_machete_act_perm",
     "vllm_48438_marlin",

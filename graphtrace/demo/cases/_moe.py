@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from ..ops import NAMESPACE
 from .harness import CaseModel, make_param
 
+__all__ = ["dense_moe", "silu_and_mul", "FusedMoE", "MoEBlock", "Layer", "MoEModel"]
+
 E, H, I, TOPK = 4, 16, 8, 2
 
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+__all__ = ["list_cases", "run"]
+
 
 def list_cases() -> str:
     from . import CASES

@@ -24,6 +24,11 @@ import torch
 from .harness import CaseModel, make_param
 from .spec import Case, Expect, Variant
 
+__all__ = [
+    "K", "N", "BATCH_SIZES", "ScaledLinearMethod", "ScaledLinear", "ControlModel", "run",
+    "CASE"
+]
+
 K = N = 8
 BATCH_SIZES = (1, 2)
 

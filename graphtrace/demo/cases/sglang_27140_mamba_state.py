@@ -28,6 +28,11 @@ import torch
 from .harness import CaseModel
 from .spec import Case, Expect, Variant
 
+__all__ = [
+    "BATCH_SIZES", "MambaPool", "MambaMixer", "HybridModel", "pause_resume", "run", "POOL",
+    "CASE"
+]
+
 D_INNER, D_CONV, D_STATE, MAX_REQS = 8, 4, 4, 4
 BATCH_SIZES = (1, 2)
 

@@ -21,6 +21,11 @@ import torch
 from .harness import CaseModel, make_param
 from .spec import Case, Expect, Variant
 
+__all__ = [
+    "WIDTH", "BATCH_SIZES", "DeepseekV2AttentionMLA", "DeepseekLayer",
+    "DeepseekV2ForCausalLM", "update_weights", "run", "CASE"
+]
+
 N_HEADS, HEAD_DIM, KV_LORA_RANK = 2, 8, 4
 WIDTH = N_HEADS * HEAD_DIM
 BATCH_SIZES = (1, 2)

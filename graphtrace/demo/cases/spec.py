@@ -26,6 +26,12 @@ from typing import Callable
 
 from graphtrace.vocab import STALE_VERDICTS, VERDICTS
 
+__all__ = [
+    "KINDS", "FLIPS", "RELOADS", "Expect", "Variant", "Case", "Outcome", "Finding",
+    "VariantResult", "check", "run_variant", "run_case", "format_case", "summary_line",
+    "readme_table"
+]
+
 KINDS = ("buggy", "fixed", "control")
 FLIPS = ("frozen", "follows")
 RELOADS = {

@@ -24,6 +24,11 @@ from . import _moe
 from .harness import make_param, replace_parameter
 from .spec import Case, Expect, Variant
 
+__all__ = [
+    "EXPERTS", "BLOCK", "shuffle_weight", "unshuffle_weight", "UnquantizedFusedMoEMethod",
+    "run", "CASE"
+]
+
 EXPERTS = "layers.*.mlp.experts"
 BLOCK = 4  # the shuffle's block along the input dimension
 

@@ -32,6 +32,11 @@ from . import _moe
 from .harness import make_param
 from .spec import Case, Expect, Variant
 
+__all__ = [
+    "EXPERTS", "FusedMoEQuantDesc", "FusedMoEQuantConfig", "CutlassExpertsFp8",
+    "FusedMoEModularKernel", "Fp8MoEMethod", "run", "CASE"
+]
+
 EXPERTS = "layers.*.mlp.experts"
 
 

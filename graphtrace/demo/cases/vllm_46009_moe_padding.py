@@ -20,6 +20,10 @@ from . import _moe
 from .harness import make_param
 from .spec import Case, Expect, Variant
 
+__all__ = [
+    "EXPERTS", "NUM_PAD", "maybe_pad_weight", "is_padded", "PaddedMoEMethod", "run", "CASE"
+]
+
 EXPERTS = "layers.*.mlp.experts"
 NUM_PAD = 4
 

@@ -29,6 +29,11 @@ import torch
 from .harness import CaseModel, make_param, replace_parameter
 from .spec import Case, Expect, Variant
 
+__all__ = [
+    "WIDTH", "BATCH_SIZES", "KVBProj", "split_kv_b_proj", "MLAAttention", "SinkAttentionImpl",
+    "Attention", "OAIAttention", "Block", "MLAModel", "run", "CASE"
+]
+
 N_HEADS, HEAD_DIM, KV_LORA_RANK = 2, 8, 4  # N, P (= V), L
 WIDTH = N_HEADS * HEAD_DIM
 BATCH_SIZES = (1, 2)

@@ -25,6 +25,10 @@ from .. import marlin_ops
 from ..kernels import MarlinStyleKernel, replace_parameter
 from .spec import Case, Expect, Variant
 
+__all__ = [
+    "LAYER", "BATCH_SIZES", "N_LAYERS", "MarlinFixedKernel", "VARIANT_KERNELS", "run", "CASE"
+]
+
 LAYER = "layers.*.mlp.down_proj"
 BATCH_SIZES = (1, 2)
 N_LAYERS = 2

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from .spec import Case, Expect, Variant
 
+__all__ = ["KERNEL", "BATCH_SIZES", "N_LAYERS", "run", "flip_live_perm", "CASE"]
+
 KERNEL = "layers.*.mlp.down_proj.quant_method.kernel"
 BATCH_SIZES = (1, 2)
 N_LAYERS = 2

@@ -24,6 +24,11 @@ from . import _moe
 from .harness import make_param, replace_parameter
 from .spec import Case, Expect, Variant
 
+__all__ = [
+    "EXPERTS", "CONSTANTS", "FlashInferExperts", "FlashInferMoEMethod",
+    "FusedMoEModularKernel", "run", "CASE"
+]
+
 EXPERTS = "layers.*.mlp.experts"
 CONSTANTS = {"gemm1_alpha": 1.702, "gemm1_beta": 1.0, "gemm1_clamp_limit": 7.0}
 

@@ -1,0 +1,146 @@
+"""The package's layers use only each other's public surface (issue #13).
+
+Read from the source with `ast`, so the test needs no torch: every `from graphtrace.X
+import name` and every `graphtrace.X.name` / `alias.name` attribute read across modules
+must name something public (no leading underscore), and every module's `__all__` lists
+only public names it defines or imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "graphtrace"
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield ".".join(parts), path
+
+
+MODULES = dict(_modules())
+_DEFINED: dict[str, set[str]] = {}
+
+
+def _defined_private_attributes() -> dict[str, set[str]]:
+    """Per layer: the private attribute names its classes define (methods, class
+    attributes, `self._x = ...`, `__slots__` entries)."""
+    out: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        names = out.setdefault(_layer(module), set())
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for node in ast.walk(cls):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
+                    names.add(node.name)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                        and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                        and _private(node.attr):
+                    names.add(node.attr)
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                        and _private(node.value) and node.value.isidentifier():
+                    names.add(node.value)  # __slots__ entries and the like
+    return out
+
+
+
+def _layer(module: str) -> str:
+    """A layer is a top-level module or subpackage of graphtrace (graphtrace.report.io and
+    graphtrace.report.core are one layer; graphtrace.vllm.plugin and .adapter another)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if not MODULES[module].name == "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _crossings(module: str, path: Path):
+    tree = ast.parse(path.read_text(), str(path))
+    aliases: dict[str, str] = {}
+    external: set[str] = set()  # names bound to other packages (torch._ops is torch's)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _resolve(module, node)
+            if not source.startswith("graphtrace"):
+                external.update(a.asname or a.name for a in node.names)
+                continue
+            for a in node.names:
+                target = f"{source}.{a.name}"
+                if target in MODULES:  # a submodule imported by name
+                    aliases[a.asname or a.name] = target
+                    if _private(a.name) and _layer(target) != _layer(module):
+                        yield node.lineno, f"imports private module {target}"
+                elif _private(a.name) and _layer(source) != _layer(module):
+                    yield node.lineno, f"imports private {a.name} from {source}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("graphtrace") and a.asname:
+                    aliases[a.asname] = a.name
+                elif not a.name.startswith("graphtrace"):
+                    external.add(a.asname or a.name.split(".")[0])
+    DEFINED = _DEFINED or _DEFINED.update(_defined_private_attributes()) or _DEFINED
+    mine = DEFINED.get(_layer(module), set())
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        if isinstance(node.value, ast.Name):
+            target = aliases.get(node.value.id)
+            if target and _layer(target) != _layer(module):
+                yield node.lineno, f"reads private {target}.{node.attr}"
+                continue
+            if node.value.id in ("self", "cls") or node.value.id in external:
+                continue
+        # obj._name where _name belongs to another layer's classes (torch's own private
+        # helpers, such as storage._cdata, are fine: they are not defined here)
+        if node.attr not in mine:
+            owners = sorted(layer for layer, names in DEFINED.items() if node.attr in names)
+            if owners:
+                yield node.lineno, f"reads {owners[0]}'s private attribute .{node.attr}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_names_across_layers(module):
+    bad = [f"{MODULES[module].name}:{line}: {what}" for line, what in _crossings(module, MODULES[module])]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_all_lists_public_names_only(module):
+    tree = ast.parse(MODULES[module].read_text())
+    listed = None
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                listed = [c.value for c in ast.walk(node.value)
+                          if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+    if module.endswith("__main__"):
+        pytest.skip("a __main__ module is run, not imported")
+    assert listed is not None, f"{module} has no __all__: list its public surface"
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Name, ast.alias)):
+            defined.add(node.id if isinstance(node, ast.Name) else (node.asname or node.name))
+    missing = [n for n in listed if n not in defined and n != "__version__"]
+    assert not missing, f"{module}.__all__ lists names it does not define: {missing}"
+    private = [n for n in listed if _private(n)]
+    assert not private, f"{module}.__all__ lists private names {private}"
