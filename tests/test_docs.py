@@ -77,3 +77,22 @@ def test_internals_frame_prose_names_every_column_in_order(frame):
 def test_section_finds_nothing_for_a_missing_heading():
     with pytest.raises(AssertionError, match="no heading"):
         section("# a\ntext\n", "b")
+
+
+def _package_entries() -> list[str]:
+    """graphtrace's top-level modules and subpackages, as the layout tables name them."""
+    pkg = ROOT / "graphtrace"
+    out = [f"graphtrace/{p.name}" for p in sorted(pkg.glob("*.py"))
+           if p.name not in ("__main__.py", "__init__.py")]
+    out += [f"graphtrace/{p.name}/" for p in sorted(pkg.iterdir())
+            if p.is_dir() and (p / "__init__.py").exists()]
+    return out
+
+
+@pytest.mark.parametrize("doc", [INTERNALS, README], ids=["internals", "readme"])
+def test_layout_tables_name_every_module(doc):
+    layout = section(doc.read_text(), "Layout")
+    missing = [entry for entry in _package_entries() if f"`{entry}`" not in layout]
+    assert not missing, f"{doc.name}'s Layout table does not name {missing}"
+    for named in re.findall(r"`(graphtrace/[\w/.]+)`", layout):
+        assert (ROOT / named).exists(), f"{doc.name}'s Layout names {named}, which does not exist"
