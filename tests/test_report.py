@@ -349,9 +349,10 @@ def _manifest(folder: Path) -> dict:
     ("no_version", "unsupported format_version None"),
     ("missing_csv", "incomplete report: missing owners.csv, edges.csv"),
     ("missing_column", r"owners.csv: missing columns: status, live_data_ptr"),
-    ("bad_value", r"storages.csv: unreadable values"),
+    ("bad_value", r"storages.csv: column nbytes, row 0 \(line 2\): cannot read 'lots' as int"),
     ("empty_csv", r"accesses.csv: unreadable CSV"),
-    ("bad_verdict", "edges.verdict: unknown verdicts fresh"),
+    ("bad_verdict", r"edges.csv: column verdict, row 3 \(line 5\): unknown value 'fresh' "
+                    r"\(verdicts are stable, "),
 ])
 @pytest.mark.parametrize("load", [load_report, Report.load], ids=["load_report", "Report.load"])
 def test_load_report_errors(tmp_path, case, pattern, load):
@@ -401,10 +402,10 @@ def test_from_frames_validation(report):
         Report.from_frames(edges=report.edges.drop(columns=["verdict", "impact"]))
     with pytest.raises(ReportError, match="accesses: expected a pandas DataFrame"):
         Report.from_frames(accesses=[1, 2])
-    with pytest.raises(ReportError, match="storages.alive: missing values"):
+    with pytest.raises(ReportError, match="storages.alive, row 0: missing value"):
         Report.from_frames(storages=report.storages.assign(
             alive=[None] + [True] * (len(report.storages) - 1)))
-    with pytest.raises(ReportError, match="owners.storage_id: missing values"):
+    with pytest.raises(ReportError, match="owners.storage_id, row 0: missing value"):
         Report.from_frames(owners=report.owners.assign(
             storage_id=[np.nan] + [1.0] * (len(report.owners) - 1)))
     with pytest.raises(ReportError, match="meta: expected a dict"):

@@ -20,7 +20,40 @@ __all__ = ["ReportError", "is_na"]
 
 
 class ReportError(ValueError):
-    """A report's frames or folder are not what graphtrace writes."""
+    """A report's frames or folder are not what graphtrace writes.
+
+    A defect in one frame's values also says where: ``frame`` (``"edges"``), ``column``
+    (one name, or several joined by ``", "`` for a key) and ``row`` (0-based, as in the
+    frame; ``None`` when the defect is not one row's). ``Report.load`` turns them into the
+    file and its line.
+    """
+
+    def __init__(self, message: str, *, frame: str | None = None, column: str | None = None,
+                 row: int | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.frame, self.column, self.row = frame, column, row
+        self.detail = message if detail is None else detail
+
+    def __reduce__(self):
+        return (_rebuild_error, (str(self), self.frame, self.column, self.row, self.detail))
+
+
+def _rebuild_error(message, frame, column, row, detail) -> "ReportError":
+    return ReportError(message, frame=frame, column=column, row=row, detail=detail)
+
+
+def _frame_error(frame: str, column: str, row: int | None, detail: str) -> ReportError:
+    """A defect in ``frame.column`` at ``row`` (see ReportError)."""
+    where = f"{frame}.{column}" if ", " not in column else f"{frame} ({column})"
+    at = "" if row is None else f", row {row}"
+    return ReportError(f"{where}{at}: {detail}", frame=frame, column=column, row=row,
+                       detail=detail)
+
+
+def _first(mask) -> int | None:
+    """The first True position of a boolean array-like (None when there is none)."""
+    hits = np.flatnonzero(np.asarray(mask, dtype=bool))
+    return int(hits[0]) if len(hits) else None
 
 
 def is_na(value: Any) -> bool:
@@ -117,7 +150,8 @@ def _canonical_categories(codes: np.ndarray, categories, kind: str, has_na: bool
     return bool(np.bincount(codes[codes >= 0] if has_na else codes, minlength=len(cats)).all())
 
 
-def _canon_column(s: pd.Series, kind: str, categorical: bool, where: str) -> pd.Series:
+def _canon_column(s: pd.Series, kind: str, categorical: bool, frame: str,
+                  column: str) -> pd.Series:
     if kind in ("str", "str?"):
         if isinstance(s.dtype, pd.CategoricalDtype):
             return _categorical(s.cat.codes.to_numpy(), s.cat.categories, kind,
@@ -137,11 +171,13 @@ def _canon_column(s: pd.Series, kind: str, categorical: bool, where: str) -> pd.
     try:
         if kind == "int":
             if s.isna().any():
-                raise ReportError(f"{where}: missing values in an integer column")
+                raise _frame_error(frame, column, _first(s.isna()),
+                                   "missing value in an integer column")
             if s.dtype == np.int64:
                 return s
             if pd.api.types.is_float_dtype(s.dtype) and not (s == s.round()).all():
-                raise ReportError(f"{where}: non-integer values in an integer column")
+                raise _frame_error(frame, column, _first(s != s.round()),
+                                   "non-integer value in an integer column")
             return s.astype("int64")
         if kind == "Int":
             if s.dtype == "Int64":
@@ -154,7 +190,8 @@ def _canon_column(s: pd.Series, kind: str, categorical: bool, where: str) -> pd.
             if s.dtype == bool:
                 return s
             if s.isna().any():
-                raise ReportError(f"{where}: missing values in a boolean column")
+                raise _frame_error(frame, column, _first(s.isna()),
+                                   "missing value in a boolean column")
             return s.astype(bool)
         if kind == "boolean":
             return s.astype("boolean")
@@ -163,8 +200,8 @@ def _canon_column(s: pd.Series, kind: str, categorical: bool, where: str) -> pd.
     except ReportError:
         raise
     except (TypeError, ValueError, OverflowError) as e:
-        raise ReportError(f"{where}: cannot read as {kind}: {e}") from None
-    raise ReportError(f"{where}: unknown column kind {kind!r}")
+        raise _frame_error(frame, column, None, f"cannot read as {kind}: {e}") from None
+    raise _frame_error(frame, column, None, f"unknown column kind {kind!r}")
 
 
 def _canon_frame(name: str, df: pd.DataFrame | None,
@@ -201,7 +238,7 @@ def _canon_frame(name: str, df: pd.DataFrame | None,
     out = {}
     for c in required + extras:
         out[c] = _canon_column(df[c].reset_index(drop=True), kinds[c], c in categorical,
-                               f"{name}.{c}")
+                               name, str(c))
     return pd.DataFrame(out, index=pd.RangeIndex(len(df)), copy=not _copy_on_write())
 
 
@@ -244,5 +281,7 @@ def _plain_meta(meta: Mapping[str, Any] | None) -> dict:
         raise ReportError(f"meta: expected a dict, got {type(meta).__name__}")
     try:
         return json.loads(json.dumps(dict(meta), default=_json_default))
+    except RecursionError:
+        raise ReportError("meta: nested too deeply") from None
     except (TypeError, ValueError) as e:
         raise ReportError(f"meta: not JSON-serialisable: {e}") from None

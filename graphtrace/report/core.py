@@ -20,7 +20,14 @@ from graphtrace.report.canonical import (
 )
 from graphtrace.report.check import assert_no_stale
 from graphtrace.report.grouping import _crosstab
-from graphtrace.report.io import FORMAT_VERSION, _fail, _read_folder, _write_folder
+from graphtrace.report.io import (
+    FORMAT_VERSION,
+    _fail,
+    _fail_in_frame,
+    _read_folder,
+    _write_folder,
+)
+from graphtrace.report.validate import check_frames, check_meta
 from graphtrace.vocab import FRAMES, HOLDS, IMPACTS, STALE_VERDICTS, VERDICTS
 
 __all__ = ["Report", "load_report"]
@@ -57,11 +64,8 @@ class Report:
                                            cats.get(name, ()))
                         for name in FRAMES}
         self._meta = _plain_meta(meta)
-        bad = set(self._frames["edges"]["verdict"].unique()) - set(VERDICTS)
-        if bad:
-            raise ReportError(
-                f"edges.verdict: unknown verdicts {', '.join(sorted(map(str, bad)))} "
-                f"(verdicts are {', '.join(VERDICTS)})")
+        check_frames(self._frames)
+        check_meta(self._meta)
         self._graph = None
         self._graphs = None
         self._source: Path | None = source
@@ -94,7 +98,7 @@ class Report:
                           categorical=read.categorical, source=folder,
                           manifest=read.manifest)
         except ReportError as e:
-            raise _fail(folder, str(e)) from None
+            raise _fail_in_frame(folder, read, e) from None
         return report
 
     # ---- frames
