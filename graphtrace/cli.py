@@ -234,6 +234,25 @@ def _err(command: str, message: str) -> int:
     return 2
 
 
+# What a command needs that a plain `pip install graphtrace` lacks: top-level module -> the
+# install command to say.
+NEEDS = {"torch": "pip install 'graphtrace[torch]'", "vllm": "pip install vllm"}
+
+
+def _missing(e: BaseException) -> str | None:
+    """The extra (torch, vllm) whose absence raised ``e``, if that is what it is."""
+    if isinstance(e, ImportError):
+        top = (getattr(e, "name", None) or "").split(".")[0]
+        if top in NEEDS:
+            return top
+    return None
+
+
+def _needs(command: str, module: str) -> int:
+    return _err(command, f"this command needs {module}, which is not installed: "
+                         f"{NEEDS[module]}")
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     try:
         report = load_report(args.dir)
@@ -243,10 +262,30 @@ def _cmd_report(args: argparse.Namespace) -> int:
         if os.environ.get("GRAPHTRACE_DEBUG"):
             raise
         return _err("report", f"{args.dir}: cannot read report: {type(e).__name__}: {e}")
+    try:
+        text = _render(report, args)
+    except BrokenPipeError:
+        raise
+    except Exception as e:  # a report that loaded is displayable; if not, still one line
+        if os.environ.get("GRAPHTRACE_DEBUG"):
+            raise
+        return _err("report", f"{args.dir}: cannot display report: "
+                              f"{type(e).__name__}: {_one_line(e)}")
+    sys.stdout.write(text)
+    if args.fail_on_stale and len(report.stale):
+        return 1
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
+
+
+def _render(report: Report, args: argparse.Namespace) -> str:
+    """What ``report`` prints, in the output mode ``args`` asks for."""
     if args.json:
-        json.dump(report_json(report, str(args.dir)), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    elif args.csv:
+        return json.dumps(report_json(report, str(args.dir)), indent=2) + "\n"
+    if args.csv:
         if args.csv == "stale":
             df = report.stale
         elif args.csv == "edges":
@@ -257,32 +296,32 @@ def _cmd_report(args: argparse.Namespace) -> int:
             from graphtrace.analysis import coverage
 
             df = coverage(report)
-        df.to_csv(sys.stdout, index=False, lineterminator="\n")
-    else:
-        sys.stdout.write(format_report(report, path=str(args.dir), width=args.width,
-                                       top=args.top))
-    if args.fail_on_stale and len(report.stale):
-        return 1
-    return 0
+        return df.to_csv(index=False, lineterminator="\n")
+    return format_report(report, path=str(args.dir), width=args.width, top=args.top)
 
 
 def _cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         from graphtrace.demo import runner
     except ImportError as e:
+        if _missing(e):
+            return _needs("demo", _missing(e))
         missing = getattr(e, "name", None) or ""
         if missing.startswith("graphtrace.demo"):
             return _err("demo", "demo not available in this installation "
                                 "(graphtrace.demo.runner is missing)")
-        if missing.split(".")[0] == "torch":
-            return _err("demo", "the demo needs torch: pip install 'graphtrace[torch]'")
         return _err("demo", f"demo not available: {e}")
-    parser = argparse.ArgumentParser(prog=f"{PROG} demo",
-                                     description=(runner.__doc__ or "").strip() or None)
-    if hasattr(runner, "add_arguments"):
-        runner.add_arguments(parser)
-    demo_args = parser.parse_args(rest)
-    return int(runner.run(demo_args) or 0)
+    try:  # the runner imports torch (and vLLM, when asked) as it parses and runs
+        parser = argparse.ArgumentParser(prog=f"{PROG} demo",
+                                         description=(runner.__doc__ or "").strip() or None)
+        if hasattr(runner, "add_arguments"):
+            runner.add_arguments(parser)
+        demo_args = parser.parse_args(rest)
+        return int(runner.run(demo_args) or 0)
+    except ImportError as e:
+        if _missing(e) and not os.environ.get("GRAPHTRACE_DEBUG"):
+            return _needs("demo", _missing(e))
+        raise
 
 
 def build_parser() -> argparse.ArgumentParser:

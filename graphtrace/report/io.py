@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -310,7 +311,11 @@ def _check_manifest(manifest: dict, mpath: Path) -> None:
     if _CHECKSUM in manifest:
         if not isinstance(checksum, str) or not _HEX64.fullmatch(checksum):
             raise bad(_CHECKSUM, "a SHA-256 in hex", checksum)
-        if checksum != _manifest_checksum(manifest):
+        try:
+            expected = _manifest_checksum(manifest)
+        except (RecursionError, ValueError):
+            raise _fail(mpath, "unreadable manifest: nested too deeply") from None
+        if checksum != expected:
             raise _fail(mpath, "the manifest differs from the one written (its checksum "
                                "does not match): it was edited or damaged")
     meta = manifest.get("meta")
@@ -462,8 +467,10 @@ def _read_frame(name: str, csv: Path, data: bytes, kinds: Mapping[str, str],
             dtype[c] = "category"
         na_values[c] = [""] if k in _NULLABLE else []
     try:
-        return pd.read_csv(io.BytesIO(data), dtype=dtype, keep_default_na=False,
-                           na_values=na_values, **_EXACT_FLOATS)
+        with warnings.catch_warnings():  # a bad number warns before it raises
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return pd.read_csv(io.BytesIO(data), dtype=dtype, keep_default_na=False,
+                               na_values=na_values, **_EXACT_FLOATS)
     except (pd.errors.ParserError, UnicodeDecodeError, OSError, ValueError,
             TypeError, OverflowError) as e:
         raise _locate(csv, data, dtype, kind_of, e) from None

@@ -65,6 +65,11 @@ def _bad_words(s: pd.Series, words: tuple[str, ...], na_ok: bool) -> np.ndarray:
     return bad | na if not na_ok else bad
 
 
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python value it holds (for messages)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def check_frames(frames: Mapping[str, pd.DataFrame]) -> None:
     """Vocabularies, keys and references of canonical frames (ReportError otherwise)."""
     for (name, column), (words, called, na_ok) in VOCABULARIES.items():
@@ -94,7 +99,7 @@ def check_frames(frames: Mapping[str, pd.DataFrame]) -> None:
         dup = df.duplicated(list(key)).to_numpy()
         if dup.any():
             row = _first(dup)
-            values = ", ".join(f"{c}={df[c].iloc[row]!r}" for c in key)
+            values = ", ".join(f"{c}={_plain(df[c].iloc[row])!r}" for c in key)
             raise _frame_error(name, ", ".join(key), row,
                                f"duplicate key ({values}): one row per "
                                f"({', '.join(key)})")
