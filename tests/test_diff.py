@@ -392,3 +392,48 @@ def test_owner_snapshot_matches_storages_to_their_capture_time_owners():
     snapshot.refresh({"m": model, "n": model}, table)
     assert ("n", "layers.0.weight", "parameter") in snapshot.owners[weight]
     assert ("m", "layers.0.weight", "parameter") in snapshot.owners[weight]  # owners accumulate
+
+
+def test_a_new_storage_at_the_freed_captured_address_is_dangling():
+    """The storage-identity rule, deterministically: the captured storage and its successor
+    are both made with torch.frombuffer over one buffer, so the new one sits at the very
+    address of the freed one. diff must tell them apart by storage (dangling, equal
+    pointers), never by address (which would read stable)."""
+    import gc as _gc
+
+    import torch as _torch
+
+    import graphtrace as _gt
+
+    class Scaled(_torch.nn.Module):
+        def __init__(self, scale: _torch.Tensor):
+            super().__init__()
+            self.holder = type("Holder", (), {})()  # a plain object: not registered
+            self.holder.scale = scale
+
+        def forward(self, x):
+            return x * self.holder.scale
+
+    buffer = bytearray(8 * 4)  # outlives both tensors: the address stays the same
+    captured = _torch.frombuffer(buffer, dtype=_torch.float32)
+    captured.fill_(2.0)
+    old_ptr = captured.data_ptr()
+    model = Scaled(captured)
+    with _gt.trace(model, strict=True) as t:
+        with _gt.capture("g") as g:
+            y = model(_torch.ones(8))
+    del g, y, captured
+    model.holder.scale = None
+    _gc.collect()
+    fresh = _torch.frombuffer(buffer, dtype=_torch.float32)
+    assert fresh.data_ptr() == old_ptr  # guaranteed: the same bytes
+    model.holder.scale = fresh
+    report = t.diff()
+    edge = report.edges[report.edges.owners == "holder.scale"]
+    assert len(edge) == 1
+    edge = edge.iloc[0]
+    assert edge.verdict == "dangling"
+    assert edge.live_data_ptr == edge.data_ptr == old_ptr
+    assert not report.storages.set_index("storage_id").at[edge.storage_id, "alive"]
+    owner = report.owners[report.owners.path == "holder.scale"].iloc[0]
+    assert owner.status == "moved" and owner.live_data_ptr == old_ptr
