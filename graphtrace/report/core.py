@@ -86,8 +86,10 @@ class Report:
 
         Imports no torch. Raises :class:`ReportError` (a ``ValueError``) with one clear
         line for a missing folder, a folder without ``manifest.json``, a foreign manifest,
-        an unsupported ``format_version``, missing CSV files or columns, or unreadable
-        values. ``graph.graphml`` is not needed: the graph is rebuilt from the frames.
+        an unsupported ``format_version``, a manifest field of the wrong type, missing CSV
+        files or columns, a file cut, edited or damaged since it was written, or a value
+        the report cannot hold (named by file, column and row; see
+        graphtrace.report.validate). ``graph.graphml`` is not needed: the graph is rebuilt from the frames.
         ``source`` and ``manifest`` of the result say where it came from.
         """
         folder = Path(path)
@@ -286,8 +288,10 @@ class Report:
     # ---- files
     def to_csv(self, path: str | Path, *, graphml: bool | None = None) -> Path:
         """Write the report folder (created if needed): ``accesses.csv``, ``storages.csv``,
-        ``owners.csv``, ``edges.csv``, ``graph.graphml`` and ``manifest.json`` (written
-        last). Returns the folder.
+        ``owners.csv``, ``edges.csv``, ``graph.graphml`` and ``manifest.json``. Returns
+        the folder. Atomic: a failed write leaves an older report there whole, and files
+        that are not the report's stay; a folder holding such names but no graphtrace
+        manifest is refused (Note [What a report folder guarantees] in report/io.py).
 
         GraphML is for other graph tools; ``load_report`` rebuilds ``.graph`` from the CSVs.
         It costs ~10x the CSVs, so by default (``graphml=None``) it is left out above
