@@ -26,6 +26,8 @@ from graphtrace.vocab import (
     VERDICTS,
 )
 
+__all__ = ["VOCABULARIES", "JOINED_VOCABULARIES", "KEYS", "check_frames", "check_meta"]
+
 # (frame, column) -> (its words, what they are called, NA allowed)
 VOCABULARIES: dict[tuple[str, str], tuple[tuple[str, ...], str, bool]] = {
     ("edges", "verdict"): (VERDICTS, "verdicts", False),
