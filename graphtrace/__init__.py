@@ -13,6 +13,8 @@ Importing graphtrace does not import torch: reports can be read on a machine wit
 
 from __future__ import annotations
 
+from graphtrace._lazy import lazy_exports
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -33,16 +35,6 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'graphtrace' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+# the first read of a name in _LAZY imports its module
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
+del lazy_exports

@@ -18,6 +18,8 @@ Importing this package does not import vLLM.
 
 from __future__ import annotations
 
+from graphtrace._lazy import lazy_exports
+
 _LAZY = {
     "VllmTrace": "graphtrace.vllm.adapter",
     "trace_llm": "graphtrace.vllm.adapter",
@@ -32,16 +34,6 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'graphtrace.vllm' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+# the first read of a name in _LAZY imports its module
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
+del lazy_exports
