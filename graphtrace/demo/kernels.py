@@ -256,7 +256,26 @@ class MPLinearKernelBase:
                               None, None, None)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """The Machete kernels' PWAL: sort by `g_idx` (kept as `_keep_perm` says), repack the
+        weight with the permuted rows, re-register the scales."""
+        perm = None
+        if self.config.has_g_idx:
+            perm = self._perm_from_g_idx(layer)
+            self._keep_perm(layer, perm)
+        self._repack_weight(layer, perm)
+        self._transform_scales(layer)
+
+    def _keep_perm(self, layer, perm: torch.Tensor) -> None:
+        """Where a kernel keeps the act-order permutation for its forward: the variants differ
+        only here."""
         raise NotImplementedError
+
+    def _bind_act_perm(self, perm: torch.Tensor) -> None:
+        """`self.act_perm`: a `partial(permute_cols, perm=perm)` or a lambda closing over perm."""
+        if self._use_permute_cols():
+            self.act_perm = functools.partial(ops.permute_cols, perm=perm)
+        else:
+            self.act_perm = lambda x: x[:, perm]
 
     def apply_weights(self, layer, x, bias=None) -> torch.Tensor:
         raise NotImplementedError
@@ -294,17 +313,8 @@ class MacheteUnfixedKernel(MPLinearKernelBase):
 
     name = "unfixed"
 
-    def process_weights_after_loading(self, layer):
-        c = self.config
-        perm = None
-        if c.has_g_idx:
-            perm = self._perm_from_g_idx(layer)
-            if self._use_permute_cols():
-                self.act_perm = functools.partial(ops.permute_cols, perm=perm)
-            else:
-                self.act_perm = lambda x: x[:, perm]
-        self._repack_weight(layer, perm)
-        self._transform_scales(layer)
+    def _keep_perm(self, layer, perm):
+        self._bind_act_perm(perm)
 
     def apply_weights(self, layer, x, bias=None):
         x_2d = x.reshape(-1, x.shape[-1])
@@ -339,19 +349,9 @@ class MacheteRejectedFixKernel(MacheteUnfixedKernel):
     act_perm_form = "partial"
     registers_perm = True
 
-    def process_weights_after_loading(self, layer):
-        c = self.config
-        perm = None
-        if c.has_g_idx:
-            perm = self._perm_from_g_idx(layer)
-            replace_parameter(layer, "g_idx_sort_indices", perm, prefer_copy=True)
-            registered = layer.g_idx_sort_indices
-            if self._use_permute_cols():
-                self.act_perm = functools.partial(ops.permute_cols, perm=registered)
-            else:
-                self.act_perm = lambda x: x[:, registered]
-        self._repack_weight(layer, perm)
-        self._transform_scales(layer)
+    def _keep_perm(self, layer, perm):
+        replace_parameter(layer, "g_idx_sort_indices", perm, prefer_copy=True)
+        self._bind_act_perm(layer.g_idx_sort_indices)
 
 
 class MacheteFixedKernel(MPLinearKernelBase):
@@ -362,15 +362,9 @@ class MacheteFixedKernel(MPLinearKernelBase):
     act_perm_form = "partial"
     registers_perm = True
 
-    def process_weights_after_loading(self, layer):
-        c = self.config
-        perm = None
-        if c.has_g_idx:
-            perm = self._perm_from_g_idx(layer)
-            replace_parameter(layer, "g_idx_sort_indices", perm, prefer_copy=True)
-            self.use_permute_cols = self._use_permute_cols()
-        self._repack_weight(layer, perm)
-        self._transform_scales(layer)
+    def _keep_perm(self, layer, perm):
+        replace_parameter(layer, "g_idx_sort_indices", perm, prefer_copy=True)
+        self.use_permute_cols = self._use_permute_cols()
 
     def apply_weights(self, layer, x, bias=None):
         x_2d = x.reshape(-1, x.shape[-1])
@@ -425,9 +419,13 @@ class MarlinStyleKernel(MPLinearKernelBase):
         out = marlin_ops.gptq_marlin_gemm(
             x_2d, None, getattr(layer, self.w_q_name), bias, getattr(layer, self.w_s_name),
             None, None, getattr(layer, self.w_gidx_name), layer.g_idx_sort_indices,
-            self.workspace, c.weight_type, x_2d.shape[0], c.out_features, c.in_features,
-            True, False, False, False)
+            self.live_workspace(layer), c.weight_type, x_2d.shape[0], c.out_features,
+            c.in_features, True, False, False, False)
         return out.reshape(*x.shape[:-1], c.out_features)
+
+    def live_workspace(self, layer) -> torch.Tensor:
+        """The workspace the forward passes to `gptq_marlin_gemm` (here: the kernel's own)."""
+        return self.workspace
 
     def live_perm(self, layer):
         return layer.__dict__.get("g_idx_sort_indices")

@@ -204,13 +204,7 @@ def _reload_builtin(model, checkpoint) -> None:
         if prefix not in loaded:
             # nothing loaded into this module: put its kernel tensors back unprocessed, as
             # vLLM's finalize_layerwise_processing does (`_place_kernel_tensors`)
-            k_params, k_buffers, non_persistent = kernel[m]
-            for name in list(m._parameters) + list(m._buffers):
-                delattr(m, name)
-            for name, p in k_params.items():
-                m.register_parameter(name, p)
-            for name, b in k_buffers.items():
-                m.register_buffer(name, b, persistent=name not in non_persistent)
+            _put_back(m, *kernel[m])
             continue
         # 3. process
         qm = getattr(m, "quant_method", None)
@@ -223,9 +217,14 @@ def _reload_builtin(model, checkpoint) -> None:
         for name, b in k_buffers.items():
             if name in m._buffers:
                 b.data.copy_(getattr(m, name))
-        for name in list(m._parameters) + list(m._buffers):
-            delattr(m, name)
-        for name, p in k_params.items():
-            m.register_parameter(name, p)
-        for name, b in k_buffers.items():
-            m.register_buffer(name, b, persistent=name not in non_persistent)
+        _put_back(m, k_params, k_buffers, non_persistent)
+
+
+def _put_back(m: torch.nn.Module, params: dict, buffers: dict, non_persistent: set) -> None:
+    """Register the kept kernel tensors on `m` again, in place of whatever it holds now."""
+    for name in list(m._parameters) + list(m._buffers):
+        delattr(m, name)
+    for name, p in params.items():
+        m.register_parameter(name, p)
+    for name, b in buffers.items():
+        m.register_buffer(name, b, persistent=name not in non_persistent)

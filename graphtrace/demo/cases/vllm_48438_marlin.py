@@ -21,7 +21,6 @@ indices reversed in place.
 
 from __future__ import annotations
 
-from .. import marlin_ops
 from ..kernels import MarlinStyleKernel, replace_parameter
 from .spec import Case, Expect, Variant
 
@@ -47,15 +46,8 @@ class MarlinFixedKernel(MarlinStyleKernel):
         perm = layer.__dict__.pop("g_idx_sort_indices")
         replace_parameter(layer, "g_idx_sort_indices", perm, prefer_copy=True)
 
-    def apply_weights(self, layer, x, bias=None):
-        c = self.config
-        x_2d = x.reshape(-1, x.shape[-1])
-        out = marlin_ops.gptq_marlin_gemm(
-            x_2d, None, getattr(layer, self.w_q_name), bias, getattr(layer, self.w_s_name),
-            None, None, getattr(layer, self.w_gidx_name), layer.g_idx_sort_indices,
-            layer.workspace, c.weight_type, x_2d.shape[0], c.out_features, c.in_features,
-            True, False, False, False)
-        return out.reshape(*x.shape[:-1], c.out_features)
+    def live_workspace(self, layer):
+        return layer.workspace
 
     def live_perm(self, layer):
         return layer.g_idx_sort_indices
