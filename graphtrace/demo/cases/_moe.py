@@ -6,6 +6,9 @@ is the `FusedMoE` layer: `w13_weight` (E, 2I, H) and `w2_weight` (E, H, I), crea
 and run by `quant_method.apply`. Two custom ops carry the real kernels' tensor arguments
 (CUTLASS FP8 MoE's strides, FlashInfer's SwiGLU constants), with small reference bodies, so
 the recorder sees every tensor the real kernel reads.
+
+`run_case` is what every MoE case runs: load, capture, reload (in place or layerwise),
+diff, flip.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import NAMESPACE
-from .harness import CaseModel, make_param
+from .harness import (CaseModel, capture_reload_diff, make_param, reload_inplace,
+                      reload_layerwise)
+from .spec import Outcome
 
-__all__ = ["dense_moe", "silu_and_mul", "FusedMoE", "MoEBlock", "Layer", "MoEModel"]
+__all__ = ["dense_moe", "silu_and_mul", "FusedMoEMethodBase", "FusedMoE", "MoEBlock", "Layer",
+           "MoEModel", "negate_live_w13", "run_case"]
 
 E, H, I, TOPK = 4, 16, 8, 2
 
@@ -83,6 +89,17 @@ _lib.impl("flashinfer_cutlass_fused_moe", _meta, "Meta")
 
 cutlass_moe_fp8 = torch.ops.graphtrace.cutlass_moe_fp8
 flashinfer_cutlass_fused_moe = torch.ops.graphtrace.flashinfer_cutlass_fused_moe
+
+
+class FusedMoEMethodBase:
+    """What the cases' quant methods share: `create_weights` makes the checkpoint-format
+    `w13_weight` (E, 2I, H) and `w2_weight` (E, H, I) in `weight_dtype`."""
+
+    weight_dtype = torch.float32
+
+    def create_weights(self, layer):
+        layer.w13_weight = make_param((E, 2 * I, H), self.weight_dtype)
+        layer.w2_weight = make_param((E, H, I), self.weight_dtype)
 
 
 class FusedMoE(torch.nn.Module):
@@ -161,3 +178,30 @@ class MoEModel(CaseModel):
     def inputs(batch_sizes=(1, 2), seed: int = 3):
         g = torch.Generator().manual_seed(seed)
         return [(f"bs{b}", torch.randn(b, H, generator=g)) for b in batch_sizes]
+
+
+def negate_live_w13(model: MoEModel) -> str:
+    """The flip test of the unquantized cases: the live `w13_weight`, negated in place."""
+    for experts in model.experts():
+        experts.w13_weight.neg_()
+    return "the live w13_weight, negated in place"
+
+
+def run_case(make_method, reload: str, perturb, backend: str = "auto") -> Outcome:
+    """Build a `MoEModel` of `make_method()` layers, load checkpoint 0, capture, reload
+    checkpoint 1 (`reload`: "vllm-inplace" or "vllm-layerwise", a key of `spec.RELOADS`),
+    diff, and flip with `perturb`."""
+    if reload == "vllm-inplace":
+        model = MoEModel(make_method, backend=None)
+
+        def do_reload(m):
+            return reload_inplace(m, m.checkpoint(1))
+    elif reload == "vllm-layerwise":
+        model = MoEModel(make_method, backend=backend)
+
+        def do_reload(m):
+            return reload_layerwise(m, m.checkpoint(1), backend=backend)
+    else:
+        raise ValueError(f"MoE cases reload 'vllm-inplace' or 'vllm-layerwise', not {reload!r}")
+    model.load(model.checkpoint(0))
+    return capture_reload_diff(model, model.inputs(), do_reload, perturb)

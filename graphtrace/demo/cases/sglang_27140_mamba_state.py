@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .harness import CaseModel
-from .spec import Case, Expect, Variant
+from .spec import Case, buggy_and_fixed
 
 __all__ = [
     "BATCH_SIZES", "MambaPool", "MambaMixer", "HybridModel", "pause_resume", "run", "POOL",
@@ -117,14 +117,10 @@ CASE = Case(
             "pause/resume (state, not weights)",
     fix="re-capture (or keep the buffers in the saver's region, same storages)",
     reload="memory-saver",
-    variants=(
-        Variant("buggy", "buggy", "state buffers freed at pause, allocated again at resume",
-                (Expect(f"{POOL}.conv_state", "dangling"),
-                 Expect(f"{POOL}.ssm_state", "dangling"))),
-        Variant("fixed", "fixed", "state buffers kept in the saver region (same storages)",
-                (Expect(f"{POOL}.conv_state", "stable"),
-                 Expect(f"{POOL}.ssm_state", "stable"))),
-    ),
+    variants=buggy_and_fixed(
+        "state buffers freed at pause, allocated again at resume",
+        "state buffers kept in the saver region (same storages)",
+        {f"{POOL}.conv_state": "dangling", f"{POOL}.ssm_state": "dangling"}, flip=False),
     run=run,
     note="captured without an emulated graph (a CUDA graph holds addresses, not tensors), "
          "so the freed state reads as dangling; on CUDA too, even when the allocator "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .harness import CaseModel, make_param
-from .spec import Case, Expect, Variant
+from .spec import Case, buggy_and_fixed
 
 __all__ = [
     "WIDTH", "BATCH_SIZES", "DeepseekV2AttentionMLA", "DeepseekLayer",
@@ -126,13 +126,9 @@ CASE = Case(
             "`post_load_weights`",
     fix="`copy_` into the existing `w_kc` / `w_vc`",
     reload="sglang-update",
-    variants=(
-        Variant("buggy", "buggy", "w_kc / w_vc reassigned on every post_load_weights",
-                (Expect("layers.*.self_attn.w_kc", "stale"),
-                 Expect("layers.*.self_attn.w_vc", "stale")), flip="frozen"),
-        Variant("fixed", "fixed", "copied into the existing tensors (#6265)",
-                (Expect("layers.*.self_attn.w_kc", "stable"),
-                 Expect("layers.*.self_attn.w_vc", "stable")), flip="follows"),
-    ),
+    variants=buggy_and_fixed(
+        "w_kc / w_vc reassigned on every post_load_weights",
+        "copied into the existing tensors (#6265)",
+        {"layers.*.self_attn.w_kc": "stale", "layers.*.self_attn.w_vc": "stale"}),
     run=run,
 )

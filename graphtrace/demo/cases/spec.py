@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from graphtrace.vocab import STALE_VERDICTS, VERDICTS
 
 __all__ = [
-    "KINDS", "FLIPS", "RELOADS", "Expect", "Variant", "Case", "Outcome", "Finding",
-    "VariantResult", "check", "run_variant", "run_case", "format_case", "summary_line",
+    "KINDS", "FLIPS", "RELOADS", "Expect", "Variant", "buggy_and_fixed", "Case", "Outcome",
+    "Finding", "VariantResult", "check", "run_variant", "run_case", "format_case", "summary_line",
     "readme_table"
 ]
 
@@ -83,6 +83,22 @@ class Variant:
                              "stale-like verdict somewhere")
         if self.kind != "buggy" and any(e.verdict in STALE_VERDICTS for e in self.expect):
             raise ValueError(f"variant {self.name!r}: a {self.kind} variant must be clean")
+
+
+def buggy_and_fixed(buggy: str, fixed: str, expect: dict[str, str],
+                    fixed_stable: Iterable[str] | None = None, *, buggy_name: str = "buggy",
+                    flip: bool = True) -> tuple[Variant, Variant]:
+    """A case's usual two variants, with their summaries `buggy` and `fixed`.
+
+    The buggy variant expects `expect` (owner pattern -> verdict); the fixed one expects each
+    pattern of `fixed_stable` (default: those of `expect`) `stable`. With `flip`, the flip
+    test leaves the buggy graphs frozen and the fixed ones follow.
+    """
+    stable = expect if fixed_stable is None else fixed_stable
+    return (Variant(buggy_name, "buggy", buggy, tuple(Expect(p, v) for p, v in expect.items()),
+                    flip="frozen" if flip else None),
+            Variant("fixed", "fixed", fixed, tuple(Expect(p, "stable") for p in stable),
+                    flip="follows" if flip else None))
 
 
 @dataclass(frozen=True)

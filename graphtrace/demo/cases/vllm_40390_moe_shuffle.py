@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from . import _moe
-from .harness import make_param, replace_parameter
-from .spec import Case, Expect, Variant
+from .harness import replace_parameter
+from .spec import Case, buggy_and_fixed
 
 __all__ = [
     "EXPERTS", "BLOCK", "shuffle_weight", "unshuffle_weight", "UnquantizedFusedMoEMethod",
@@ -44,14 +44,10 @@ def unshuffle_weight(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(*lead, BLOCK, k // BLOCK).transpose(-1, -2).reshape(*lead, k)
 
 
-class UnquantizedFusedMoEMethod:
+class UnquantizedFusedMoEMethod(_moe.FusedMoEMethodBase):
     def __init__(self, prefer_copy_on_update: bool):
         self.prefer_copy_on_update = prefer_copy_on_update
         self.moe_kernel = None
-
-    def create_weights(self, layer):
-        layer.w13_weight = make_param((_moe.E, 2 * _moe.I, _moe.H))
-        layer.w2_weight = make_param((_moe.E, _moe.H, _moe.I))
 
     def process_weights_after_loading(self, layer):
         w13_new, w2_new = shuffle_weight(layer.w13_weight), shuffle_weight(layer.w2_weight)
@@ -69,18 +65,8 @@ class UnquantizedFusedMoEMethod:
 
 
 def run(variant: str, backend: str = "auto"):
-    from .harness import capture_reload_diff, reload_inplace
-
-    model = _moe.MoEModel(lambda: UnquantizedFusedMoEMethod(variant == "fixed"), backend=None)
-    model.load(model.checkpoint(0))
-
-    def perturb(m):
-        for experts in m.experts():
-            experts.w13_weight.neg_()
-        return "the live w13_weight, negated in place"
-
-    return capture_reload_diff(model, model.inputs(),
-                               lambda m: reload_inplace(m, m.checkpoint(1)), perturb)
+    return _moe.run_case(lambda: UnquantizedFusedMoEMethod(variant == "fixed"), CASE.reload,
+                         _moe.negate_live_w13)
 
 
 CASE = Case(
@@ -92,14 +78,9 @@ CASE = Case(
             "shuffle on every weight update",
     fix="`replace_parameter(..., prefer_copy=is_weight_update)`",
     reload="vllm-inplace",
-    variants=(
-        Variant("buggy", "buggy", "replace_parameter without prefer_copy",
-                (Expect(f"{EXPERTS}.w13_weight", "stale"),
-                 Expect(f"{EXPERTS}.w2_weight", "stale")), flip="frozen"),
-        Variant("fixed", "fixed", "prefer_copy=is_weight_update",
-                (Expect(f"{EXPERTS}.w13_weight", "stable"),
-                 Expect(f"{EXPERTS}.w2_weight", "stable")), flip="follows"),
-    ),
+    variants=buggy_and_fixed(
+        "replace_parameter without prefer_copy", "prefer_copy=is_weight_update",
+        {f"{EXPERTS}.w13_weight": "stale", f"{EXPERTS}.w2_weight": "stale"}),
     run=run,
     note="on CUDA the replaced parameters are freed (dangling) unless something else holds them",
 )

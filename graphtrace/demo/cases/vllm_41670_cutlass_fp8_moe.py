@@ -30,7 +30,7 @@ import torch
 
 from . import _moe
 from .harness import make_param
-from .spec import Case, Expect, Variant
+from .spec import Case, buggy_and_fixed
 
 __all__ = [
     "EXPERTS", "FusedMoEQuantDesc", "FusedMoEQuantConfig", "CutlassExpertsFp8",
@@ -75,8 +75,10 @@ class FusedMoEModularKernel:
         return self.fused_experts.apply(*args)
 
 
-class Fp8MoEMethod:
+class Fp8MoEMethod(_moe.FusedMoEMethodBase):
     """The FP8 MoE quant method with the CUTLASS backend."""
+
+    weight_dtype = torch.float8_e4m3fn
 
     def __init__(self, build_once: bool):
         self.build_once = build_once
@@ -84,8 +86,7 @@ class Fp8MoEMethod:
         self.moe_quant_config = None
 
     def create_weights(self, layer):
-        layer.w13_weight = make_param((_moe.E, 2 * _moe.I, _moe.H), torch.float8_e4m3fn)
-        layer.w2_weight = make_param((_moe.E, _moe.H, _moe.I), torch.float8_e4m3fn)
+        super().create_weights(layer)
         layer.w13_weight_scale = make_param((_moe.E,))
         layer.w2_weight_scale = make_param((_moe.E,))
 
@@ -104,22 +105,17 @@ class Fp8MoEMethod:
 
 
 def run(variant: str, backend: str = "auto"):
-    from .harness import capture_reload_diff, reload_layerwise
-
-    model = _moe.MoEModel(lambda: Fp8MoEMethod(build_once=variant == "fixed"),
-                          backend=backend)
-    model.load(model.checkpoint(0))
-
     def perturb(m):
         for experts in m.experts():
             experts.quant_method.moe_quant_config._w1.scale.mul_(2.0)
         return "the live quant config's _w1.scale, doubled in place"
 
-    return capture_reload_diff(
-        model, model.inputs(),
-        lambda m: reload_layerwise(m, m.checkpoint(1), backend=backend), perturb)
+    return _moe.run_case(lambda: Fp8MoEMethod(build_once=variant == "fixed"), CASE.reload,
+                         perturb, backend)
 
 
+_KERNEL = f"{EXPERTS}.quant_method.moe_kernel.fused_experts"
+_CONFIG = f"{EXPERTS}.quant_method.moe_quant_config"
 CASE = Case(
     name="vllm-41670-cutlass-fp8-moe",
     reference="vLLM #41670",
@@ -129,19 +125,15 @@ CASE = Case(
             "`moe_quant_config._w1.scale` left holding the process-time scale",
     fix="none upstream; here: build quant config and kernel once (as #40390)",
     reload="vllm-layerwise",
-    variants=(
-        Variant("buggy", "buggy", "kernel and quant config rebuilt by every PWAL",
-                (Expect(f"{EXPERTS}.quant_method.moe_kernel.fused_experts.ab_strides1", "stale"),
-                 Expect(f"{EXPERTS}.quant_method.moe_kernel.fused_experts.c_strides1", "stale"),
-                 Expect(f"{EXPERTS}.quant_method.moe_kernel.fused_experts.ab_strides2", "stale"),
-                 Expect(f"{EXPERTS}.quant_method.moe_quant_config._w1.scale", "diverged"),
-                 Expect(f"{EXPERTS}.quant_method.moe_quant_config._w2.scale", "diverged"),
-                 Expect(f"{EXPERTS}.w13_weight", "stable")), flip="frozen"),
-        Variant("fixed", "fixed", "kernel and quant config built once",
-                (Expect(f"{EXPERTS}.quant_method.moe_kernel.fused_experts.ab_strides1", "stable"),
-                 Expect(f"{EXPERTS}.quant_method.moe_quant_config._w1.scale", "stable"),
-                 Expect(f"{EXPERTS}.w13_weight", "stable")), flip="follows"),
-    ),
+    variants=buggy_and_fixed(
+        "kernel and quant config rebuilt by every PWAL", "kernel and quant config built once",
+        {f"{_KERNEL}.ab_strides1": "stale",
+         f"{_KERNEL}.c_strides1": "stale",
+         f"{_KERNEL}.ab_strides2": "stale",
+         f"{_CONFIG}._w1.scale": "diverged",
+         f"{_CONFIG}._w2.scale": "diverged",
+         f"{EXPERTS}.w13_weight": "stable"},
+        [f"{_KERNEL}.ab_strides1", f"{_CONFIG}._w1.scale", f"{EXPERTS}.w13_weight"]),
     run=run,
     note="on CUDA the rebuilt kernel frees the old strides: dangling there, stale here "
          "(the emulated graph keeps captured storages alive, as capture artifacts can)",

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _moe
-from .harness import make_param
-from .spec import Case, Expect, Variant
+from .spec import Case, buggy_and_fixed
 
 __all__ = [
     "EXPERTS", "NUM_PAD", "maybe_pad_weight", "is_padded", "PaddedMoEMethod", "run", "CASE"
@@ -36,13 +35,9 @@ def is_padded(weight: torch.Tensor) -> bool:
     return weight.stride(-2) == weight.shape[-1] + NUM_PAD
 
 
-class PaddedMoEMethod:
+class PaddedMoEMethod(_moe.FusedMoEMethodBase):
     def __init__(self, copy_on_update: bool):
         self.copy_on_update = copy_on_update
-
-    def create_weights(self, layer):
-        layer.w13_weight = make_param((_moe.E, 2 * _moe.I, _moe.H))
-        layer.w2_weight = make_param((_moe.E, _moe.H, _moe.I))
 
     def process_weights_after_loading(self, layer):
         for name in ("w13_weight", "w2_weight"):
@@ -59,18 +54,8 @@ class PaddedMoEMethod:
 
 
 def run(variant: str, backend: str = "auto"):
-    from .harness import capture_reload_diff, reload_inplace
-
-    model = _moe.MoEModel(lambda: PaddedMoEMethod(variant == "fixed"), backend=None)
-    model.load(model.checkpoint(0))
-
-    def perturb(m):
-        for experts in m.experts():
-            experts.w13_weight.neg_()
-        return "the live w13_weight, negated in place"
-
-    return capture_reload_diff(model, model.inputs(),
-                               lambda m: reload_inplace(m, m.checkpoint(1)), perturb)
+    return _moe.run_case(lambda: PaddedMoEMethod(variant == "fixed"), CASE.reload,
+                         _moe.negate_live_w13)
 
 
 CASE = Case(
@@ -82,13 +67,9 @@ CASE = Case(
             "Parameter object, new storage)",
     fix="`copy_` into the existing padded storage",
     reload="vllm-inplace",
-    variants=(
-        Variant("buggy", "buggy", "param.data = F.pad(...)[..., :-pad] on every run",
-                (Expect(f"{EXPERTS}.w13_weight", "stale"),
-                 Expect(f"{EXPERTS}.w2_weight", "stale")), flip="frozen"),
-        Variant("fixed", "fixed", "copy_ into the padded storage on updates",
-                (Expect(f"{EXPERTS}.w13_weight", "stable"),
-                 Expect(f"{EXPERTS}.w2_weight", "stable")), flip="follows"),
-    ),
+    variants=buggy_and_fixed(
+        "param.data = F.pad(...)[..., :-pad] on every run",
+        "copy_ into the padded storage on updates",
+        {f"{EXPERTS}.w13_weight": "stale", f"{EXPERTS}.w2_weight": "stale"}),
     run=run,
 )

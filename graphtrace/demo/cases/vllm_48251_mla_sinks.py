@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .harness import CaseModel, make_param, replace_parameter
-from .spec import Case, Expect, Variant
+from .spec import Case, buggy_and_fixed
 
 __all__ = [
     "WIDTH", "BATCH_SIZES", "KVBProj", "split_kv_b_proj", "MLAAttention", "SinkAttentionImpl",
@@ -190,15 +190,11 @@ CASE = Case(
     fix="`replace_parameter(..., prefer_copy=True)` for W_UV / W_UK_T; refresh the fp32 "
         "sinks in place",
     reload="vllm-layerwise+attention",
-    variants=(
-        Variant("buggy", "buggy", "W_UV/W_UK_T plain attributes; sinks .to(float32) each run",
-                (Expect("layers.*.self_attn.W_UV", "stale"),
-                 Expect("layers.*.self_attn.W_UK_T", "stale"),
-                 Expect("layers.*.sink_attn.attn.impl.sinks", "stale")), flip="frozen"),
-        Variant("fixed", "fixed", "registered with prefer_copy; sinks refreshed in place",
-                (Expect("layers.*.self_attn.W_UV", "stable"),
-                 Expect("layers.*.self_attn.W_UK_T", "stable"),
-                 Expect("layers.*.sink_attn.attn.impl.sinks", "stable")), flip="follows"),
-    ),
+    variants=buggy_and_fixed(
+        "W_UV/W_UK_T plain attributes; sinks .to(float32) each run",
+        "registered with prefer_copy; sinks refreshed in place",
+        {"layers.*.self_attn.W_UV": "stale",
+         "layers.*.self_attn.W_UK_T": "stale",
+         "layers.*.sink_attn.attn.impl.sinks": "stale"}),
     run=run,
 )

@@ -22,7 +22,7 @@ indices reversed in place.
 from __future__ import annotations
 
 from ..kernels import MarlinStyleKernel, replace_parameter
-from .spec import Case, Expect, Variant
+from .spec import Case, buggy_and_fixed
 
 __all__ = [
     "LAYER", "BATCH_SIZES", "N_LAYERS", "MarlinFixedKernel", "VARIANT_KERNELS", "run", "CASE"
@@ -78,15 +78,13 @@ CASE = Case(
             "unregistered tensor attribute of the layer), both remade by every PWAL",
     fix="storage-preserving helper: register both on the layer, copy in place on reload",
     reload="vllm-layerwise",
-    variants=(
-        Variant("marlin", "buggy", "workspace on the kernel, sort indices a plain attribute",
-                (Expect(f"{LAYER}.quant_method.kernel.workspace", "stale"),
-                 Expect(f"{LAYER}.g_idx_sort_indices", "stale"),
-                 Expect(f"{LAYER}.g_idx", "stable")), flip="frozen"),
-        Variant("fixed", "fixed", "both registered on the layer (prefer_copy)",
-                (Expect(f"{LAYER}.workspace", "stable"),
-                 Expect(f"{LAYER}.g_idx_sort_indices", "stable"),
-                 Expect(f"{LAYER}.g_idx", "stable")), flip="follows"),
-    ),
+    variants=buggy_and_fixed(
+        "workspace on the kernel, sort indices a plain attribute",
+        "both registered on the layer (prefer_copy)",
+        {f"{LAYER}.quant_method.kernel.workspace": "stale",
+         f"{LAYER}.g_idx_sort_indices": "stale",
+         f"{LAYER}.g_idx": "stable"},
+        [f"{LAYER}.workspace", f"{LAYER}.g_idx_sort_indices", f"{LAYER}.g_idx"],
+        buggy_name="marlin"),
     run=run,
 )

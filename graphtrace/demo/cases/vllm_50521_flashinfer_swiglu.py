@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from . import _moe
-from .harness import make_param, replace_parameter
-from .spec import Case, Expect, Variant
+from .harness import replace_parameter
+from .spec import Case, buggy_and_fixed
 
 __all__ = [
     "EXPERTS", "CONSTANTS", "FlashInferExperts", "FlashInferMoEMethod",
@@ -52,14 +52,10 @@ class FlashInferExperts:
             self.constant("gemm1_beta"), self.constant("gemm1_clamp_limit"))
 
 
-class FlashInferMoEMethod:
+class FlashInferMoEMethod(_moe.FusedMoEMethodBase):
     def __init__(self, register_constants: bool):
         self.register_constants = register_constants
         self.moe_kernel = None
-
-    def create_weights(self, layer):
-        layer.w13_weight = make_param((_moe.E, 2 * _moe.I, _moe.H))
-        layer.w2_weight = make_param((_moe.E, _moe.H, _moe.I))
 
     def process_weights_after_loading(self, layer):
         # the modular kernel, experts object included, is rebuilt on every run
@@ -77,19 +73,13 @@ class FusedMoEModularKernel:  # reduced to what holds the experts
 
 
 def run(variant: str, backend: str = "auto"):
-    from .harness import capture_reload_diff, reload_layerwise
-
-    model = _moe.MoEModel(lambda: FlashInferMoEMethod(variant == "fixed"), backend=backend)
-    model.load(model.checkpoint(0))
-
     def perturb(m):
         for experts in m.experts():
             experts.quant_method.moe_kernel.fused_experts.constant("gemm1_alpha").add_(1.0)
         return "the live gemm1_alpha, +1 in place"
 
-    return capture_reload_diff(
-        model, model.inputs(),
-        lambda m: reload_layerwise(m, m.checkpoint(1), backend=backend), perturb)
+    return _moe.run_case(lambda: FlashInferMoEMethod(variant == "fixed"), CASE.reload,
+                         perturb, backend)
 
 
 _HELD = f"{EXPERTS}.quant_method.moe_kernel.fused_experts"
@@ -102,12 +92,9 @@ CASE = Case(
             "attributes of the experts object the quant method rebuilds",
     fix="register them on the layer (`replace_parameter(prefer_copy=True)`), read through it",
     reload="vllm-layerwise",
-    variants=(
-        Variant("buggy", "buggy", "constants on the rebuilt experts object",
-                tuple(Expect(f"{_HELD}.{n}", "stale") for n in CONSTANTS), flip="frozen"),
-        Variant("fixed", "fixed", "constants registered on the layer",
-                tuple(Expect(f"{EXPERTS}.{n}", "stable") for n in CONSTANTS), flip="follows"),
-    ),
+    variants=buggy_and_fixed(
+        "constants on the rebuilt experts object", "constants registered on the layer",
+        {f"{_HELD}.{n}": "stale" for n in CONSTANTS}, [f"{EXPERTS}.{n}" for n in CONSTANTS]),
     run=run,
     note="on CUDA the old experts object frees the constants: dangling there (as the PR "
          "measured), stale here",
