@@ -335,22 +335,19 @@ class Trace:
 
     def _refresh_owners(self) -> None:
         """Walk the watched models again (trace exit, watch) and match captured storages."""
-        try:
-            cut = self.owner_snapshot.refresh(self.models, self.recorder.storages)
-        except Exception as exc:
-            self.recorder.fail("owner snapshot", exc)
-            return
-        for text in cut:  # what the owner walk had to cut goes into the report, not stderr
-            self.add_blind_spot(text)
+        self._snapshot(self.owner_snapshot.refresh)
 
     def _match_owners(self) -> None:
         """Match the storages captured since the last snapshot (after each capture)."""
+        self._snapshot(self.owner_snapshot.update)
+
+    def _snapshot(self, step) -> None:
         try:
-            cut = self.owner_snapshot.update(self.models, self.recorder.storages)
-        except Exception as exc:
+            cut = step(self.models, self.recorder.storages)
+        except Exception as exc:  # fail open: the engine goes on, the report says so
             self.recorder.fail("owner snapshot", exc)
             return
-        for text in cut:
+        for text in cut:  # what the owner walk had to cut goes into the report, not stderr
             self.add_blind_spot(text)
 
     # -- capture regions ---------------------------------------------------------------------

@@ -781,25 +781,31 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "graphtrace native recorder",
 #define GT_CAT2(a, b) a##b
 #define GT_CAT(a, b) GT_CAT2(a, b)
 
+// One type's slots, set the same way for both types the module defines.
+static bool ready_type(PyTypeObject& type, const char* name, Py_ssize_t size, const char* doc,
+                       newfunc make, destructor dealloc, PyMethodDef* methods) {
+  type.tp_name = name;
+  type.tp_basicsize = size;
+  type.tp_flags = Py_TPFLAGS_DEFAULT;
+  type.tp_doc = doc;
+  type.tp_new = make;
+  type.tp_dealloc = dealloc;
+  type.tp_methods = methods;
+  return PyType_Ready(&type) >= 0;
+}
+
 PyMODINIT_FUNC GT_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
-  WriterType.tp_name = "graphtrace.native.Writer";
-  WriterType.tp_basicsize = sizeof(PyWriterObject);
-  WriterType.tp_flags = Py_TPFLAGS_DEFAULT;
-  WriterType.tp_doc = "Records one capture's ops into its Capture (see graphtrace.recorder).";
-  WriterType.tp_new = PyType_GenericNew;
   WriterType.tp_init = reinterpret_cast<initproc>(Writer_init);
-  WriterType.tp_dealloc = reinterpret_cast<destructor>(Writer_dealloc);
-  WriterType.tp_methods = writer_methods;
-  if (PyType_Ready(&WriterType) < 0) return nullptr;
-  StoragesType.tp_name = "graphtrace.native.Storages";
-  StoragesType.tp_basicsize = sizeof(StoragesObject);
-  StoragesType.tp_flags = Py_TPFLAGS_DEFAULT;
-  StoragesType.tp_doc = "Every storage a trace has seen, by weak handle (see StorageTable).";
-  StoragesType.tp_new = Storages_new;
-  StoragesType.tp_dealloc = reinterpret_cast<destructor>(Storages_dealloc);
-  StoragesType.tp_methods = storages_methods;
   StoragesType.tp_as_sequence = &storages_sequence;
-  if (PyType_Ready(&StoragesType) < 0) return nullptr;
+  if (!ready_type(WriterType, "graphtrace.native.Writer", sizeof(PyWriterObject),
+                  "Records one capture's ops into its Capture (see graphtrace.recorder).",
+                  PyType_GenericNew, reinterpret_cast<destructor>(Writer_dealloc),
+                  writer_methods) ||
+      !ready_type(StoragesType, "graphtrace.native.Storages", sizeof(StoragesObject),
+                  "Every storage a trace has seen, by weak handle (see StorageTable).",
+                  Storages_new, reinterpret_cast<destructor>(Storages_dealloc),
+                  storages_methods))
+    return nullptr;
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
   Py_INCREF(&WriterType);
