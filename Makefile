@@ -5,7 +5,7 @@ VLLM_VENV ?= .venv-vllm
 PY     := $(VENV)/bin/python
 VPY    := $(VLLM_VENV)/bin/python
 
-.PHONY: demo test test-vllm bench notebooks clean
+.PHONY: demo test test-vllm audit-vllm bench notebooks clean
 
 # The native recorder (graphtrace/csrc) is compiled once per torch build by
 # `python -m graphtrace.native` into torch's extension cache (~20 s).
@@ -34,6 +34,11 @@ test: $(VENV)/.installed
 
 test-vllm: $(VLLM_VENV)/.installed
 	GRAPHTRACE_REQUIRE_VLLM=1 $(VPY) -m pytest -q -m vllm tests
+
+# vLLM 0.32's linear kernels through their real weight processing, apply and layerwise reload
+# on CPU: regenerates analysis/results/vllm_kernel_audit.md and .csv (~5 min).
+audit-vllm: $(VLLM_VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(VPY) analysis/vllm_kernel_audit.py
 
 notebooks: $(VENV)/.installed
 	$(PY) -m pytest -q tests/test_notebooks.py

@@ -1,0 +1,846 @@
+"""Audit vLLM 0.32's own linear kernels on CPU: which tensors their real weight processing
+and apply code leave stale after vLLM's real layerwise reload (issue #15, part 2).
+
+Every kernel class exported by `vllm.model_executor.kernels.linear` is driven, one at a time,
+through the code vLLM runs for it:
+
+1. a `ReplicatedLinear` built with a compressed-tensors (or Quark) scheme whose kernel
+   selection is narrowed to the one class audited; the scheme's `create_weights` makes the
+   checkpoint parameters with their weight loaders;
+2. `record_metadata_for_reloading` right after construction, then each parameter's
+   `weight_loader`, then the quant method's `process_weights_after_loading`;
+3. the apply path (`quant_method.apply` -> `kernel.apply_weights`) captured with
+   `gt.capture` under `gt.trace(model)`;
+4. new weights through vLLM's layerwise reload (`initialize_layerwise_reload`, each
+   parameter's weight loader, `finalize_layerwise_reload`), then `t.diff()` and, where the
+   graph has stale edges, a flip test on the emulated replay.
+
+The harness is the only place that pretends: see Note [audit stand-ins]. Run:
+
+    PYTHONPATH=$PWD .venv-vllm/bin/python analysis/vllm_kernel_audit.py [--quick] [--out DIR]
+
+Writes analysis/results/vllm_kernel_audit.md and .csv (one row per kernel class).
+"""
+
+from __future__ import annotations
+
+# Note [audit stand-ins]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# Most kernels end in a CUDA-only custom op (`_C::machete_mm`, `_C::cutlass_scaled_mm`, ...)
+# that the CPU build of vLLM does not register, or in a Python library that is not installed
+# here (flashinfer, aiter, deep_gemm, ...). The audit asks only which storages a kernel's
+# *Python* keeps and hands to those ops, so:
+# - a missing `_C` op gets a CPU stand-in registered under its real name with the schema of
+#   the real op (writes marked `Tensor!`, so graphtrace classifies the access the same way).
+#   Its output has the real op's shape and dtype; its values are a function of every tensor
+#   it reads (a sum), so the flip test can tell which storage a replay reads. Ops the CPU
+#   build already has (`torch.ops._C.<name>` resolves) are never replaced;
+# - capability and platform questions (`is_supported`, `can_implement`, the platform's
+#   device capability, `is_cuda`) are answered yes by patches applied inside a context
+#   manager around one kernel's run and restored after it;
+# - nothing else is patched: the scheme's create_weights, the weight loaders, the kernel's
+#   process_weights_after_loading and apply_weights, and vLLM's reload all run as shipped.
+# A finding is reported against vLLM only after the source line that rebinds or holds the
+# tensor has been read (FINDING_SOURCES below); a stale edge whose owner is made by the
+# harness would be a stand-in artifact, and is listed as such.
+
+import argparse
+import contextlib
+import csv
+import inspect
+import io
+import os
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1",
+                     "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": "ERROR"}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, revision, write_results  # noqa: E402
+
+RESULTS = ROOT / "analysis" / "results"
+K_IN, N_OUT, BATCH = 256, 128, 4   # in features, out features, tokens: tiny, block-aligned
+
+
+# ---------------------------------------------------------------------------------------------
+# Stand-ins for CUDA-only custom ops (Note [audit stand-ins])
+
+@dataclass
+class StandIn:
+    schema: str                      # the real op's schema, without the name
+    out: object = None               # fn(**args) -> output tensor(s); None: returns nothing
+    used: int = 0
+
+
+def _reads_value(args: dict) -> torch.Tensor:
+    """A number that depends on every tensor argument's values (so a flip changes it)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for v in args.values():
+        for t in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
+                total = total + t.detach().reshape(-1)[:4096].to(torch.float64).nan_to_num().sum()
+    return total
+
+
+def _fill(t: torch.Tensor, value: torch.Tensor) -> None:
+    if t.is_floating_point():
+        t.fill_((value % 7.0).item() / 7.0)
+    else:
+        t.fill_(int(value.abs().item()) % 7)
+
+
+def _mm_out(a_key="a", b_key="b", n_from="b", n_dim=0, dtype_key=None, dtype=None):
+    """Output [*a.shape[:-1], N] for a GEMM; N taken from a weight argument's dimension or a
+    size argument."""
+    def out(**kw):
+        a = kw[a_key]
+        n = kw[n_from] if isinstance(kw[n_from], int) else kw[n_from].shape[n_dim]
+        dt = dtype or (kw.get(dtype_key) if dtype_key else None) or a.dtype
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point or dt.itemsize < 2:
+            dt = torch.bfloat16 if a.dtype == torch.bfloat16 else torch.float16
+        return torch.empty(*a.shape[:-1], n, dtype=dt)
+    return out
+
+
+def _same_as(key, dtype=None):
+    return lambda **kw: torch.empty_like(kw[key], dtype=dtype or kw[key].dtype)
+
+
+def _marlin_repack_out(b_q_weight, size_k, size_n, num_bits, **_):
+    return torch.empty(size_k // 16, size_n * 16 // (32 // num_bits), dtype=torch.int32)
+
+
+def _act_dtype(a: torch.Tensor, *others) -> torch.dtype:
+    for t in (a, *others):
+        if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
+            return t.dtype
+    return torch.bfloat16
+
+
+# Schemas as the installed vLLM 0.32 `_custom_ops.py` calls them, writes marked as in
+# vLLM's csrc/torch_bindings.cpp.
+STANDINS: dict[str, StandIn] = {
+    "_C::gptq_gemm": StandIn(
+        "(Tensor a, Tensor b_q_weight, Tensor b_gptq_qzeros, Tensor b_gptq_scales, "
+        "bool use_exllama, bool use_v2_format, int bit) -> Tensor",
+        lambda a, b_q_weight, **_: torch.empty(a.size(0), b_q_weight.size(1), dtype=a.dtype)),
+    "_C::gptq_shuffle": StandIn("(Tensor! q_weight, int bit) -> ()"),
+    "_C::gptq_marlin_repack": StandIn(
+        "(Tensor b_q_weight, SymInt size_k, SymInt size_n, int num_bits, bool is_a_8bit) "
+        "-> Tensor", _marlin_repack_out),
+    "_C::awq_marlin_repack": StandIn(
+        "(Tensor b_q_weight, SymInt size_k, SymInt size_n, int num_bits, bool is_a_8bit) "
+        "-> Tensor", _marlin_repack_out),
+    "_C::marlin_gemm": StandIn(
+        "(Tensor a, Tensor? c_or_none, Tensor b_q_weight, Tensor? b_bias_or_none, "
+        "Tensor b_scales, Tensor? a_scales, Tensor? global_scale, Tensor? b_zeros_or_none, "
+        "Tensor workspace, int b_type_id, SymInt size_m, SymInt size_n, SymInt size_k, "
+        "bool use_atomic_add, bool use_fp32_reduce, bool is_zp_float) -> Tensor",
+        lambda a, b_scales, size_m, size_n, **_: torch.empty(
+            size_m, size_n, dtype=_act_dtype(a, b_scales))),
+    "_C::machete_prepack_B": StandIn(
+        "(Tensor B, ScalarType a_type, int b_type, ScalarType? group_scales_type) -> Tensor",
+        lambda B, **_: torch.empty_like(B, memory_format=torch.contiguous_format)),
+    "_C::machete_mm": StandIn(
+        "(Tensor A, Tensor B, int b_type, ScalarType? out_type, Tensor? group_scales, "
+        "Tensor? group_zeros, int? group_size, Tensor? channel_scales, Tensor? token_scales, "
+        "str? schedule) -> Tensor",
+        lambda A, B, out_type=None, **_: torch.empty(
+            A.shape[0], B.shape[1], dtype=out_type or _act_dtype(A))),
+    "_C::cutlass_scaled_mm": StandIn(
+        "(Tensor! out, Tensor a, Tensor b, Tensor a_scales, Tensor b_scales, Tensor? bias) "
+        "-> ()"),
+    "_C::cutlass_scaled_mm_azp": StandIn(
+        "(Tensor! out, Tensor a, Tensor b, Tensor a_scales, Tensor b_scales, Tensor azp_adj, "
+        "Tensor? azp, Tensor? bias) -> ()"),
+    "_C::cutlass_scaled_fp4_mm": StandIn(
+        "(Tensor! out, Tensor a, Tensor b, Tensor block_scale_a, Tensor block_scale_b, "
+        "Tensor alpha) -> ()"),
+}
+
+
+def install_standins() -> list[str]:
+    """Register a CPU stand-in for every op in STANDINS that this vLLM build lacks; returns
+    the names registered. Ops the build has are left alone."""
+    import vllm._custom_ops  # noqa: F401  (loads _C)
+
+    registered = []
+    for name, spec in STANDINS.items():
+        ns, op = name.split("::")
+        if _has_op(ns, op):
+            continue
+        lib = _LIBS.setdefault(ns, torch.library.Library(ns, "FRAGMENT"))
+        lib.define(f"{op}{spec.schema}")
+        lib.impl(op, _make_impl(name, spec), "CPU")
+        registered.append(name)
+    return registered
+
+
+_LIBS: dict[str, torch.library.Library] = {}
+
+
+def _has_op(ns: str, op: str) -> bool:
+    try:
+        getattr(getattr(torch.ops, ns), op)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _make_impl(name: str, spec: StandIn):
+    schema = torch._C.parse_schema(f"{name}{spec.schema}")
+    arg_names = [a.name for a in schema.arguments]
+    written = [a.name for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write]
+
+    def impl(*args, **kwargs):
+        spec.used += 1
+        bound = dict(zip(arg_names, args))
+        bound.update(kwargs)
+        value = _reads_value({k: v for k, v in bound.items() if k not in written})
+        for k in written:
+            targets = bound.get(k)
+            for t in (targets if isinstance(targets, (list, tuple)) else [targets]):
+                if isinstance(t, torch.Tensor):
+                    _fill(t, value)
+        if spec.out is None:
+            return None
+        out = spec.out(**bound)
+        for t in (out if isinstance(out, (list, tuple)) else [out]):
+            if isinstance(t, torch.Tensor):
+                _fill(t, value)
+        return out
+    return impl
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry: every kernel class vLLM exports, and the scheme that drives each family
+
+@dataclass
+class KernelInfo:
+    name: str
+    cls: type
+    family: str          # the selection list it is chosen from (or its base class)
+    source: str          # file:line of the class, relative to the vllm package
+
+
+def _vllm_root() -> Path:
+    import vllm
+
+    return Path(vllm.__file__).resolve().parent
+
+
+def _rel(path: str) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(_vllm_root().parent))
+    except ValueError:
+        return path
+
+
+# selection list in kernels/linear/__init__.py -> family, in the order a kernel listed in
+# several is assigned (Marlin FP8 is in the FP8, block and W8A16 lists: audit it as FP8)
+SELECTION_LISTS = {
+    "_POSSIBLE_KERNELS": "wNa16",
+    "_POSSIBLE_INT8_KERNELS": "int8",
+    "_POSSIBLE_FP8_KERNELS": "fp8",
+    "_POSSIBLE_FP8_BLOCK_KERNELS": "fp8_block",
+    "_POSSIBLE_WFP8A16_KERNELS": "fp8_w8a16",
+    "_POSSIBLE_NVFP4_KERNELS": "nvfp4",
+    "_POSSIBLE_MXFP4_KERNELS": "mxfp4",
+    "_POSSIBLE_MXFP8_KERNELS": "mxfp8",
+    "_POSSIBLE_MXFP6_KERNELS": "mxfp6",
+}
+
+
+def discover() -> list[KernelInfo]:
+    """Every concrete kernel class exported by vllm.model_executor.kernels.linear."""
+    import vllm.model_executor.kernels.linear as kl
+
+    found: dict[str, KernelInfo] = {}
+    for name, obj in vars(kl).items():
+        if not (inspect.isclass(obj) and issubclass(obj, _kernel_bases(kl))):
+            continue
+        if inspect.isabstract(obj):
+            continue
+        family = _family(kl, obj)
+        _, line = inspect.getsourcelines(obj)
+        found[name] = KernelInfo(name, obj, family, f"{_rel(inspect.getsourcefile(obj))}:{line}")
+    return sorted(found.values(), key=lambda k: (k.family, k.name))
+
+
+def _kernel_bases(kl) -> tuple[type, ...]:
+    return (kl.MMLinearKernel, kl.MPLinearKernel, kl.ScaledMMLinearKernel, kl.NvFp4LinearKernel,
+            kl.MxFp4LinearKernel, kl.Mxfp8LinearKernel, kl.MxFp6LinearKernel)
+
+
+def _family(kl, cls) -> str:
+    for attr, family in SELECTION_LISTS.items():
+        lists = getattr(kl, attr)
+        if any(cls in v for v in lists.values()):
+            return family
+    for base, family in ((kl.MPLinearKernel, "wNa16"), (kl.Int8ScaledMMLinearKernel, "int8"),
+                         (kl.Fp8BlockScaledMMLinearKernel, "fp8_block"),
+                         (kl.FP8ScaledMMLinearKernel, "fp8"), (kl.NvFp4LinearKernel, "nvfp4"),
+                         (kl.MxFp4LinearKernel, "mxfp4"), (kl.Mxfp8LinearKernel, "mxfp8"),
+                         (kl.MxFp6LinearKernel, "mxfp6")):
+        if issubclass(cls, base):
+            return family
+    return "other"
+
+
+def _backend_of(cls) -> str | None:
+    import vllm.model_executor.kernels.linear as kl
+
+    for backend, kernels in kl._LINEAR_BACKEND_KERNEL_MAP.items():
+        if cls in kernels:
+            return backend
+    return None
+
+
+PER_TENSOR_FP8 = ("PerTensor", "B12xTensor", "FlashInferFP8", "CPUFp8PerTensor")
+W4A8_FP8 = ("CutlassW4A8LinearKernel",)
+W4A8_INT = ("XPUW4A8IntLinearKernel",)
+
+
+ACT_DTYPE = {"wNa16": torch.float16, "int8": torch.float16}
+
+
+class _Default(dict):
+    def __missing__(self, key):
+        return torch.bfloat16
+
+
+ACT_DTYPE = _Default(ACT_DTYPE)
+
+
+def make_scheme(k: KernelInfo):
+    """(scheme, quant-method class, activation dtype) that selects `k` in vLLM's own code."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    from vllm.model_executor.layers.quantization.compressed_tensors import (
+        compressed_tensors as ct)
+    from vllm.model_executor.layers.quantization.compressed_tensors import schemes as s
+
+    method = ct.CompressedTensorsLinearMethod
+    dt = torch.float16
+    if k.family == "wNa16":
+        if k.name in W4A8_FP8:
+            return s.CompressedTensorsW4A8Fp8("group", 4, 128), method, torch.float16
+        if k.name in W4A8_INT:
+            return s.CompressedTensorsW4A8Int("group", 4, 128), method, dt
+        return s.CompressedTensorsWNA16("group", 4, 128, symmetric=True), method, dt
+    if k.family == "int8":
+        return s.CompressedTensorsW8A8Int8("channel", False, True), method, dt
+    if k.family in ("fp8", "fp8_block"):
+        if k.family == "fp8_block":
+            args = QuantizationArgs(num_bits=8, type="float", strategy="block",
+                                    block_structure=[128, 128], symmetric=True, dynamic=False)
+            return s.CompressedTensorsW8A8Fp8(args, False), method, torch.bfloat16
+        # per-tensor kernels get per-tensor weights; activations are quantized dynamically
+        # (this CPU build declares `_C::static_scaled_fp8_quant` with no arguments)
+        per_tensor = any(p in k.name for p in PER_TENSOR_FP8)
+        args = QuantizationArgs(num_bits=8, type="float",
+                                strategy="tensor" if per_tensor else "channel",
+                                symmetric=True, dynamic=False)
+        return s.CompressedTensorsW8A8Fp8(args, False), method, torch.bfloat16
+    if k.family == "fp8_w8a16":
+        args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True,
+                                dynamic=False)
+        return s.CompressedTensorsW8A16Fp8(args, False), method, torch.bfloat16
+    if k.family == "nvfp4":
+        import vllm.model_executor.kernels.linear as kl
+
+        a16 = k.cls in (kl.B12xNvFp4W4A16LinearKernel,
+                        kl.FlashInferCuteDslNvFp4W4A16LinearKernel, kl.MarlinNvFp4LinearKernel,
+                        kl.HummingNvFp4LinearKernel)
+        return s.CompressedTensorsW4A4Fp4(use_a16=a16), method, torch.bfloat16
+    if k.family == "mxfp4":
+        return s.CompressedTensorsW4A4Mxfp4(), method, torch.bfloat16
+    if k.family == "mxfp8":
+        return s.CompressedTensorsW8A8Mxfp8(), method, torch.bfloat16
+    if k.family == "mxfp6":
+        from vllm.model_executor.layers.quantization.quark.quark import QuarkLinearMethod
+        from vllm.model_executor.layers.quantization.quark.schemes.quark_ocp_mx import (
+            QuarkOCP_MX)
+        from vllm.model_executor.layers.quantization.utils.quant_utils import (
+            kMxfp6E3M2Static)
+
+        return QuarkOCP_MX(kMxfp6E3M2Static, None), QuarkLinearMethod, torch.bfloat16
+    raise NotImplementedError(f"no driver for family {k.family!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Capability and platform answers, inside one kernel's run only
+
+@contextlib.contextmanager
+def forced(k: KernelInfo, act_dtype: torch.dtype):
+    """Select `k` and only `k` in vLLM's kernel selection, with its capability checks passed;
+    everything is restored on exit."""
+    from types import SimpleNamespace
+
+    import vllm.model_executor.kernels.linear as kl
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.platforms import current_platform
+
+    saved: list[tuple[object, str, object]] = []
+
+    def patch(obj, attr, value):
+        saved.append((obj, attr, obj.__dict__.get(attr, _MISSING) if isinstance(obj, type)
+                      else getattr(obj, attr, _MISSING)))
+        setattr(obj, attr, value)
+
+    yes = classmethod(lambda cls, *a, **kw: (True, None))
+    # On a GPU the tensors are already there: `.cuda()` returns the tensor itself.
+    patch(torch.Tensor, "cuda", lambda self, *a, **kw: self)
+    patch(k.cls, "is_supported", yes)
+    patch(k.cls, "can_implement", yes)
+    for attr in SELECTION_LISTS:
+        lists = getattr(kl, attr)
+        narrowed = {enum: ([k.cls] if any(k.cls in v for v in lists.values()) else [])
+                    for enum in lists}
+        narrowed[current_platform._enum] = [k.cls] if any(narrowed.values()) else []
+        patch(kl, attr, narrowed)
+    # kernels outside every selection list are reached through their family's list
+    family_list = {v: a for a, v in SELECTION_LISTS.items()}[k.family]
+    getattr(kl, family_list)[current_platform._enum] = [k.cls]
+
+    config = VllmConfig()
+    backend = _backend_of(k.cls)
+    if backend is not None:
+        config.kernel_config.linear_backend = backend
+    model_config = SimpleNamespace(dtype=act_dtype, quantization=None,
+                                   is_deepseek_mla=False, hf_config=None)
+    try:
+        object.__setattr__(config, "model_config", model_config)
+        with set_current_vllm_config(config):
+            yield
+    finally:
+        for obj, attr, old in reversed(saved):
+            if old is _MISSING:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
+
+
+_MISSING = object()
+
+
+# ---------------------------------------------------------------------------------------------
+# One kernel: build, load, process, capture, reload through vLLM, diff, flip
+
+def init_single_process_group() -> None:
+    """vLLM's parameters ask the tensor-parallel group for their rank: make a world of one."""
+    import socket
+
+    from vllm.distributed import parallel_state as ps
+
+    if ps._TP is not None:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+        ps.initialize_model_parallel(1, 1)
+
+
+class AuditModel(torch.nn.Module):
+    """The smallest model vLLM's reload accepts: one quantized linear layer."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.proj = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def checkpoint_for(layer: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Random checkpoint tensors shaped like the layer's construction-time parameters, with
+    values each kind of tensor may hold (positive scales, in-range group indices)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in layer.named_parameters():
+        shape, dt = tuple(p.shape), p.dtype
+        if "g_idx" in name:
+            k = shape[0]
+            out[name] = (torch.arange(k) // 128).to(dt)
+        elif dt.is_floating_point:
+            v = torch.rand(shape, generator=g) + 0.5
+            if "scale" not in name:
+                v = torch.randn(shape, generator=g)
+            if dt.itemsize == 1:   # fp8 / e8m0 scales
+                if dt == getattr(torch, "float8_e8m0fnu", None):
+                    v = torch.full(shape, 2.0) ** torch.randint(-3, 3, shape, generator=g)
+                v = v.clamp(-200, 200)
+            out[name] = v.to(dt)
+        elif dt == torch.bool:
+            out[name] = torch.ones(shape, dtype=dt)
+        else:
+            info = torch.iinfo(dt)
+            lo, hi = max(info.min, -(2 ** 31)), min(info.max, 2 ** 31 - 1)
+            out[name] = torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dt)
+    return out
+
+
+def load(layer: torch.nn.Module, ckpt: dict[str, torch.Tensor]) -> None:
+    """vLLM's own loading: each parameter's weight_loader."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    for name, value in ckpt.items():
+        param = getattr(layer, name)
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, value)
+
+
+@dataclass
+class Outcome:
+    kernel: KernelInfo
+    ran: bool = False
+    stage: str = ""                  # the step that failed, when not ran
+    reason: str = ""
+    scheme: str = ""
+    edges: dict = field(default_factory=dict)        # verdict -> count
+    findings: list = field(default_factory=list)     # (verdict, owner path, nbytes, impact)
+    flip: str = ""
+    standins: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def audit_kernel(k: KernelInfo) -> Outcome:
+    import graphtrace as gt
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                         initialize_layerwise_reload,
+                                                         record_metadata_for_reloading)
+
+    res = Outcome(k)
+    t0 = time.perf_counter()
+    for spec in STANDINS.values():
+        spec.used = 0
+    stage = "select"
+    try:
+        with forced(k, ACT_DTYPE[k.family]):
+            scheme, method_cls, act_dtype = make_scheme(k)
+            res.scheme = type(scheme).__name__
+            quant_config = _OneScheme(scheme, method_cls)
+            stage = "create_weights"
+            with set_default_torch_dtype(act_dtype):
+                layer = ColumnParallelLinear(K_IN, N_OUT, bias=False, params_dtype=act_dtype,
+                                             quant_config=quant_config, return_bias=False,
+                                             prefix="proj")
+            model = AuditModel(layer)
+            with torch.device("cpu"):
+                record_metadata_for_reloading(model)
+            stage = "load"
+            load(layer, checkpoint_for(layer, seed=1))
+            stage = "process_weights_after_loading"
+            layer.quant_method.process_weights_after_loading(layer)
+            _check_kernel(layer, k)
+            stage = "apply"
+            x = torch.randn(BATCH, K_IN, generator=torch.Generator().manual_seed(0)).to(act_dtype)
+            with torch.no_grad():
+                model(x)                                    # warm-up, as before a capture
+                with gt.trace(model) as t:
+                    with gt.capture("apply") as graph:
+                        out = model(x)
+            stage = "reload"
+            with torch.no_grad():
+                initialize_layerwise_reload(model)
+                load(layer, _reload_checkpoint(model))
+                finalize_layerwise_reload(model, model_config=None)
+            stage = "diff"
+            report = t.diff()
+            res.edges = report.edges["verdict"].value_counts().to_dict()
+            stale = report.stale
+            for row in stale.itertuples():
+                res.findings.append((row.verdict, row.owners, int(row.nbytes), row.impact))
+            stage = "flip"
+            res.flip = flip_test(model, graph, out, x, stale)
+            res.ran = True
+            stage = ""
+    except Exception as exc:  # every failure is a row: the step and the exact reason
+        res.stage = stage
+        res.reason = _reason(exc)
+    res.standins = sorted(n for n, s in STANDINS.items() if s.used)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _reload_checkpoint(model: AuditModel) -> dict[str, torch.Tensor]:
+    """New weights with the construction-time shapes (the layer holds meta tensors now)."""
+    return checkpoint_for(model.proj, seed=2)
+
+
+def _check_kernel(layer, k: KernelInfo) -> None:
+    """The kernel the scheme selected must be the one audited."""
+    found = [v for v in _walk_kernels(layer.scheme)]
+    if found and not any(type(v) is k.cls for v in found):
+        raise RuntimeError(f"scheme selected {[type(v).__name__ for v in found]}, not {k.name}")
+
+
+def _walk_kernels(scheme):
+    import vllm.model_executor.kernels.linear as kl
+
+    for v in vars(scheme).values():
+        if isinstance(v, _kernel_bases(kl)):
+            yield v
+
+
+class _OneScheme:
+    """The quant config handed to ReplicatedLinear: gives the layer one scheme, through the
+    scheme's own quant method (as CompressedTensorsConfig / QuarkConfig do per layer)."""
+
+    online_quantization_config = None
+    packed_modules_mapping: dict = {}
+
+    def __init__(self, scheme, method_cls):
+        self.scheme, self.method_cls = scheme, method_cls
+
+    def get_quant_method(self, layer, prefix):
+        # hand the scheme over and keep no reference: a real config holds none per layer
+        layer.scheme, self.scheme = self.scheme, None
+        return self.method_cls(self)
+
+
+def _reason(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = next((f for f in reversed(tb) if "site-packages/vllm" in f.filename), tb[-1] if tb else None)
+    loc = f" at {_rel(where.filename)}:{where.lineno}" if where else ""
+    msg = " ".join(str(exc).split())[:300]
+    return f"{type(exc).__name__}: {msg}{loc}"
+
+
+def _perturb(t: torch.Tensor) -> None:
+    """Change every value of `t` in place (its storage, as a reload's copy would)."""
+    if t.dtype == torch.bool:
+        t.logical_not_()
+    elif t.is_floating_point() and t.dtype.itemsize >= 2:
+        t.add_(1.0)
+    else:
+        flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        flat.bitwise_xor_(0x11)
+
+
+def flip_test(model, graph, out, x, stale) -> str:
+    """For each moved owner of a stale edge: change the live tensor's values; a graph that
+    reads the captured storage replays the same output while eager code changes."""
+    from graphtrace.owners import resolve_path
+
+    if stale.empty:
+        return "n/a (no stale edge)"
+    paths = sorted({p for owners in stale["owners"] for p in owners.split("; ") if p})
+    if any(p.endswith("handler_tensor") for p in paths):
+        # The captured int64 is a pointer to a native oneDNN primitive that the old handler's
+        # __del__ released during the reload: replaying the graph dereferences freed memory
+        # (a segfault in dnnl_helper.cpp, seen while writing this audit). Not replayed.
+        return ("not replayed: the captured handle's oneDNN primitive was released by the "
+                "reload (replay segfaults)")
+    results = []
+    with torch.no_grad():
+        for path in paths:
+            live = resolve_path(model, path)
+            if live is None:
+                results.append(f"{path}: orphaned")
+                continue
+            graph.replay()
+            replay0, eager0 = out.clone(), model(x).clone()
+            saved = live.clone()
+            _perturb(live)
+            graph.replay()
+            replay1, eager1 = out.clone(), model(x).clone()
+            live.copy_(saved)
+            replay_changed = not torch.equal(replay0, replay1)
+            eager_changed = not torch.equal(eager0, eager1)
+            word = ("stale read confirmed" if eager_changed and not replay_changed else
+                    "graph reads the live tensor" if replay_changed else "no effect on output")
+            results.append(f"{path}: {word} (eager {'changed' if eager_changed else 'same'}, "
+                           f"replay {'changed' if replay_changed else 'same'})")
+    return "; ".join(results)
+
+
+# ---------------------------------------------------------------------------------------------
+# Findings: the vLLM line behind each stale owner, checked by reading the code
+
+# (kernel class, owner path) -> (vLLM source line that rebinds or holds the tensor, what it
+# does). Filled by reading the installed vLLM 0.32 source for each stale edge the audit
+# found; an edge missing here is reported as "unchecked", never as a vLLM bug.
+FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
+    ("CPUInt8ScaledMMLinearKernel", "proj.scheme.kernel.dnnl_handler.handler_tensor"): (
+        "vllm/model_executor/kernels/linear/scaled_mm/cpu.py:136",
+        "process_weights_after_loading rebinds `self.dnnl_handler = "
+        "ops.create_onednn_scaled_mm(...)` on the kernel object; the handle tensor is made "
+        "at vllm/_custom_ops.py (create_onednn_scaled_mm: `handler.handler_tensor = "
+        "torch.tensor(...)`), and the old handler's `__del__` (vllm/_custom_ops.py:3728) "
+        "releases the oneDNN primitive the captured tensor points at. The prepacked weight "
+        "lives only inside that primitive (the registered `weight` is set to None, cpu.py:146), "
+        "so the reload's copy-back has nothing to refresh"),
+}
+
+FIELDS = ["kernel", "family", "source", "scheme", "ran", "failed_at", "reason", "stable",
+          "stale", "dangling", "diverged", "orphaned", "unowned", "stale_owners",
+          "vllm_source", "flip", "standins", "seconds"]
+
+
+def rows(outcomes: list[Outcome]) -> list[dict]:
+    out = []
+    for r in outcomes:
+        owners, sources = [], []
+        for verdict, path, nbytes, impact in r.findings:
+            for p in path.split("; "):
+                owners.append(f"{verdict}:{p}")
+                src = FINDING_SOURCES.get((r.kernel.name, p))
+                sources.append(f"{src[0]}" if src else f"unchecked:{p}")
+        row = {"kernel": r.kernel.name, "family": r.kernel.family, "source": r.kernel.source,
+               "scheme": r.scheme, "ran": "yes" if r.ran else "no",
+               "failed_at": r.stage, "reason": r.reason,
+               **{v: int(r.edges.get(v, 0)) for v in
+                  ("stable", "stale", "dangling", "diverged", "orphaned", "unowned")},
+               "stale_owners": " | ".join(dict.fromkeys(owners)),
+               "vllm_source": " | ".join(dict.fromkeys(sources)),
+               "flip": r.flip, "standins": " ".join(r.standins),
+               "seconds": f"{r.seconds:.1f}"}
+        out.append(row)
+    return out
+
+
+def write_csv(table: list[dict], path: Path) -> None:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=FIELDS, lineterminator="\n")
+    w.writeheader()
+    for row in table:
+        w.writerow({k: v for k, v in row.items() if k != "seconds"} | {"seconds": ""})
+    write_results(path, buf.getvalue())
+
+
+def _cell(s) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
+                   registered: list[str], elapsed: float) -> None:
+    ran = [r for r in table if r["ran"] == "yes"]
+    lines = [
+        "# vLLM 0.32 linear kernels on CPU: what a weight reload leaves stale",
+        "",
+        "Generated by `analysis/vllm_kernel_audit.py` (`make audit-vllm`); do not edit by hand.",
+        f"Checkout {revision()}, vLLM {_vllm_version()}, torch {torch.__version__}; "
+        f"{len(table)} kernel classes, {len(ran)} ran through their real "
+        f"create_weights / process_weights_after_loading / apply_weights and vLLM's layerwise "
+        f"reload ({elapsed:.0f} s).",
+        "",
+        "Each kernel: one `ColumnParallelLinear` (in 256, out 128, 4 tokens) with the scheme "
+        "named, loaded through each parameter's `weight_loader`, processed, its apply captured "
+        "with `gt.capture` under `gt.trace`, reloaded with new weights through "
+        "`initialize_layerwise_reload` / weight loaders / `finalize_layerwise_reload`, then "
+        "`t.diff()`; a flip test for every stale owner. CUDA-only `_C` ops the CPU build lacks "
+        "ran as stand-ins registered under their real names (Note [audit stand-ins]): "
+        + ", ".join(f"`{n}`" for n in registered) + ".",
+        "",
+        "## Findings",
+        "",
+    ]
+    findings = [r for r in table if r["stale_owners"]]
+    if not findings:
+        lines.append("No stale, dangling or diverged edge in any kernel that ran.")
+    for r in findings:
+        lines.append(f"- **{r['kernel']}** ({r['family']}): {r['stale_owners']}")
+        for (kname, p), (src, what) in FINDING_SOURCES.items():
+            if kname == r["kernel"]:
+                lines.append(f"  - `{src}`: {what}.")
+        lines.append(f"  - flip test: {r['flip']}")
+    lines += ["", "## Every kernel class", "",
+              "| kernel | family | ran | stable | stale | dangling | diverged | orphaned | "
+              "unowned | stale owners | vLLM source | stand-ins | why not run |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        why = f"{r['failed_at']}: {r['reason']}" if r["ran"] == "no" else ""
+        lines.append("| " + " | ".join(_cell(c) for c in (
+            f"`{r['kernel']}`", r["family"], r["ran"], r["stable"], r["stale"], r["dangling"],
+            r["diverged"], r["orphaned"], r["unowned"], r["stale_owners"], r["vllm_source"],
+            r["standins"], why)) + " |")
+    lines += ["", "## Why the others did not run", ""]
+    causes: dict[str, list[str]] = {}
+    for r in table:
+        if r["ran"] == "no":
+            causes.setdefault(_cause(r["reason"]), []).append(r["kernel"])
+    for cause, names in sorted(causes.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"- {cause} ({len(names)}): {', '.join(names)}")
+    write_results(path, "\n".join(lines) + "\n")
+
+
+def _cause(reason: str) -> str:
+    m = re.search(r"No module named '([\w.]+)'", reason)
+    if m:
+        return f"needs the `{m.group(1)}` package (not installed for CPU)"
+    for pat, cause in ((r"FlashInfer", "needs FlashInfer"),
+                       (r"DeepGEMM", "needs DeepGEMM"),
+                       (r"amd-quark", "needs amd-quark"),
+                       (r"not subscriptable|triton", "launches a Triton kernel (no Triton here)"),
+                       (r"'_OpNamespace' '(\w+)' object has no attribute '(\w+)'",
+                        "calls an op of another platform's extension with no stand-in yet"),
+                       (r"not compiled with (\w+)", "needs a device tensor"),
+                       (r"scales must be on gpu", "asserts its tensors are on a GPU")):
+        m = re.search(pat, reason)
+        if m:
+            return cause
+    return "other: see the table"
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "?")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", action="append", default=[],
+                    help="audit only these kernel classes (repeatable)")
+    ap.add_argument("--out", type=Path, default=RESULTS,
+                    help="folder for vllm_kernel_audit.md/.csv (default analysis/results)")
+    ap.add_argument("--no-write", action="store_true", help="print the table, write nothing")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    init_single_process_group()
+    registered = install_standins()
+    kernels = discover()
+    if args.kernel:
+        unknown = sorted(set(args.kernel) - {k.name for k in kernels})
+        if unknown:
+            ap.error(f"unknown kernel class(es): {', '.join(unknown)}")
+        kernels = [k for k in kernels if k.name in args.kernel]
+    outcomes = []
+    for k in kernels:
+        r = audit_kernel(k)
+        outcomes.append(r)
+        state = "ran" if r.ran else f"not run ({r.stage})"
+        print(f"{k.family:10s} {k.name:48s} {state:32s} {r.edges} "
+              f"{[f[1] for f in r.findings]}", flush=True)
+    table = rows(outcomes)
+    elapsed = time.perf_counter() - t0
+    if not args.no_write:
+        write_csv(table, args.out / "vllm_kernel_audit.csv")
+        write_markdown(table, outcomes, args.out / "vllm_kernel_audit.md", registered, elapsed)
+        print(f"wrote {args.out}/vllm_kernel_audit.md and .csv")
+    n_ran = sum(r.ran for r in outcomes)
+    print(f"{n_ran}/{len(outcomes)} kernel classes ran")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

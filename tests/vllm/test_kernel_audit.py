@@ -1,0 +1,84 @@
+"""The vLLM kernel audit (analysis/vllm_kernel_audit.py) reproduces its committed results.
+
+One kernel class per family that ran (and the one with a finding) is audited again in a
+subprocess (the audit registers op stand-ins and a process group: kept out of this process),
+and its row must match analysis/results/vllm_kernel_audit.csv: ran, edges per verdict, stale
+owners and the vLLM source line of each finding. ~1 min.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "analysis" / "vllm_kernel_audit.py"
+COMMITTED = ROOT / "analysis" / "results" / "vllm_kernel_audit.csv"
+COMPARED = ("kernel", "family", "scheme", "ran", "failed_at", "stable", "stale", "dangling",
+            "diverged", "orphaned", "unowned", "stale_owners", "vllm_source", "flip",
+            "standins")
+# a representative per family that runs, plus the kernel with a finding
+REPRESENTATIVES = ("CPUInt8ScaledMMLinearKernel", "CutlassInt8ScaledMMLinearKernel",
+                   "MacheteLinearKernel", "MarlinLinearKernel", "CPUFp8BlockScaledMMKernel",
+                   "MarlinFP8ScaledMMLinearKernel", "MarlinNvFp4LinearKernel",
+                   "MarlinMxFp4LinearKernel", "EmulationMxfp8LinearKernel")
+
+
+def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def _rows(path: Path) -> dict[str, dict]:
+    with open(path, newline="") as f:
+        return {r["kernel"]: r for r in csv.DictReader(f)}
+
+
+@pytest.fixture(scope="module")
+def rerun(tmp_path_factory):
+    out = tmp_path_factory.mktemp("audit")
+    args = [a for k in REPRESENTATIVES for a in ("--kernel", k)]
+    proc = _run(*args, "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _rows(out / "vllm_kernel_audit.csv")
+
+
+def test_rerun_matches_committed_results(rerun):
+    committed = _rows(COMMITTED)
+    assert set(rerun) == set(REPRESENTATIVES)
+    for name, row in rerun.items():
+        assert row["ran"] == "yes", f"{name}: {row['failed_at']}: {row['reason']}"
+        assert {c: row[c] for c in COMPARED} == {c: committed[name][c] for c in COMPARED}, name
+
+
+def test_committed_results_cover_every_class():
+    """Every kernel class in the registry has a row: audited, or the exact reason it was not."""
+    rows = _rows(COMMITTED)
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import vllm_kernel_audit as audit
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert {k.name for k in audit.discover()} == set(rows)
+    assert all(r["ran"] == "yes" or r["reason"] for r in rows.values())
+
+
+def test_finding_is_sourced_and_flagged(rerun):
+    row = rerun["CPUInt8ScaledMMLinearKernel"]
+    assert int(row["stale"]) == 1
+    assert row["stale_owners"] == "stale:proj.scheme.kernel.dnnl_handler.handler_tensor"
+    assert row["vllm_source"] == "vllm/model_executor/kernels/linear/scaled_mm/cpu.py:136"
+    # a kernel whose reload keeps every captured storage has no stale edge
+    assert int(rerun["MacheteLinearKernel"]["stale"]) == 0
+
+
+def test_unknown_kernel_is_a_usage_error():
+    proc = _run("--kernel", "NoSuchKernel", "--no-write", timeout=120)
+    assert proc.returncode == 2
+    assert "unknown kernel class(es): NoSuchKernel" in proc.stderr
