@@ -30,10 +30,12 @@ from graphtrace import __version__
 from graphtrace.encoding import FACTORY, READ, VIEW, WRITE
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
 from graphtrace.owners import OwnerSnapshot, walk_owners
+from graphtrace.provenance import edge_columns
 from graphtrace.vocab import (ACCESS_KINDS, COLUMNS, EDGE_ACCESSES, HOLDS, IMPACTS, MOVED,
                               ORIGINS, ORPHANED, OWNER_KINDS, VERDICTS)
 
 if TYPE_CHECKING:
+    from graphtrace.provenance import Provenance
     from graphtrace.recorder import Recorder
     from graphtrace.report import Report
 
@@ -344,11 +346,12 @@ def _storages(table, alive: np.ndarray, nbytes: np.ndarray, access: np.ndarray,
 
 
 def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, torch.nn.Module],
-         blind_spots: Iterable[str] = ()) -> "Report":
+         blind_spots: Iterable[str] = (), provenance: "Provenance | None" = None) -> "Report":
     """The Report of a reload: every edge of `recorder`'s captures, its capture-time owners
     (`snapshot`, updated first with the storages it has not matched yet) resolved on the
     live `models` (name -> module, as the snapshot was taken). `blind_spots`: texts for the
-    report's meta, plus what that update's owner walks had to cut."""
+    report's meta, plus what that update's owner walks had to cut. `provenance`: the
+    trace's creation sites (graphtrace.provenance), for `created_at` / `live_created_at`."""
     from graphtrace.report import Report
 
     rec = recorder
@@ -386,6 +389,7 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     edges["origin"] = pd.Categorical.from_codes(
         np.where(verdict == UNOWNED, np.where(internal, 2, 1), 0), ["", *ORIGINS])
     edges["impact"] = _impacts(rec, verdict, sids, raw["view"][view_row], moved_to)
+    edges.update(edge_columns(provenance, table, sids, verdict, owners, moved_to))
 
     storages = _storages(table, alive, nbytes, raw["access"], sids, first_rows)
     edges = pd.DataFrame(edges, columns=EDGE_COLUMNS, copy=False)  # fresh columns: no copy
@@ -400,5 +404,6 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
         "graphs": [{"graph_id": c.graph_id, "label": c.label, "kind": c.kind, "n_ops": c.n_ops,
                     "n_accesses": c.n_accesses, "thread": c.thread} for c in rec.captures],
         "models": list(models),
+        "provenance": provenance.meta() if provenance is not None else {"enabled": False},
     }
     return Report(accesses=accesses, storages=storages, owners=owners, edges=edges, meta=meta)

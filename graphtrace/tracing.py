@@ -82,7 +82,7 @@ def _copy_into(dst, src) -> None:
 class _Region:
     """One open capture on one thread: the mode pushed, its records, maybe a replayable graph."""
 
-    __slots__ = ("trace", "capture", "mode", "graph", "first_storage")
+    __slots__ = ("trace", "capture", "mode", "graph", "first_storage", "paused")
 
     def __init__(self, trace: "Trace", label: str | None, kind: str, emulate: bool):
         self.trace = trace
@@ -92,12 +92,17 @@ class _Region:
         if self.graph is not None:
             self.graph.capture = self.capture
         self.mode = RecordingMode(trace.recorder, self.capture, self.graph)
+        self.paused = None
 
     def open(self) -> None:
+        provenance = self.trace.provenance  # never runs under a capture: Note [provenance]
+        self.paused = provenance.pause() if provenance is not None else None
         self.mode.__enter__()
 
     def close(self) -> None:
         self.mode.__exit__(None, None, None)
+        if self.trace.provenance is not None:
+            self.trace.provenance.resume(self.paused)
         self.mode.finish()
         self.trace.recorder.storages.sweep(self.first_storage)  # its dead intermediates
         self.trace._after_capture(self.capture)
@@ -261,8 +266,10 @@ class Trace:
     """Everything recorded between `trace()` entry and `diff()`; see `graphtrace.trace`."""
 
     def __init__(self, model: torch.nn.Module | None = None, *, strict: bool = False,
-                 name: str | None = None, native: bool | None = None, modules: str = "forward"):
+                 name: str | None = None, native: bool | None = None, modules: str = "forward",
+                 provenance: bool | None = None):
         from graphtrace import native as _native
+        from graphtrace.provenance import Provenance, enabled_by_default
 
         self._attribution = ModuleAttribution(modules)  # checks `modules` before any build
         self.recorder = Recorder(strict=strict, native=_native.resolve(native))
@@ -274,6 +281,10 @@ class Trace:
         self._cuda_labels: dict[tuple[int, int], list] = {}  # (thread, id(graph)) -> [label, captured]
         # capture-time owners of the captured storages, matched after each capture
         self.owner_snapshot = OwnerSnapshot()
+        # creation sites of storages made outside capture regions (Note [provenance])
+        self.provenance = (Provenance(self.recorder.fail)
+                           if (enabled_by_default() if provenance is None else provenance)
+                           else None)
         self._patch = _CudaGraphPatch(self)
         self._open = False
         self._closed = False
@@ -294,6 +305,11 @@ class Trace:
         for name, model in self.models.items():
             self._attribute_modules(name, model)
         self._patch.install()
+        if self.provenance is not None:
+            try:
+                self.provenance.start(self.models)
+            except Exception as exc:
+                self.recorder.fail("provenance start", exc)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -302,6 +318,11 @@ class Trace:
         for region in list(self._cuda_regions.values()):
             region.close()
         self._cuda_regions.clear()
+        if self.provenance is not None:
+            try:
+                self.provenance.stop()
+            except Exception as exc:
+                self.recorder.fail("provenance stop", exc)
         self._attribution.uninstall()
         with _active_lock:
             _active = None
@@ -359,6 +380,11 @@ class Trace:
 
     def _after_capture(self, capture: Capture) -> None:
         self._match_owners()
+        if self.provenance is not None:
+            try:
+                self.provenance.match(self.recorder.storages)
+            except Exception as exc:
+                self.recorder.fail("provenance match", exc)
 
     def _label_cuda_graph(self, graph, label: str | None) -> None:
         key = (threading.get_ident(), id(graph))
@@ -425,7 +451,8 @@ class Trace:
         """Resolve capture-time owners on the live model(s) and classify every edge."""
         from graphtrace.diff import diff
 
-        return diff(self.recorder, self.owner_snapshot, self.models, self.blind_spots)
+        return diff(self.recorder, self.owner_snapshot, self.models, self.blind_spots,
+                    provenance=self.provenance)
 
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")
@@ -444,7 +471,8 @@ def _current_stream() -> str:
 
 
 def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
-          name: str | None = None, native: bool | None = None, modules: str = "forward") -> Trace:
+          name: str | None = None, native: bool | None = None, modules: str = "forward",
+          provenance: bool | None = None) -> Trace:
     """Open a trace: every capture region and CUDA graph captured inside it is recorded.
 
     `model` (optional) is watched for owners; add more with `t.watch(model, name=...)`.
@@ -455,9 +483,16 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
     wraps each module's forward while the trace is open), "hooks" (forward hooks: slower,
     leaves `module.forward` untouched) or "off" (no attribution; cheapest).
     See graphtrace.attribution.
+    `provenance`: note where each storage made outside capture regions was created, for
+    the report's `created_at` / `live_created_at` columns (True; None: as
+    GRAPHTRACE_PROVENANCE says, default on; False: off). See Note [provenance] in
+    graphtrace/provenance.py.
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"graphtrace.trace() takes a torch.nn.Module, got {type(model).__name__}")
     if native not in (None, True, False):
         raise TypeError(f"native must be True, False or None, got {native!r}")
-    return Trace(model, strict=strict, name=name, native=native, modules=modules)
+    if provenance not in (None, True, False):
+        raise TypeError(f"provenance must be True, False or None, got {provenance!r}")
+    return Trace(model, strict=strict, name=name, native=native, modules=modules,
+                 provenance=provenance)

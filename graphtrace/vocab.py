@@ -13,7 +13,8 @@ from typing import Iterable
 __all__ = [
     "VERDICTS", "STALE_VERDICTS", "IMPACTS", "ORIGINS", "OWNER_STATUSES", "OWNER_KINDS",
     "ACCESS_KINDS", "EDGE_ACCESSES", "FRAMES", "SCHEMA", "COLUMNS", "COLUMN_KINDS",
-    "HOLDS", "MOVED", "ORPHANED", "verdict_of",
+    "HOLDS", "MOVED", "ORPHANED", "verdict_of", "BEFORE_TRACE", "NOT_RECORDED",
+    "PROVENANCE_MARKS", "FIXES", "FIX_KINDS",
 ]
 
 # -- verdicts (one per edge; the words are part of the public contract) ---------------------
@@ -30,6 +31,28 @@ OWNER_KINDS = ("parameter", "buffer", "attribute")
 # -- accesses --------------------------------------------------------------------------------
 ACCESS_KINDS = ("read", "write", "view", "factory")   # per recorded tensor (encoding.READ..: indices)
 EDGE_ACCESSES = ("read", "read+write", "write")       # per (graph, storage) edge
+
+# -- provenance (Note [provenance] in graphtrace/provenance.py) ------------------------------
+# `created_at` / `live_created_at` hold a site (graphtrace.sites grammar), "" when the column
+# does not apply to the edge, or one of these marks: never a guess.
+BEFORE_TRACE = "before trace"   # the storage was alive when the trace opened (a watched model's)
+NOT_RECORDED = "not recorded"   # made while the trace was open where provenance could not see it
+PROVENANCE_MARKS = (BEFORE_TRACE, NOT_RECORDED)
+# `fix`: the suggested fix of a stale-like edge, chosen from its moved holders and verdict
+# (graphtrace.sites.suggest_fix); the column holds the text.
+FIXES: dict[str, str] = {
+    "read-through-layer": "register it on the layer and read it through the layer at apply "
+                          "time (not bound into a partial or closure), refreshed in place "
+                          "on reload",
+    "copy-in-place": "copy the new values into the registered tensor's storage "
+                     "(replace_parameter(..., prefer_copy=True)) instead of registering "
+                     "a new one",
+    "register-or-copy": "register the attribute as a parameter or buffer, or copy_ the new "
+                        "values into the old tensor instead of rebinding it",
+    "recapture": "the captured storage was freed: re-capture the graphs after the update, "
+                 "or keep the allocation and copy_ into it",
+}
+FIX_KINDS = tuple(FIXES)
 
 # -- frames ----------------------------------------------------------------------------------
 # Column kinds: "int" int64 (no NA); "Int" nullable Int64; "bool" (no NA); "str" ("" when
@@ -58,6 +81,7 @@ SCHEMA: dict[str, tuple[tuple[str, str], ...]] = {
         ("nbytes", "int"), ("dtype", "str"), ("shape", "str"), ("owners", "str"),
         ("owner_kinds", "str"), ("n_owners", "int"), ("live_data_ptr", "Int"),
         ("verdict", "str"), ("impact", "str?"), ("origin", "str?"),
+        ("created_at", "str"), ("live_created_at", "str"), ("fix", "str"),
     ),
 }
 COLUMNS: dict[str, list[str]] = {name: [c for c, _ in cols] for name, cols in SCHEMA.items()}
@@ -88,7 +112,8 @@ def verdict_of(statuses: Iterable[str], alive: bool) -> str:
 
 # -- docs ------------------------------------------------------------------------------------
 WORD_LISTS = ("VERDICTS", "STALE_VERDICTS", "IMPACTS", "ORIGINS", "OWNER_STATUSES",
-              "OWNER_KINDS", "ACCESS_KINDS", "EDGE_ACCESSES", "COLUMN_KINDS")
+              "OWNER_KINDS", "ACCESS_KINDS", "EDGE_ACCESSES", "COLUMN_KINDS",
+              "PROVENANCE_MARKS", "FIX_KINDS")
 
 
 def markdown_tables() -> str:
@@ -101,6 +126,8 @@ def markdown_tables() -> str:
     out += ["", "| frame | columns (kind) |", "|---|---|"]
     out += [f"| `{frame}` | {', '.join(f'`{c}` {k}' for c, k in SCHEMA[frame])} |"
             for frame in FRAMES]
+    out += ["", "| fix | text |", "|---|---|"]
+    out += [f"| `{kind}` | {text} |" for kind, text in FIXES.items()]
     return "\n".join(out) + "\n"
 
 

@@ -1,0 +1,446 @@
+"""Provenance: which op, called from which line of user code, made each storage.
+
+While a trace is open, outside its capture regions, a light dispatch mode notes every
+storage an op creates together with its creation site (graphtrace.sites); the diff then
+says, for each owned edge, where the captured storage was made and, for stale-like edges,
+where the tensor its owner holds now was made, plus the fix that fits (`created_at`,
+`live_created_at`, `fix` in `report.edges`). See Note [provenance].
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import threading
+import warnings
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
+                                          _pop_mode, _push_mode, is_traceable_wrapper_subclass)
+from torch.utils._pytree import tree_iter
+
+from graphtrace.sites import format_site, suggest_fix
+from graphtrace.vocab import BEFORE_TRACE, FIXES, NOT_RECORDED, STALE_VERDICTS
+
+__all__ = ["ENV", "enabled_by_default", "skipped_file", "ProvenanceTable", "ProvenanceMode",
+           "Provenance", "edge_columns", "DEPTH"]
+
+# Note [provenance]
+# ~~~~~~~~~~~~~~~~~
+# What: while a trace is open, every storage an op creates on the thread that opened it,
+# outside capture regions (model building, weight loading, process_weights_after_loading, a
+# reload run inside the trace), is noted with its *site*: the op and the nearest DEPTH frames
+# of user code that called it (frames in torch, graphtrace -- except graphtrace/demo -- the
+# standard library, generated code "<...>", and any `__torch_dispatch__` /
+# `__torch_function__` left out: another mode's dispatch method is not where a tensor is made).
+# "Creates": an output whose storage is none of the op's inputs' (a view is not a creation),
+# or the tensor `torch.tensor(...)` lifts (`aten::lift_fresh`, which aliases its input).
+# The first sighting wins; the same storage seen again (a view, an in-place op) keeps it.
+#
+# Identity: a storage is its StorageImpl address held by a weak handle (`_weak_ref`; never
+# its data), as in Note [weak handles and the sweep]; the table sweeps like the native one:
+# each entry is checked once LAG..LAG+BATCH additions after its own, and the whole table
+# whenever it has doubled since the last full sweep, so the headers of loading intermediates
+# never pile up. `match` reads the site of each captured storage at the end of its capture
+# (while it is alive, so a storage freed later still has one), the diff reads the live ones.
+#
+# Cost: the mode is a separate TorchDispatchMode (`ProvenanceMode`), never the capture mode.
+# A capture region on the tracing thread pops it off the dispatch stack for the region
+# (`pause`/`resume`), so capture pays nothing; if another mode sits above it then, it stays
+# and passes ops through untouched. Dispatch modes are per thread: storages made on other
+# threads are not seen ("not recorded"), nor those made by code that bypasses the dispatcher
+# (torch.load, from_numpy, safetensors, Inductor's compiled kernels) or inside a capture.
+# Like RecordingMode it sets `ignore_compile_internals`, so Dynamo compiles under it as
+# without it and never sees it. Off: `graphtrace.trace(provenance=False)` or
+# GRAPHTRACE_PROVENANCE=0 (what the vLLM plugin reads).
+#
+# "Before the trace": storages reachable from the models watched when the trace opens are
+# noted as `before trace` (a census by the owner walk); anything else the trace never saw
+# being made is `not recorded`. Neither is ever guessed into a site.
+
+ENV = "GRAPHTRACE_PROVENANCE"
+DEPTH = 4              # user frames kept per site, nearest first
+_MAX_WALK = 96         # frames looked at per site at most
+_LAG, _BATCH = 64, 64  # young-entry sweep (see Note [provenance])
+_BEFORE = -1           # site id of a storage alive when the trace opened
+_MODE_METHODS = frozenset({"__torch_dispatch__", "__torch_function__"})
+_LIFTS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
+
+
+def enabled_by_default() -> bool:
+    """GRAPHTRACE_PROVENANCE: on unless "0", "off", "false" or "no"."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{ENV}={value!r}: use 1 or 0")
+
+
+def _dir(path: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(path)), "")
+
+
+_TORCH_DIR = _dir(torch.__file__)
+_GRAPHTRACE_DIR = _dir(__file__)
+_USER_DIRS = (os.path.join(_GRAPHTRACE_DIR, "demo", ""),)  # graphtrace's own "user code"
+_STDLIB_DIRS = tuple({os.path.join(os.path.abspath(p), "") for p in (
+    sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib")) if p})
+
+
+def skipped_file(filename: str) -> bool:
+    """Is a frame in `filename` left out of sites (torch, graphtrace, stdlib, generated)?"""
+    if filename.startswith("<"):
+        return True
+    path = os.path.abspath(filename)
+    if path.startswith(_TORCH_DIR):
+        return True
+    if path.startswith(_GRAPHTRACE_DIR):
+        return not path.startswith(_USER_DIRS)
+    if path.startswith(_STDLIB_DIRS):
+        return "site-packages" not in path and "dist-packages" not in path
+    return False
+
+
+def _plain(t: torch.Tensor):
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _plain(getattr(t, name))
+    else:
+        yield t
+
+
+def _storages(obj) -> Iterable[torch.UntypedStorage]:
+    """The storages of the plain tensors in `obj` (nested containers, subclasses)."""
+    for x in tree_iter(obj):
+        if isinstance(x, torch.Tensor):
+            for t in _plain(x):
+                try:
+                    yield t.untyped_storage()
+                except Exception:  # sparse and other storage-less layouts: nothing to note
+                    continue
+
+
+class ProvenanceTable:
+    """Storage (StorageImpl address, one weak handle each) -> site id; never a strong ref.
+
+    `sites[i]` is site i as (op, frames); `_BEFORE` (-1) marks a storage alive when the trace
+    opened. Swept as Note [provenance] says."""
+
+    __slots__ = ("index", "young", "sites", "site_ids", "n_added", "n_released", "_mark",
+                 "__weakref__")
+
+    def __init__(self):
+        self.index: dict[int, tuple[int, int]] = {}   # address -> (weak handle, site id)
+        self.young: list[int] = []
+        self.sites: list[tuple[str, tuple]] = []
+        self.site_ids: dict[tuple, int] = {}
+        self.n_added = 0
+        self.n_released = 0
+        self._mark = 0
+
+    def site_id(self, key: tuple) -> int:
+        i = self.site_ids.get(key)
+        if i is None:
+            self.sites.append(key)
+            i = self.site_ids[key] = len(self.sites) - 1
+        return i
+
+    def add(self, storage: torch.UntypedStorage, site: int) -> None:
+        address = storage._cdata
+        if address in self.index:
+            return
+        self.index[address] = (storage._weak_ref(), site)
+        self.n_added += 1
+        young = self.young
+        young.append(address)
+        if len(young) >= _LAG + _BATCH:
+            self._sweep_young()
+
+    def _sweep_young(self) -> None:
+        batch = self.young[:_BATCH]
+        del self.young[:_BATCH]
+        self._drop_dead(batch)
+        if len(self.index) > 2 * self._mark + 1024:
+            self.sweep()
+
+    def _drop_dead(self, addresses: Iterable[int]) -> None:
+        index = self.index
+        expired, free = torch.UntypedStorage._expired, torch.UntypedStorage._free_weak_ref
+        for address in addresses:
+            entry = index.get(address)
+            if entry is not None and expired(entry[0]):
+                del index[address]
+                free(entry[0])
+                self.n_released += 1
+
+    def sweep(self) -> None:
+        """Release the weak handles of every dead storage."""
+        self._drop_dead(list(self.index))
+        self.young = [a for a in self.young if a in self.index]
+        self._mark = len(self.index)
+
+    def find(self, address: int) -> int | None:
+        """The site id of the live storage at `address` (`_BEFORE`: before the trace), else
+        None. Exact: a held weak handle keeps that address from being reused."""
+        entry = self.index.get(address)
+        return None if entry is None else entry[1]
+
+    def release(self) -> None:
+        free = torch.UntypedStorage._free_weak_ref
+        index, self.index = self.index, {}
+        for handle, _ in index.values():
+            free(handle)
+        self.young = []
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: torch may already be gone
+            pass
+
+
+class ProvenanceMode(TorchDispatchMode):
+    """Runs each op and hands its outputs to `Provenance.note`; `paused`: pass through."""
+
+    def __init__(self, provenance: "Provenance"):
+        super().__init__()
+        self.provenance = provenance
+        self.paused = False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Observe, never alter: Dynamo compiles under this mode as without it (see
+        RecordingMode.ignore_compile_internals)."""
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        out = func(*args, **kwargs)
+        if not self.paused:
+            try:
+                self.provenance.note(func, args, kwargs, out)
+            except Exception as exc:  # fail open: never break the traced program
+                self.provenance.fail("provenance", exc)
+        return out
+
+
+class Provenance:
+    """The provenance of one trace: its table, its mode on the tracing thread, and the site
+    of each captured storage (`captured`: recorder storage id -> site id)."""
+
+    def __init__(self, fail: Callable[[str, BaseException], None], depth: int = DEPTH):
+        self.fail = fail
+        self.depth = depth
+        self.table = ProvenanceTable()
+        self.mode = ProvenanceMode(self)
+        self.captured: dict[int, int] = {}
+        self.thread: int | None = None
+        self._matched = 0
+        self._skip: dict[str, bool] = {}
+        self._op_names: dict = {}
+        self._lock = threading.Lock()
+        self.n_census = 0
+
+    # -- lifecycle (graphtrace.tracing calls these) ----------------------------------------
+    def start(self, models: Mapping[str, torch.nn.Module]) -> None:
+        """Note the watched models' storages as `before trace`, then push the mode on this
+        thread."""
+        from graphtrace.owners import walk_owners
+
+        for model in models.values():
+            with warnings.catch_warnings():  # what the walk cuts is reported by the owner walk
+                warnings.simplefilter("ignore", RuntimeWarning)
+                walked = list(walk_owners(model))
+            for _, _, tensor in walked:
+                for storage in _storages(tensor):
+                    self.table.add(storage, _BEFORE)
+                    self.n_census += 1
+            del walked
+        self.thread = threading.get_ident()
+        self.mode.__enter__()
+
+    def stop(self) -> None:
+        """Take the mode off this thread's dispatch stack (wherever it sits) and sweep."""
+        if self.thread is None:
+            return
+        if self.thread != threading.get_ident():  # cannot reach another thread's stack
+            self.mode.paused = True
+            self.fail("provenance", RuntimeError(
+                "the trace was closed on another thread than it was opened on: provenance "
+                "stays paused on the opening thread"))
+        else:
+            stack = _get_current_dispatch_mode_stack()
+            if self.mode in stack:
+                above = [_pop_mode() for _ in range(len(stack) - 1 - stack.index(self.mode))]
+                self.mode.__exit__(None, None, None)
+                for mode in reversed(above):
+                    _push_mode(mode)
+            self.mode.paused = True
+        self.thread = None
+        self.table.sweep()
+
+    def pause(self) -> str | None:
+        """Before a capture region opens on this thread: take the mode off (it must not run
+        under the capture). Returns what `resume` undoes."""
+        if self.thread != threading.get_ident():
+            return None
+        stack = _get_current_dispatch_mode_stack()
+        if stack and stack[-1] is self.mode:
+            _pop_mode()
+            return "popped"
+        if not self.mode.paused:
+            self.mode.paused = True
+            return "flag"
+        return None
+
+    def resume(self, token: str | None) -> None:
+        if token == "popped":
+            _push_mode(self.mode)
+        elif token == "flag":
+            self.mode.paused = False
+
+    # -- recording ---------------------------------------------------------------------------
+    def note(self, func, args, kwargs, out) -> None:
+        """Note the storages `func` created (Note [provenance])."""
+        index = self.table.index
+        tp = type(out)
+        if tp is torch.Tensor or tp is torch.nn.Parameter:
+            storage = out.untyped_storage()
+            if storage._cdata in index:
+                return
+            new = [storage]
+        else:
+            new = []
+            for storage in _storages(out):
+                address = storage._cdata
+                if address not in index and all(s._cdata != address for s in new):
+                    new.append(storage)
+            if not new:
+                return
+        if func not in _LIFTS:
+            inputs = {s._cdata for s in _storages((args, kwargs))}
+            new = [s for s in new if s._cdata not in inputs]
+            if not new:
+                return
+        site = self._site(func)
+        for storage in new:
+            self.table.add(storage, site)
+
+    def _site(self, func) -> int:
+        frames = []
+        skip = self._skip
+        f = sys._getframe(1)
+        walked = 0
+        while f is not None and len(frames) < self.depth and walked < _MAX_WALK:
+            code = f.f_code
+            skipped = skip.get(code.co_filename)
+            if skipped is None:
+                skipped = skip[code.co_filename] = skipped_file(code.co_filename)
+            if not skipped and code.co_name not in _MODE_METHODS:
+                frames.append((code.co_filename, f.f_lineno, code.co_name))
+            f = f.f_back
+            walked += 1
+        name = self._op_names.get(func)
+        if name is None:
+            name = self._op_names[func] = _op_name(func)
+        return self.table.site_id((name, tuple(frames)))
+
+    # -- reading -----------------------------------------------------------------------------
+    def match(self, storages) -> None:
+        """Read the site of each storage `storages` (the recorder's StorageTable) registered
+        since the last call, while it is alive (after each capture)."""
+        with self._lock:
+            handles = storages.handles
+            n = len(handles)
+            find = self.table.find
+            for sid in range(self._matched, n):
+                handle = handles[sid]
+                if handle:
+                    site = find(handle)
+                    if site is not None and storages.find(handle) == sid:
+                        self.captured[sid] = site
+            self._matched = n
+
+    def text(self, site: int | None) -> str:
+        """A site id as report text: the site, `before trace`, or `not recorded` (None)."""
+        if site is None:
+            return NOT_RECORDED
+        if site == _BEFORE:
+            return BEFORE_TRACE
+        op, frames = self.table.sites[site]
+        return format_site(op, frames)
+
+    def site_of(self, tensor: torch.Tensor | None) -> int | None:
+        """The site id of the storage `tensor` uses now, None when not recorded."""
+        if tensor is None:
+            return None
+        try:
+            return self.table.find(tensor.untyped_storage()._cdata)
+        except Exception:  # storage-less tensors
+            return None
+
+    def meta(self) -> dict:
+        return {"enabled": True, "depth": self.depth, "storages_noted": self.table.n_added,
+                "census": self.n_census, "sites": len(self.table.sites),
+                "live_entries": len(self.table)}
+
+
+def _op_name(func) -> str:
+    try:
+        name = func.name()  # "aten::_to_copy", "aten::sort.stable"
+    except Exception:
+        name = str(func)
+    return name.replace(".default", "")
+
+
+def edge_columns(provenance: Provenance | None, storages, sids: np.ndarray, verdict,
+                 owners: pd.DataFrame, moved_to: Mapping[int, torch.Tensor]) -> dict:
+    """`created_at`, `live_created_at` and `fix` for each edge (storage ids `sids`, verdicts
+    `verdict`), from the owners frame of the diff and the live tensor each moved storage's
+    owner holds now (`moved_to`). Owned edges only; "" elsewhere, and everywhere when
+    provenance is off (`fix` is still given)."""
+    n = len(sids)
+    owned = np.unique(owners["storage_id"].to_numpy(dtype=np.int64)) if len(owners) else \
+        np.empty(0, np.int64)
+    verdicts = np.asarray(verdict, dtype=object)
+    _, first = np.unique(sids, return_index=True)
+    verdict_of = dict(zip(np.asarray(sids)[first].tolist(), verdicts[first].tolist()))
+    rows: dict[int, list] = {}
+    for r in owners.itertuples(index=False):
+        rows.setdefault(int(r.storage_id), []).append((str(r.path), str(r.kind), str(r.status)))
+    if provenance is not None:
+        provenance.match(storages)  # storages registered since the last capture ended
+    created, live, fixes = [], [], []
+    for sid in owned.tolist():
+        v = verdict_of.get(sid, "")
+        stale_like = v in STALE_VERDICTS
+        if provenance is None:
+            created.append("")
+            live.append("")
+        else:
+            created.append(provenance.text(provenance.captured.get(sid)))
+            live.append(provenance.text(provenance.site_of(moved_to.get(sid)))
+                        if stale_like and sid in moved_to else "")
+        key = suggest_fix(v, rows.get(sid, ()))
+        fixes.append(FIXES[key] if key else "")
+    at = np.searchsorted(owned, sids) if len(owned) else np.zeros(n, dtype=np.int64)
+    hit = (at < len(owned)) & (owned[np.minimum(at, max(len(owned) - 1, 0))] == sids) \
+        if len(owned) else np.zeros(n, dtype=bool)
+
+    def column(values: list) -> pd.Categorical:
+        cats = pd.Categorical(values + [""])
+        codes = np.where(hit, cats.codes[np.minimum(at, len(values))], cats.codes[-1])
+        return pd.Categorical.from_codes(codes, cats.categories)
+
+    return {"created_at": column(created), "live_created_at": column(live),
+            "fix": column(fixes)}
