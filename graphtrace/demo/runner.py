@@ -247,20 +247,41 @@ def run_scenario(variant: str, scenario: str, *, device, batch_sizes, seed: int,
     import graphtrace as gt
 
     from .model import DemoModel
-    from .reload import reload
 
     log = log or (lambda *_: None)
     device = torch.device(device)
     t0 = time.perf_counter()
     timings = {}
-    model = DemoModel(variant, n_layers=n_layers, seed=seed, device=device,
-                      reload_backend=backend)
-    timings["build"] = time.perf_counter() - t0
+    # The trace is open from the model's construction to the diff, so that the report can
+    # say where (and that during the reload) each captured tensor and its replacement were
+    # made (Note [provenance] in graphtrace/provenance.py).
+    tr = gt.trace(strict=strict)
+    tr.__enter__()
+    state = {"open": True}
+    try:
+        with torch.no_grad():
+            model = DemoModel(variant, n_layers=n_layers, seed=seed, device=device,
+                              reload_backend=backend)
+        tr.watch(model)
+        timings["build"] = time.perf_counter() - t0
 
-    t = time.perf_counter()
-    with torch.no_grad(), gt.trace(model, strict=strict) as tr:
-        captured = _capture(model, batch_sizes, device, torch, gt)
-    timings["capture"] = time.perf_counter() - t
+        t = time.perf_counter()
+        with torch.no_grad():
+            captured = _capture(model, batch_sizes, device, torch, gt)
+        timings["capture"] = time.perf_counter() - t
+        return _after_capture(tr, model, captured, variant, scenario, device=device,
+                              seed=seed, backend=backend, n_layers=n_layers, out=out,
+                              log=log, timings=timings, state=state)
+    finally:
+        if state["open"]:
+            tr.__exit__(None, None, None)
+
+
+def _after_capture(tr, model, captured, variant, scenario, *, device, seed, backend,
+                   n_layers, out, log, timings, state) -> ScenarioResult:
+    import torch
+
+    from .reload import reload
 
     with torch.no_grad():
         before = [c.run() for c in captured]
@@ -283,6 +304,8 @@ def run_scenario(variant: str, scenario: str, *, device, batch_sizes, seed: int,
     t = time.perf_counter()
     report = tr.diff()
     timings["diff"] = time.perf_counter() - t
+    state["open"] = False
+    tr.__exit__(None, None, None)
 
     res = ScenarioResult(variant, scenario, used, str(device), n_layers)
     census_after = _census(model)

@@ -88,8 +88,11 @@ def capture_reload_diff(model: torch.nn.Module, inputs: Iterable[tuple[str, torc
             with gt.capture(label, emulate=emulate) as graph:
                 y = model(x)
             captured.append((x, y, graph if emulate else None))
-    backend = reload(model)
-    report = tr.diff()
+        # the reload inside the trace: the report says where the replacements were made
+        # (the model was built before the trace: its storages read "before trace")
+        with torch.enable_grad():
+            backend = reload(model)
+        report = tr.diff()
     out = Outcome(report=report, backend=backend)
     if not emulate:
         return out
