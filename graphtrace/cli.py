@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from typing import Sequence
 
 import pandas as pd
@@ -89,7 +90,8 @@ def stale_reads(report: Report) -> pd.DataFrame:
     """Stale-like edges grouped per storage (and verdict/impact), most severe first.
 
     Columns: ``storage_id``, ``verdict``, ``impact``, ``graphs`` (labels, by graph id),
-    ``n_graphs``, ``nbytes``, ``ops``, ``owners`` (list of ``path (kind, status)``).
+    ``n_graphs``, ``nbytes``, ``ops``, ``owners`` (list of ``path (kind, status)``),
+    ``created_at``, ``live_created_at``, ``fix`` (the edges' provenance columns, first edge).
     Order: manifest impact, then dangling, then latent; then more graphs first.
     """
     stale = report.stale
@@ -104,7 +106,11 @@ def stale_reads(report: Report) -> pd.DataFrame:
         g = groups.setdefault(key, {"storage_id": key[0], "verdict": key[1], "impact": impact,
                                     "graphs": [], "nbytes": int(r.nbytes), "ops": [],
                                     "owners": owners.get(key[0])
-                                    or [p for p in str(r.owners).split("; ") if p]})
+                                    or [p for p in str(r.owners).split("; ") if p],
+                                    "created_at": str(getattr(r, "created_at", "") or ""),
+                                    "live_created_at": str(getattr(r, "live_created_at", "")
+                                                           or ""),
+                                    "fix": str(getattr(r, "fix", "") or "")})
         if str(r.graph) not in g["graphs"]:
             g["graphs"].append(str(r.graph))
         for op in str(r.ops).split(";"):
@@ -114,7 +120,8 @@ def stale_reads(report: Report) -> pd.DataFrame:
                                                  -len(g["graphs"]), g["storage_id"]))
     for g in rows:
         g["n_graphs"] = len(g["graphs"])
-    cols = ["storage_id", "verdict", "impact", "graphs", "n_graphs", "nbytes", "ops", "owners"]
+    cols = ["storage_id", "verdict", "impact", "graphs", "n_graphs", "nbytes", "ops", "owners",
+            "created_at", "live_created_at", "fix"]
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -179,6 +186,14 @@ def format_report(report: Report, *, path: str | None = None, width: int = 100,
                     lines.append("        (" + rest)
                 else:
                     lines.append("      " + _clip(owner, width - 6, left=True))
+            for label, text in (("made at", g.created_at), ("now from", g.live_created_at)):
+                if text:  # the nearest frame: the line to look at first
+                    lines.append(_clip(f"      {label}: {text.split(' < ')[0]}", width,
+                                       left=True))
+            if g.fix:
+                wrapped = textwrap.wrap(g.fix, max(width - 11, 20))
+                lines += [("      fix: " if i == 0 else " " * 11) + part
+                          for i, part in enumerate(wrapped)]
         if len(reads) > top:
             lines.append(f"  ... {len(reads) - top} more storages (--top N, or --csv stale)")
 

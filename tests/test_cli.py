@@ -53,7 +53,17 @@ def test_report_text(capsys):
     assert lines[12].split() == ["total", "18", "15", "2", "3", "2", "2"]
     # stale reads: one row per storage, most severe first, owners on their own lines
     i = lines.index("Stale reads: 7 edges on 4 storages, most severe first")
-    block = lines[i + 1:i + 12]
+    # after each storage's owners: where it was made, where its replacement was, the fix
+    j = lines.index(f"      {PERM} (attribute, moved)", i)
+    assert lines[j + 1] == ("      made at: aten::_to_copy at /src/model/kernels.py:213 in "
+                            "_perm_from_g_idx")
+    assert lines[j + 2] == ("      now from: aten::_to_copy at /src/model/kernels.py:213 in "
+                            "_perm_from_g_idx")
+    assert lines[j + 3].startswith("      fix: register it on the layer and read it through")
+    assert lines[j + 4].startswith(" " * 11) and lines[j + 4].strip().endswith("on reload")
+    assert "      made at: before trace" in lines and "      now from: not recorded" in lines
+    provenance = ("      made at: ", "      now from: ", "      fix: ", " " * 11)
+    block = [line for line in lines[i + 1:] if not line.startswith(provenance)][:11]
     assert block[0].split() == ["verdict", "impact", "storage", "bytes", "graphs", "ops"]
     assert re.fullmatch(r"  stale\s+manifest\s+s2\s+32\s+decode_bs1 \+1\s+"
                         r"graphtrace::permute_cols", block[1])
