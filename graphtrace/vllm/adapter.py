@@ -210,17 +210,20 @@ class VllmTrace:
     runner's input buffers (model name ``runner``). ``keep_graphs``: keep the emulated
     graphs alive like CUDA graph capture artifacts (their storages stay alive, so a moved
     owner reads ``stale``; without them an old storage is freed and reads ``dangling``).
-    ``modules``: module attribution, as ``graphtrace.trace(modules=...)``.
+    ``modules``: module attribution, as ``graphtrace.trace(modules=...)``. ``provenance``:
+    creation sites (``graphtrace.trace(provenance=...)``; None: ``GRAPHTRACE_PROVENANCE``,
+    default on): model loading, process-weights and reloads run inside the trace, so the
+    sites point into vLLM's own files.
     """
 
     def __init__(self, *, strict: bool = False, watch_runner: bool = True,
                  keep_graphs: bool = True, runner_attrs: Iterable[str] | None = RUNNER_INPUT_ATTRS,
-                 modules: str = "forward"):
+                 modules: str = "forward", provenance: bool | None = None):
         self.strict = strict
         self.watch_runner = watch_runner
         self.keep_graphs = keep_graphs
         self.runner_attrs = tuple(runner_attrs) if runner_attrs is not None else None
-        self.trace = gt.trace(strict=strict, modules=modules)
+        self.trace = gt.trace(strict=strict, modules=modules, provenance=provenance)
         self.llm = None
         self.worker = None
         self.model: nn.Module | None = None

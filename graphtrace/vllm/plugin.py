@@ -21,7 +21,9 @@ When on, in each process that hosts a vLLM worker:
 Environment: ``GRAPHTRACE_VLLM=1`` (on), ``GRAPHTRACE_VLLM_DIR`` (default
 ``./graphtrace-vllm``), ``GRAPHTRACE_VLLM_EMULATE`` (``1`` or a token count),
 ``GRAPHTRACE_STRICT=1`` (raise instead of fail-open; tests), ``GRAPHTRACE_MODULES``
-(module attribution: ``forward``, the default, ``hooks`` or ``off``; see graphtrace.attribution).
+(module attribution: ``forward``, the default, ``hooks`` or ``off``; see graphtrace.attribution),
+``GRAPHTRACE_PROVENANCE=0`` (no creation sites in the report: the worker's eager forwards then
+run without provenance's dispatch mode; see Note [provenance] in graphtrace/provenance.py).
 
 From the client (string method names work across processes without pickling code)::
 
