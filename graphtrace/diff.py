@@ -29,7 +29,7 @@ import torch
 from graphtrace import __version__
 from graphtrace.encoding import FACTORY, READ, VIEW, WRITE
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
-from graphtrace.owners import OwnerSnapshot, walk_owners
+from graphtrace.owners import OwnerSnapshot, resolve_path, walk_owners
 from graphtrace.provenance import edge_columns
 from graphtrace.vocab import (ACCESS_KINDS, COLUMNS, EDGE_ACCESSES, HOLDS, IMPACTS, MOVED,
                               ORIGINS, ORPHANED, OWNER_KINDS, VERDICTS)
@@ -65,15 +65,40 @@ def _gc_paused():
             gc.enable()
 
 
-def _live_paths(models: dict) -> dict[str, dict[str, torch.Tensor]]:
-    """Per watched model: every owner path on the live model -> the tensor it reaches now."""
+class _Resolved(dict):
+    """Owner paths of a model whose walk failed: each resolved on its own, on first use."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def __missing__(self, path: str):
+        try:
+            found = resolve_path(self.model, path)
+        except Exception:  # a path the model breaks in new ways: unresolved, like orphaned
+            found = None
+        self[path] = found
+        return found
+
+    def get(self, path, default=None):
+        return self[path]
+
+
+def _live_paths(models: dict, fail) -> dict[str, dict[str, torch.Tensor]]:
+    """Per watched model: every owner path on the live model -> the tensor it reaches now.
+    A walk that fails is counted (`fail(where, exc)`) and its model's paths resolved one
+    by one instead: diff() reports, it does not raise."""
     live = {}
     for name, model in models.items():
         paths: dict[str, torch.Tensor] = {}
-        with warnings.catch_warnings():  # bounds were already reported by the capture-time walk
-            warnings.simplefilter("ignore", RuntimeWarning)
-            for path, _, tensor in walk_owners(model):
-                paths.setdefault(path, tensor)
+        try:
+            with warnings.catch_warnings():  # bounds were already reported at capture time
+                warnings.simplefilter("ignore", RuntimeWarning)
+                for path, _, tensor in walk_owners(model):
+                    paths.setdefault(path, tensor)
+        except Exception as exc:
+            fail(f"owner walk of model {name!r}", exc)
+            paths = _Resolved(model)
         live[name] = paths
     return live
 
@@ -383,7 +408,7 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     edge_sids = np.flatnonzero(np.bincount(sids, minlength=n_storages))  # sorted, no hashing
     with _gc_paused():
         owners, moved_to = _resolve_owners(table.handles, snapshot.owners, edge_sids,
-                                           _live_paths(models))
+                                           _live_paths(models, rec.fail))
     edges.update(_owner_columns(_per_storage(owners, alive), sids))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(

@@ -52,7 +52,7 @@ from torch import nn
 
 from graphtrace.attribution import is_wrapper as is_attribution_wrapper
 
-__all__ = ["OwnerKind", "Owner", "OwnerSnapshot", "walk_owners", "resolve_path"]
+__all__ = ["OwnerKind", "Owner", "OwnerSnapshot", "walk_owners", "resolve_path", "named_modules"]
 
 OwnerKind = Literal["parameter", "buffer", "attribute"]
 Owner = tuple[str, str, str]  # (model name, path, owner kind)
@@ -155,12 +155,44 @@ def walk_owners(model: nn.Module, *, max_depth: int = 12,
     return _walk(model, max_depth, max_items)  # checked above at call time, not first next()
 
 
+def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`model.named_modules(remove_duplicate=False)` that survives a cycle through
+    registered children (`a.child = b; b.parent = a`, where torch's recursion never ends):
+    same names in the same order, a child that is already on the path from the root not
+    entered again."""
+    out: list[tuple[str, nn.Module]] = []
+    on_path: set[int] = set()
+    # (prefix, module) to enter, or None: leave the module entered last
+    todo: list = [(model, "")]
+    path: list[int] = []
+    while todo:
+        item = todo.pop()
+        if item is None:
+            on_path.discard(path.pop())
+            continue
+        module, prefix = item
+        if id(module) in on_path:
+            continue
+        out.append((prefix, module))
+        on_path.add(id(module))
+        path.append(id(module))
+        todo.append(None)
+        dot = prefix + "." if prefix else ""
+        for name, child in reversed(list(module._modules.items())):
+            if child is not None:
+                todo.append((child, dot + name))
+    return out
+
+
 def _walk(model: nn.Module, max_depth: int,
           max_items: int) -> Iterator[tuple[str, OwnerKind, torch.Tensor]]:
-    for name, p in model.named_parameters(remove_duplicate=False):
-        yield name, "parameter", p
-    for name, b in model.named_buffers(remove_duplicate=False):
-        yield name, "buffer", b
+    modules = named_modules(model)
+    for kind, registry in (("parameter", "_parameters"), ("buffer", "_buffers")):
+        for prefix, module in modules:
+            dot = prefix + "." if prefix else ""
+            for name, t in list(getattr(module, registry).items()):
+                if t is not None:
+                    yield dot + name, kind, t
     for path, t in _attribute_owners(model, max_depth, max_items):
         yield path, "attribute", t
 
@@ -289,7 +321,7 @@ def _attribute_owners(model: nn.Module, max_depth: int,
                     step(x, f"{path}.{k}", depth)
 
     try:
-        for prefix, module in model.named_modules(remove_duplicate=False):
+        for prefix, module in named_modules(model):
             hit = seen.get(id(module))
             if hit is not None:  # shared module: same findings under this name too
                 old = len(hit[3])
@@ -361,8 +393,10 @@ _MISSING = object()
 
 def _attr(obj: object, name: str) -> object:
     if isinstance(obj, nn.Module):
-        for reg in (obj._parameters, obj._buffers, obj._modules):
-            if name in reg:
+        d = obj.__dict__
+        for registry in ("_parameters", "_buffers", "_modules"):
+            reg = d.get(registry)
+            if reg and name in reg:
                 return reg[name]
     if name == "__closure__" and isinstance(obj, types.FunctionType):
         # cells by free-variable name, empty cells left out (see the path grammar)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map_only
 
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.encoding import REPLAY_FRESH
@@ -39,21 +41,45 @@ def active_trace() -> "Trace | None":
 class EmulatedGraph:
     """A replayable record of a capture region with CUDA graph address semantics.
 
-    Replay re-runs the recorded ops on the very tensors (and so storages) they saw at
-    capture time and copies fresh results into the tensors the capture returned. Like a
-    real graph's capture artifacts, it keeps those tensors alive: drop the graph to free them.
+    Replay re-runs the recorded ops on the storages they saw at capture time and copies
+    fresh results into the outputs the capture returned. See Note [Emulated graphs keep
+    storages]. Like a real graph's capture artifacts, it keeps those storages alive: drop
+    the graph to free them.
     """
 
-    __slots__ = ("label", "capture", "_ops", "__weakref__")
+    __slots__ = ("label", "capture", "_ops", "_aliases", "__weakref__")
 
     def __init__(self, label: str):
         self.label = label
         self.capture: Capture | None = None
         self._ops: list = []
+        self._aliases: dict = {}  # view key -> alias, so one view read twice is one alias
 
     def keep(self, func, args, kwargs, out, replay_flags: int) -> None:
-        if replay_flags:  # 0: a pure view, which a graph bakes in and never re-runs
-            self._ops.append((func, args, kwargs, out, replay_flags))
+        """Keep one recorded op for replay (`replay_flags` as the writer returned them)."""
+        if not replay_flags:  # 0: a pure view, which a graph bakes in and never re-runs
+            return
+        pin = self._pin
+        args, kwargs, out = tree_map_only(torch.Tensor, pin, (args, kwargs, out))
+        self._ops.append((func, args, kwargs, out, replay_flags))
+
+    def _pin(self, t: torch.Tensor) -> torch.Tensor:
+        """A plain alias of the storage, offset, size and stride `t` has now."""
+        if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided
+                or t.is_quantized or t.is_conj() or t.is_neg() or t.is_nested):
+            return t  # what an alias cannot carry (a quantizer, a lazy flag, a subclass's parts)
+        try:
+            storage = t.untyped_storage()
+        except Exception:  # no storage (a functional wrapper): nothing to pin
+            return t
+        key = (storage._cdata, t.dtype, t.shape, t.stride(), t.storage_offset())
+        alias = self._aliases.get(key)
+        if alias is None:
+            with torch.inference_mode(False):  # a normal tensor: usable in place anywhere
+                alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                    storage, t.storage_offset(), t.shape, t.stride())
+            self._aliases[key] = alias
+        return alias
 
     def replay(self) -> None:
         with torch.no_grad(), _disable_current_modes():
@@ -79,6 +105,17 @@ def _copy_into(dst, src) -> None:
             _copy_into(d, s)
 
 
+# Note [Emulated graphs keep storages]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A CUDA graph bakes in addresses: what it reads is fixed at capture, whatever Python does
+# to the tensor objects afterwards (`param.data = ...`, `model.to()/.half()/.float()` rebind
+# a tensor's storage in place of the object). So an emulated graph keeps no tensor object
+# of the capture: `keep` replaces each plain tensor argument and output by an alias made at
+# capture time, pinned to the storage, offset, size and stride the op saw (requires_grad
+# off). Aliases are made outside inference mode: a capture under `torch.inference_mode()`
+# replays anywhere (an inference tensor cannot be written in place outside it; an alias of
+# its storage can). What an alias cannot carry is kept as is: quantized tensors (their
+# quantizer), conj/neg views, nested tensors and subclasses (their own parts).
 class _Region:
     """One open capture on one thread: the mode pushed, its records, maybe a replayable graph."""
 
@@ -223,7 +260,7 @@ class _CudaGraphPatch:
     """Wraps CUDAGraph.capture_begin/end so that every CUDA graph capture is recorded."""
 
     def __init__(self, trace: "Trace"):
-        self.trace = trace
+        self.trace = weakref.ref(trace)  # the trace holds this patch: no cycle back
         self.cls = None
         self.saved: dict[str, Callable] = {}
 
@@ -237,15 +274,19 @@ class _CudaGraphPatch:
                       "capture_end": CUDAGraph.__dict__.get("capture_end")}
         begin = CUDAGraph.capture_begin
         end = CUDAGraph.capture_end
-        trace = self.trace
+        trace_ref = self.trace
 
         def capture_begin(graph, *args, **kwargs):
             out = begin(graph, *args, **kwargs)
-            trace._cuda_begin(graph, args, kwargs)
+            trace = trace_ref()
+            if trace is not None:
+                trace._cuda_begin(graph, args, kwargs)
             return out
 
         def capture_end(graph, *args, **kwargs):
-            trace._cuda_end(graph)
+            trace = trace_ref()
+            if trace is not None:
+                trace._cuda_end(graph)
             return end(graph, *args, **kwargs)
 
         CUDAGraph.capture_begin = capture_begin
@@ -274,7 +315,8 @@ class Trace:
         self._attribution = ModuleAttribution(modules)  # checks `modules` before any build
         self.recorder = Recorder(strict=strict, native=_native.resolve(native))
         self.strict = strict
-        self.models: dict[str, torch.nn.Module] = {}
+        # watched models by weak reference: a trace never keeps a model (or its storages) alive
+        self._models: dict[str, weakref.ref] = {}
         self.blind_spots: list[str] = []
         self._regions = threading.local()
         self._cuda_regions: dict[int, _Region] = {}
@@ -336,20 +378,41 @@ class Trace:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"graphtrace can only watch a torch.nn.Module, got {type(model).__name__}")
         if name is None:
-            name = "" if not self.models else f"model{len(self.models)}"
+            name = "" if not self._models else f"model{len(self._models)}"
         if not isinstance(name, str):
             raise TypeError(f"model name must be a str, got {type(name).__name__}")
-        if name in self.models:
-            if self.models[name] is model:
+        if name in self._models and self._models[name]() is not None:
+            if self._models[name]() is model:
                 return self
             raise GraphtraceError(f"a model named {name!r} is already watched; pass name=...")
-        self.models[name] = model
+        self._models[name] = weakref.ref(model)
         if self._open:
             self._attribute_modules(name, model)
         self.owner_snapshot.forget(name)
         if self.recorder.captures:
             self._refresh_owners()
         return self
+
+    @property
+    def models(self) -> dict[str, torch.nn.Module]:
+        """The watched models still alive, by name (the trace holds them weakly)."""
+        live = {}
+        for name, ref in self._models.items():
+            model = ref()
+            if model is not None:
+                live[name] = model
+        return live
+
+    def _live_models(self) -> dict[str, torch.nn.Module]:
+        """Every watched model; a GraphtraceError naming any that was garbage-collected."""
+        live = self.models
+        dropped = [name for name in self._models if name not in live]
+        if dropped:
+            names = ", ".join(repr(n) for n in dropped)
+            raise GraphtraceError(
+                f"watched model {names} was garbage-collected before diff(): graphtrace holds "
+                "models weakly, so keep a reference to each watched model until its diff()")
+        return live
 
     def _attribute_modules(self, name: str, model: torch.nn.Module) -> None:
         self._attribution.install(model, self.recorder.names, f"{name}:" if name else "")
@@ -451,7 +514,8 @@ class Trace:
         """Resolve capture-time owners on the live model(s) and classify every edge."""
         from graphtrace.diff import diff
 
-        return diff(self.recorder, self.owner_snapshot, self.models, self.blind_spots,
+        models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
+        return diff(self.recorder, self.owner_snapshot, models, self.blind_spots,
                     provenance=self.provenance)
 
     def __repr__(self) -> str:
