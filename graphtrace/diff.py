@@ -2,7 +2,8 @@
 
 Verdicts are per storage (every graph that touched it gets the same one):
 
-- no capture-time owner                                  -> unowned (origin internal / external)
+- no capture-time owner                                  -> unowned
+- every graph overwrites it before reading it            -> stable (Note [write before read])
 - some owners still hold the storage, others do not      -> diverged
 - owners moved, the captured storage is still alive      -> stale
 - owners moved, the captured storage was freed           -> dangling
@@ -159,11 +160,12 @@ def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.nd
     return keys[starts], out
 
 
-def _per_storage(owners: pd.DataFrame, alive: np.ndarray) -> pd.DataFrame:
+def _per_storage(owners: pd.DataFrame, alive: np.ndarray, internal: np.ndarray) -> pd.DataFrame:
     """Owner names, verdict and live pointer of every owned storage (index: storage id).
 
     `owners` rows come sorted by storage id, then model and path (as `_resolve_owners` makes
-    them), so every per-storage value is a reduce over the storage's run of rows."""
+    them), so every per-storage value is a reduce over the storage's run of rows. `alive`,
+    `internal`: per storage id (Note [write before read])."""
     columns = ["owners", "owner_kinds", "n_owners", "live_data_ptr", "verdict"]
     if owners.empty:
         return pd.DataFrame(columns=columns, index=pd.Index([], dtype=np.int64))
@@ -173,7 +175,7 @@ def _per_storage(owners: pd.DataFrame, alive: np.ndarray) -> pd.DataFrame:
     status = owners["status"].to_numpy(dtype=object)
     owner_kind = owners["kind"].to_numpy(dtype=object)
     n_owners = np.diff(starts, append=len(sid))
-    verdict = storage_verdicts(status, n_owners, alive[keys])
+    verdict = storage_verdicts(status, n_owners, alive[keys], internal[keys])
     kinds = np.full(len(keys), "", dtype=object)
     for k in sorted(OWNER_KINDS):  # sorted, ';'-joined
         has = np.logical_or.reduceat(owner_kind == k, starts)
@@ -186,17 +188,22 @@ def _per_storage(owners: pd.DataFrame, alive: np.ndarray) -> pd.DataFrame:
                         index=pd.Index(keys, dtype=np.int64))
 
 
-def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray) -> np.ndarray:
+def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray,
+                     internal: np.ndarray | None = None) -> np.ndarray:
     """`vocab.verdict_of`, vectorised: per storage, its verdict (an object array).
 
     `status`: the owner statuses of all storages, one run per storage in storage order;
     `n_owners`: each storage's run length (0: no owner, unowned); `alive`: whether each
-    captured storage is still alive."""
+    captured storage is still alive; `internal`: whether every graph overwrites it before
+    reading it (default: none is)."""
     n_owners = np.asarray(n_owners, dtype=np.int64)
-    if len(status) != n_owners.sum() or len(alive) != len(n_owners) or (n_owners < 0).any():
+    internal = (np.zeros(len(n_owners), dtype=bool) if internal is None
+                else np.asarray(internal, dtype=bool))
+    if (len(status) != n_owners.sum() or len(alive) != len(n_owners)
+            or len(internal) != len(n_owners) or (n_owners < 0).any()):
         raise ValueError(f"storage_verdicts needs one status per owner ({len(status)} for "
-                         f"{n_owners.sum()} owners) and one alive flag per storage "
-                         f"({len(alive)} for {len(n_owners)} storages)")
+                         f"{n_owners.sum()} owners) and one alive and internal flag per "
+                         f"storage ({len(alive)}, {len(internal)} for {len(n_owners)} storages)")
     verdict = np.full(len(n_owners), UNOWNED, dtype=object)
     owned = n_owners > 0
     if not owned.any():
@@ -207,9 +214,9 @@ def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray
     holds = np.logical_or.reduceat(holds_row, starts)
     moved = np.logical_or.reduceat(status == MOVED, starts)
     verdict[owned] = np.select(
-        [holds & ~np.logical_and.reduceat(holds_row, starts), holds,
+        [internal[owned], holds & ~np.logical_and.reduceat(holds_row, starts), holds,
          moved & np.asarray(alive, dtype=bool)[owned], moved],
-        [DIVERGED, STABLE, STALE, DANGLING], default=ORPHANED_VERDICT)
+        [STABLE, DIVERGED, STABLE, STALE, DANGLING], default=ORPHANED_VERDICT)
     return verdict
 
 
@@ -313,9 +320,9 @@ def _edge_runs(raw: dict, n_storages: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _edges(raw: dict, accesses: pd.DataFrame, names: list, nbytes: np.ndarray,
-           n_storages: int) -> tuple[dict, np.ndarray, np.ndarray]:
-    """Edge columns up to `shape`, each edge's first access row, and the access row it
-    describes (its first read, else its first write)."""
+           n_storages: int) -> tuple[dict, np.ndarray, np.ndarray, tuple]:
+    """Edge columns up to `shape`, each edge's first access row, the access row it
+    describes (its first read, else its first write), and its runs (`_edge_runs`)."""
     rows, starts = _edge_runs(raw, n_storages)
     access = raw["access"][rows]
     first_rows = rows[starts]
@@ -347,7 +354,75 @@ def _edges(raw: dict, accesses: pd.DataFrame, names: list, nbytes: np.ndarray,
         "dtype": accesses["dtype"].array[view_row],
         "shape": accesses["shape"].array[view_row],
     }
-    return edges, first_rows, view_row
+    return edges, first_rows, view_row, (rows, starts)
+
+
+# Note [write before read]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A storage a graph overwrites before it reads it is the graph's own: each replay recomputes
+# what it then reads, whoever owned it at capture time. Legacy `torch.nn.utils.weight_norm`
+# recomputes `weight` in a forward pre-hook and keeps it as an attribute: after the next eager
+# call the attribute holds another tensor, yet every replay rewrites the captured one first.
+# An edge's `origin` is `internal` when its first access in that graph overwrites a dense byte
+# range that holds every later read of the graph from that storage, else `external`. An
+# overwrite is a fresh output (factory), an `out=` argument, or the target of a pure
+# overwrite (aten::copy_, fill_, zero_); other in-place ops (`add_`) read what they write.
+# An owned storage whose every edge is internal is `stable` (vocab.verdict_of), its owners'
+# statuses still listed in `owners`: no false alarm for what no replay reads stale.
+_OVERWRITES = ("aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_")
+
+
+def _view_extents(items: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per interned view: first and past-the-end byte of what it spans, and whether it
+    covers that span densely (no holes, no overlap)."""
+    n = len(items)
+    lo, hi, dense = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
+    for i, (dtype, shape, stride, offset) in enumerate(items):
+        size = dtype.itemsize
+        numel, extent = 1, 1
+        ok = True
+        for d, st in zip(shape, stride):
+            numel *= d
+            if st < 0:
+                ok = False
+            extent += (d - 1) * st
+        if numel == 0:
+            extent = 0
+        lo[i] = offset * size
+        hi[i] = lo[i] + extent * size
+        dense[i] = ok and numel == extent
+    return lo, hi, dense
+
+
+def _internal_edges(raw: dict, runs: tuple, names: list, views: list) -> np.ndarray:
+    """Per edge: does its graph overwrite the storage before reading it? (Note [write before
+    read])."""
+    rows, starts = runs
+    if not len(starts):
+        return np.zeros(0, dtype=bool)
+    access = raw["access"][rows]
+    ids = {n: i for i, n in enumerate(names)}
+    first = rows[starts]
+    first_access = raw["access"][first]
+    over = first_access == FACTORY
+    out_id = ids.get("out", -1)
+    pure = [ids[n] for n in _OVERWRITES if n in ids]
+    over |= (first_access == WRITE) & ((raw["arg"][first] == out_id) | np.isin(raw["op"][first], pure))
+    if not over.any():
+        return over
+    lo, hi, dense = _view_extents(views)
+    v = raw["view"][rows]
+    reads = access == READ
+    big = np.iinfo(np.int64).max
+    read_lo = np.minimum.reduceat(np.where(reads, lo[v], big), starts)
+    read_hi = np.maximum.reduceat(np.where(reads, hi[v], -1), starts)
+    fv = raw["view"][first]
+    # the first access must also come before any read of the same op (rows of one op are
+    # args first, so a read in the same op as a fresh output was read before it was made)
+    first_seq = raw["seq"][first]
+    read_seq = np.minimum.reduceat(np.where(reads, raw["seq"][rows], big), starts)
+    return (over & dense[fv] & (read_lo >= lo[fv]) & (read_hi <= hi[fv])
+            & (read_seq > first_seq))
 
 
 def _storages(table, alive: np.ndarray, nbytes: np.ndarray, access: np.ndarray,
@@ -400,19 +475,22 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     n_storages = len(table.handles)
     alive = table.alive_mask()
     nbytes = np.frombuffer(table.nbytes, dtype=np.int64) if n_storages else np.empty(0, np.int64)
-    edges, first_rows, view_row = _edges(raw, accesses, rec.names.items, nbytes, n_storages)
+    edges, first_rows, view_row, runs = _edges(raw, accesses, rec.names.items, nbytes,
+                                               n_storages)
     sids = edges["storage_id"]
-    internal = _writes(raw["access"][first_rows])  # written first
+    internal = _internal_edges(raw, runs, rec.names.items, rec.views.items)
+    # a storage is internal when every edge of it is (Note [write before read])
+    internal_storage = (np.bincount(sids, weights=internal, minlength=n_storages)
+                        == np.bincount(sids, minlength=n_storages))
 
     # -- owners, verdicts, impact: per storage, then onto the edges ----------------------------
     edge_sids = np.flatnonzero(np.bincount(sids, minlength=n_storages))  # sorted, no hashing
     with _gc_paused():
         owners, moved_to = _resolve_owners(table.handles, snapshot.owners, edge_sids,
                                            _live_paths(models, rec.fail))
-    edges.update(_owner_columns(_per_storage(owners, alive), sids))
+    edges.update(_owner_columns(_per_storage(owners, alive, internal_storage), sids))
     verdict = edges["verdict"]
-    edges["origin"] = pd.Categorical.from_codes(
-        np.where(verdict == UNOWNED, np.where(internal, 2, 1), 0), ["", *ORIGINS])
+    edges["origin"] = pd.Categorical.from_codes(np.where(internal, 1, 0), list(ORIGINS))
     edges["impact"] = _impacts(rec, verdict, sids, raw["view"][view_row], moved_to)
     edges.update(edge_columns(provenance, table, sids, verdict, owners, moved_to))
 

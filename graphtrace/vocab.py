@@ -21,7 +21,7 @@ __all__ = [
 VERDICTS = ("stable", "stale", "dangling", "diverged", "orphaned", "unowned")
 STALE_VERDICTS = ("stale", "dangling", "diverged")   # what `report.stale` holds
 IMPACTS = ("manifest", "latent", "unknown")           # stale-like edges: do values differ now?
-ORIGINS = ("external", "internal")                    # unowned edges: written first in the graph?
+ORIGINS = ("external", "internal")                    # overwritten in the graph before it reads it?
 
 # -- owners ----------------------------------------------------------------------------------
 HOLDS, MOVED, ORPHANED = "holds", "moved", "orphaned"
@@ -87,13 +87,16 @@ SCHEMA: dict[str, tuple[tuple[str, str], ...]] = {
 COLUMNS: dict[str, list[str]] = {name: [c for c, _ in cols] for name, cols in SCHEMA.items()}
 
 
-def verdict_of(statuses: Iterable[str], alive: bool) -> str:
+def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False) -> str:
     """The verdict of one captured storage from its capture-time owners' statuses now.
 
     The scalar statement of the rule (diff applies it vectorised, per storage):
-    no owner -> unowned; some hold and some do not -> diverged; all hold -> stable;
-    some moved -> stale if the captured storage is alive, else dangling; all orphaned ->
-    orphaned.
+    no owner -> unowned; an owned storage that every graph overwrites before it reads it
+    (`internal`: origin internal on all its edges) -> stable, whatever its owners did, since
+    each replay recomputes what it then reads (legacy weight_norm's `weight`, recomputed in
+    a forward pre-hook and kept as an attribute); otherwise some hold and some do not ->
+    diverged; all hold -> stable; some moved -> stale if the captured storage is alive,
+    else dangling; all orphaned -> orphaned.
     """
     statuses = list(statuses)
     bad = set(statuses) - set(OWNER_STATUSES)
@@ -102,6 +105,8 @@ def verdict_of(statuses: Iterable[str], alive: bool) -> str:
                          f"{', '.join(OWNER_STATUSES)})")
     if not statuses:
         return "unowned"
+    if internal:
+        return "stable"
     holds = [s == HOLDS for s in statuses]
     if any(holds):
         return "stable" if all(holds) else "diverged"

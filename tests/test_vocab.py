@@ -39,3 +39,15 @@ def test_bad_input_is_refused_clearly():
         storage_verdicts(np.array(["holds"], dtype=object), [2], [True])
     with pytest.raises(ValueError, match="unknown owner status 'gone'"):
         verdict_of(["gone"], True)
+
+
+def test_internal_storages_agree_with_verdict_of():
+    """An owned storage every graph overwrites before reading is stable; unowned stays unowned."""
+    status = np.array([s for statuses, _ in CASES for s in statuses], dtype=object)
+    n_owners = np.array([len(statuses) for statuses, _ in CASES])
+    alive = np.array([a for _, a in CASES])
+    internal = np.arange(len(CASES)) % 3 == 0
+    got = storage_verdicts(status, n_owners, alive, internal)
+    expected = [verdict_of(st, a, i) for (st, a), i in zip(CASES, internal)]
+    assert list(got) == expected
+    assert {e for e, i, (st, _) in zip(expected, internal, CASES) if i} == {"stable", "unowned"}
