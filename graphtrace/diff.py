@@ -12,7 +12,9 @@ Verdicts are per storage (every graph that touched it gets the same one):
 
 For stale and diverged edges `impact` compares what the graph reads (the captured view of the
 old storage) with the same view of the moved owner's live tensor: `manifest` when the values
-differ now, `latent` when they are equal (a same-weights reload).
+differ now, `latent` when they are equal (a same-weights reload), compared element by element
+(cast to a common dtype when the owner's dtype changed); a dtype or shape change is also named
+in the report's blind spots.
 """
 
 from __future__ import annotations
@@ -232,26 +234,50 @@ def _live_pointer(ptrs: pd.Series, moved: np.ndarray, starts: np.ndarray):
     return ptrs.array.take(np.where(pick < none, pick, -1), allow_fill=True)
 
 
-def _impact(table, sid: int, view: tuple, live: torch.Tensor) -> str:
-    """Do the values a graph reads from the old storage differ from the owner's live values?"""
+def _impact(table, sid: int, view: tuple, live: torch.Tensor) -> tuple[str, str]:
+    """Do the values a graph reads from the old storage differ from the owner's live values?
+    (impact, note): the note says when the live tensor has another dtype or shape than the
+    view read, where values are compared element by element, cast to a common dtype."""
     old = table.upgrade(sid)
     if old is None:
-        return "unknown"
+        return "unknown", ""
     dtype, shape, stride, offset = view
+    note = ""
     try:
         new_storage = live.untyped_storage()
         if new_storage.device.type == "meta":
-            return "unknown"  # a reload that failed half-way left the model without data
+            return "unknown", ""  # a reload that failed half-way left the model without data
+        if live.dtype != dtype:
+            note = f"dtype {_dtype_name(dtype)} -> {_dtype_name(live.dtype)}"
+        whole = offset == 0 and _numel(shape) * dtype.itemsize == old.nbytes()
+        if whole and tuple(live.shape) != tuple(shape):
+            note = "; ".join(filter(None, [note, f"shape {tuple(shape)} -> {tuple(live.shape)}"]))
+            return "manifest", note  # the graph reads another tensor than the model holds
         was = torch.empty(0, dtype=dtype, device=old.device).set_(old, offset, shape, stride)
-        now = torch.empty(0, dtype=dtype, device=new_storage.device).set_(
+        now = torch.empty(0, dtype=live.dtype, device=new_storage.device).set_(
             new_storage, offset, shape, stride)
     except Exception:  # the live tensor is smaller or of another type: the graph reads other data
-        return "manifest"
+        return "manifest", note or "the live tensor does not hold the view the graph reads"
     try:
-        same = torch.equal(was.cpu(), now.cpu())
+        was, now = was.cpu(), now.cpu()
+        if was.dtype != now.dtype:
+            common = torch.promote_types(was.dtype, now.dtype)
+            was, now = was.to(common), now.to(common)
+        same = torch.equal(was, now)
     except Exception:  # dtypes without comparison kernels: say so rather than guess
-        return "unknown"
-    return "latent" if same else "manifest"
+        return "unknown", note
+    return ("latent" if same else "manifest"), note
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _joined_runs(codes: np.ndarray, group: np.ndarray, names: np.ndarray) -> np.ndarray:
@@ -284,9 +310,11 @@ def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray) -> dict:
 
 
 def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndarray,
-             moved_to: dict) -> pd.Categorical:
+             moved_to: dict, owners: Mapping[int, set], notes: list[str]) -> pd.Categorical:
     """`impact` per edge: value checks for stale and diverged edges (once per storage and
-    view), unknown for dangling ones, empty otherwise."""
+    view), unknown for dangling ones, empty otherwise. A dtype or shape change between the
+    view read and the owner's live tensor is appended to `notes`, one text per storage and
+    view, naming the owners."""
     names = ["", *IMPACTS]
     codes = np.where(verdict == DANGLING, names.index("unknown"), 0)
     items = recorder.views.items
@@ -294,8 +322,13 @@ def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndar
     for i in np.flatnonzero((verdict == STALE) | (verdict == DIVERGED)).tolist():
         k = sid, v = int(sids[i]), int(views[i])
         if k not in cache:
-            cache[k] = names.index(_impact(recorder.storages, sid, items[v], moved_to[sid])
-                                   if sid in moved_to else "unknown")
+            impact, note = (_impact(recorder.storages, sid, items[v], moved_to[sid])
+                            if sid in moved_to else ("unknown", ""))
+            cache[k] = names.index(impact)
+            if note:
+                paths = ", ".join(sorted(p for _, p, _ in owners.get(sid, ())))
+                notes.append(f"storage {sid} ({paths}): {note} since capture; impact "
+                             f"{impact} compares values cast to a common dtype")
         codes[i] = cache[k]
     return pd.Categorical.from_codes(codes, names)
 
@@ -491,7 +524,10 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     edges.update(_owner_columns(_per_storage(owners, alive, internal_storage), sids))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(np.where(internal, 1, 0), list(ORIGINS))
-    edges["impact"] = _impacts(rec, verdict, sids, raw["view"][view_row], moved_to)
+    notes: list[str] = []
+    edges["impact"] = _impacts(rec, verdict, sids, raw["view"][view_row], moved_to,
+                               snapshot.owners, notes)
+    blind_spots += [text for text in notes if text not in blind_spots]
     edges.update(edge_columns(provenance, table, sids, verdict, owners, moved_to))
 
     storages = _storages(table, alive, nbytes, raw["access"], sids, first_rows)

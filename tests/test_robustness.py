@@ -350,3 +350,36 @@ def test_a_whole_overwrite_before_the_read_is_internal():
     e = t.diff().edges.set_index("owners")
     assert e.loc["buf", "origin"] == "internal" and e.loc["buf", "verdict"] == "stable"
     assert len(g)
+
+
+# -- 7. impact compares values; dtype and shape changes are named ------------------------------
+
+def test_a_dtype_move_compares_values_and_says_so():
+    model = Holder()
+    with gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            model(torch.rand(2, 4))
+    model.double()  # new float64 storages with the same values
+    report = t.diff()
+    w = report.edges.set_index("owners").loc["weight"]
+    assert w.verdict == "stale" and w.impact == "latent"  # same values, another dtype
+    notes = [s for s in report.blind_spots if "weight" in s]
+    assert notes and "dtype float32 -> float64" in notes[0]
+    with torch.no_grad():
+        model.weight.add_(1)
+    w = t.diff().edges.set_index("owners").loc["weight"]
+    assert w.impact == "manifest"
+    assert len(g)
+
+
+def test_a_shape_change_is_manifest_and_named():
+    model = Holder()
+    with gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            model(torch.rand(2, 4))
+    model.weight = torch.nn.Parameter(torch.cat([model.weight.detach()] * 2))  # (8, 4)
+    report = t.diff()
+    w = report.edges.set_index("owners").loc["weight"]
+    assert w.verdict == "stale" and w.impact == "manifest"
+    assert any("shape (4, 4) -> (8, 4)" in s for s in report.blind_spots)
+    assert len(g)
