@@ -17,10 +17,10 @@ __all__ = ["OpInfo", "op_name", "parse_schema", "op_info"]
 class OpInfo:
     """Per-OpOverload facts the recorder needs on every call."""
 
-    __slots__ = ("name", "positional", "by_keyword", "returns", "may_alias")
+    __slots__ = ("name", "positional", "by_keyword", "returns", "may_alias", "opaque")
 
     def __init__(self, name: str, positional: tuple, by_keyword: dict, returns: tuple,
-                 may_alias: bool):
+                 may_alias: bool, opaque: bool = False):
         self.name = name
         # positional[i] / by_keyword[name] = (argument name, access) for tensor-carrying args
         self.positional = positional
@@ -29,6 +29,9 @@ class OpInfo:
         # True when some input is `Tensor(a)`: the output may share its storage (views, and
         # ops like aten::to that alias only when nothing changes)
         self.may_alias = may_alias
+        # True when some argument is a ScriptObject (a packed handle): recorded as an opaque
+        # read (graphtrace.opaque), by the Python writer
+        self.opaque = opaque
 
 
 def op_name(func: torch._ops.OpOverload) -> str:
@@ -39,6 +42,14 @@ def op_name(func: torch._ops.OpOverload) -> str:
 
 def _carries_tensors(type_str: str) -> bool:
     return "Tensor" in type_str
+
+
+def _carries_objects(t: torch._C.JitType) -> bool:
+    """A ScriptObject argument (`__torch__.torch.classes.quantized.LinearPackedParamsBase`),
+    also inside Optional[...] or a list."""
+    if isinstance(t, torch._C.ClassType):
+        return True
+    return any(_carries_objects(c) for c in t.containedTypes())
 
 
 def _access_of(arg: torch._C.Argument) -> int:
@@ -53,8 +64,11 @@ def parse_schema(func: torch._ops.OpOverload) -> OpInfo:
     schema = func._schema
     positional = []
     by_keyword = {}
+    opaque = False
     for arg in schema.arguments:
         entry = (arg.name, _access_of(arg)) if _carries_tensors(str(arg.type)) else None
+        if entry is None and _carries_objects(arg.type):
+            entry, opaque = (arg.name, READ), True
         if not arg.kwarg_only:
             positional.append(entry)
         if entry is not None:
@@ -69,7 +83,7 @@ def parse_schema(func: torch._ops.OpOverload) -> OpInfo:
         else:
             returns.append(OUT_ALIAS)
     may_alias = any(access == VIEW for _, access in by_keyword.values())
-    return OpInfo(op_name(func), tuple(positional), by_keyword, tuple(returns), may_alias)
+    return OpInfo(op_name(func), tuple(positional), by_keyword, tuple(returns), may_alias, opaque)
 
 
 _CACHE: dict = {}

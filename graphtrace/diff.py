@@ -32,6 +32,7 @@ import torch
 from graphtrace import __version__
 from graphtrace.encoding import FACTORY, READ, VIEW, WRITE
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
+from graphtrace.opaque import is_opaque, storage_of
 from graphtrace.owners import OwnerSnapshot, resolve_path, walk_owners
 from graphtrace.provenance import edge_columns
 from graphtrace.vocab import (ACCESS_KINDS, COLUMNS, EDGE_ACCESSES, HOLDS, IMPACTS, MOVED,
@@ -133,8 +134,8 @@ def _status(tensor: torch.Tensor | None, handle: int) -> tuple[str, object]:
     if tensor is None:
         return ORPHANED, pd.NA
     try:
-        same = tensor.untyped_storage()._cdata == handle
-        ptr = tensor.data_ptr()
+        same = storage_of(tensor)._cdata == handle
+        ptr = 0 if is_opaque(tensor) else tensor.data_ptr()
     except Exception:  # tensors without storage (meta, functional wrappers)
         return MOVED, pd.NA
     return (HOLDS if same else MOVED), ptr
@@ -238,6 +239,8 @@ def _impact(table, sid: int, view: tuple, live: torch.Tensor) -> tuple[str, str]
     """Do the values a graph reads from the old storage differ from the owner's live values?
     (impact, note): the note says when the live tensor has another dtype or shape than the
     view read, where values are compared element by element, cast to a common dtype."""
+    if is_opaque(live):  # a packed handle: identity only (Note [opaque handles])
+        return "unknown", ""
     old = table.upgrade(sid)
     if old is None:
         return "unknown", ""
@@ -478,6 +481,19 @@ def _storages(table, alive: np.ndarray, nbytes: np.ndarray, access: np.ndarray,
     }, columns=STORAGE_COLUMNS)
 
 
+def _opaque_blind_spots(rec, edges: dict) -> list[str]:
+    """One text per opaque handle a graph reads: what graphtrace cannot look inside."""
+    texts = []
+    for i in np.flatnonzero(np.isin(edges["storage_id"], list(rec.opaque))).tolist():
+        sid = int(edges["storage_id"][i])
+        owners = edges["owners"][i] or "no watched owner"
+        texts.append(f"opaque handle {rec.opaque[sid]} (storage {sid}, {owners}) read by "
+                     f"{edges['ops'][i]} in graph {edges['graph'][i]!r}: graphtrace sees which "
+                     "object the graph reads, not the tensors packed inside it (a change made "
+                     "inside the same object is not seen; impact unknown)")
+    return texts
+
+
 def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, torch.nn.Module],
          blind_spots: Iterable[str] = (), provenance: "Provenance | None" = None) -> "Report":
     """The Report of a reload: every edge of `recorder`'s captures, its capture-time owners
@@ -531,6 +547,10 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     edges.update(edge_columns(provenance, table, sids, verdict, owners, moved_to))
 
     storages = _storages(table, alive, nbytes, raw["access"], sids, first_rows)
+    if rec.opaque:
+        opaque_sids = np.fromiter(rec.opaque, dtype=np.int64)
+        storages.loc[opaque_sids, "device"] = "opaque"
+        blind_spots += [t for t in _opaque_blind_spots(rec, edges) if t not in blind_spots]
     edges = pd.DataFrame(edges, columns=EDGE_COLUMNS, copy=False)  # fresh columns: no copy
 
     meta = {

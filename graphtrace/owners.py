@@ -23,7 +23,9 @@ Path grammar (what `walk_owners` yields and `resolve_path` reads)::
   A name survives a reload that rebuilds the lambda; a cell index says nothing to a reader.
 
 Tensor subclasses (nn.Parameter) are tensors; empty and meta tensors are yielded like any
-other (the diff decides what they mean). Every path yielded resolves with `resolve_path` on
+other (the diff decides what they mean). Opaque handles (`torch.ScriptObject`: packed
+quantized weights, e.g. ``fc._packed_params._packed_params``) are yielded like tensors, kind
+attribute (Note [opaque handles] in graphtrace.opaque). Every path yielded resolves with `resolve_path` on
 the unchanged model to the very tensor yielded; after a reload a path that no longer
 reaches a tensor resolves to None (an orphaned owner).
 
@@ -51,6 +53,7 @@ import torch
 from torch import nn
 
 from graphtrace.attribution import is_wrapper as is_attribution_wrapper
+from graphtrace.opaque import storage_of
 
 __all__ = ["OwnerKind", "Owner", "OwnerSnapshot", "walk_owners", "resolve_path", "named_modules"]
 
@@ -63,7 +66,7 @@ _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
 
 # Handlers, decided once per type.
 _LEAF, _TENSOR, _MODULE, _DICT, _SEQ, _NAMEDTUPLE, _PARTIAL, _FUNCTION, _METHOD, \
-    _BUILTIN, _OBJECT = range(11)
+    _BUILTIN, _OBJECT, _OPAQUE = range(12)
 
 _LEAF_TYPES = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray,
                          range, slice, type(Ellipsis), torch.dtype, torch.device,
@@ -78,6 +81,8 @@ _slots: dict[type, tuple[str, ...]] = {}
 def _classify(tp: type) -> int:
     if issubclass(tp, torch.Tensor):
         h = _TENSOR
+    elif issubclass(tp, torch.ScriptObject):
+        h = _OPAQUE
     elif issubclass(tp, nn.Module):
         h = _MODULE
     elif issubclass(tp, (type, types.ModuleType, enum.Enum, str, bytes, set, frozenset)):
@@ -222,7 +227,7 @@ def _attribute_owners(model: nn.Module, max_depth: int,
             return
         if h == _METHOD and is_attribution_wrapper(v):  # graphtrace's own, while tracing
             return
-        if h == _TENSOR:
+        if h == _TENSOR or h == _OPAQUE:  # an opaque handle is owned like a tensor
             out.append((path, v))
             return
         if h == _BUILTIN:  # e.g. `some_tensor.mul_` holds its tensor; no cycle through these
@@ -438,7 +443,7 @@ def resolve_path(model: nn.Module, path: str) -> torch.Tensor | None:
             return None
         if obj is _MISSING:
             return None
-    return obj if isinstance(obj, torch.Tensor) else None
+    return obj if isinstance(obj, (torch.Tensor, torch.ScriptObject)) else None
 
 
 class _Handles:
@@ -519,7 +524,7 @@ class OwnerSnapshot:
                        for w in caught)
             for path, owner_kind, tensor in walked:
                 try:
-                    storage = tensor.untyped_storage()
+                    storage = storage_of(tensor)
                 except Exception:
                     continue
                 by_storage.setdefault(storage._cdata, []).append((path, owner_kind))

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_iter
 
 from graphtrace._schema import op_info
+from graphtrace.opaque import proxy_storage, type_name
 from graphtrace.encoding import (ACCESS_FIELDS, ACCESS_MASK, FACTORY, OUT_MUTATED, READ,
                                  REPLAY_FRESH, REPLAY_WROTE, SID_SHIFT, VIEW, WRITE, pack_code,
                                  pack_slot, with_access)
@@ -236,6 +237,7 @@ class Capture:
 
 
 _SCALARS = (type(None), int, float, bool, str)
+_OPAQUE_VIEW = (torch.uint8, torch.Size([0]), (1,), 0)  # the view of a proxy storage
 
 
 def _plain_tensors(t: torch.Tensor):
@@ -251,7 +253,7 @@ def _plain_tensors(t: torch.Tensor):
 class _Plan:
     """An op's schema facts with this trace's name ids filled in: one dict hit per call."""
 
-    __slots__ = ("op_id", "positional", "by_keyword", "returns", "may_alias")
+    __slots__ = ("op_id", "positional", "by_keyword", "returns", "may_alias", "opaque")
 
     def __init__(self, func, names: "Interner"):
         info = op_info(func)
@@ -261,6 +263,7 @@ class _Plan:
                                 for e in info.positional)
         self.by_keyword = {k: pack_code(names(e[0]), e[1]) for k, e in info.by_keyword.items()}
         self.may_alias = info.may_alias
+        self.opaque = info.opaque  # the native writer hands these ops to PyWriter
         n = len(info.returns)
         # each return slot as its code with access READ (0: the access is or-ed in per call),
         # None when mutated
@@ -400,14 +403,24 @@ class PyWriter:
         return slot >> SID_SHIFT
 
     def _put(self, seq: int, code: int, value, inputs: list) -> bool:
-        """Tensors inside subclasses and containers (Tensor[], Tensor?[]): the slow path."""
+        """Tensors inside subclasses and containers (Tensor[], Tensor?[]), and opaque handles:
+        the slow path."""
         found = False
         for item in (value,) if isinstance(value, torch.Tensor) else tree_iter(value):
             if isinstance(item, torch.Tensor):
                 for t in _plain_tensors(item):
                     inputs.append(self._row(seq, code, t))
                     found = True
+            elif isinstance(item, torch.ScriptObject):
+                inputs.append(self._opaque_row(seq, code, item))
         return found and (code & ACCESS_MASK) == WRITE
+
+    def _opaque_row(self, seq: int, code: int, obj: torch.ScriptObject) -> int:
+        """An opaque handle read (Note [opaque handles]): a row on its proxy storage."""
+        sid = self._lookup(proxy_storage(obj))
+        self.recorder.note_opaque(sid, obj, self.capture)
+        self._append((seq, with_access(code, READ), pack_slot(sid, self._views(_OPAQUE_VIEW))))
+        return sid
 
     def _put_output(self, seq: int, name: int, value: torch.Tensor, inputs: list) -> bool:
         """Outputs sharing an input's storage are views (`_unsafe_view` claims otherwise)."""
@@ -478,6 +491,8 @@ class Recorder:
         self.views = Interner()   # (dtype, shape, stride, offset)
         self.plans: dict = {}     # OpOverload -> _Plan
         self.captures: list[Capture] = []
+        self.opaque: dict[int, str] = {}  # storage id of an opaque handle's proxy -> its type
+        self._pins: dict[int, list] = {}  # graph id -> opaque handles read, until unpin()
         self.errors: list[dict] = []
         self.n_errors = 0
         self._lock = threading.Lock()
@@ -505,6 +520,17 @@ class Recorder:
             return writer
         return self.native.Writer(capture, self.storages.native_table, self.views, self.plan,
                                   writer.stack, writer.fallback)
+
+    def note_opaque(self, sid: int, obj: torch.ScriptObject, capture: Capture) -> None:
+        """Remember that `sid` is an opaque handle's proxy, and keep the handle's wrapper
+        until the capture's owners are matched (Note [opaque handles])."""
+        if sid not in self.opaque:
+            self.opaque[sid] = type_name(obj)
+        self._pins.setdefault(capture.graph_id, []).append(obj)
+
+    def unpin(self, capture: Capture) -> None:
+        """Drop the opaque handles a capture kept (its owners are matched now)."""
+        self._pins.pop(capture.graph_id, None)
 
     def new_capture(self, label: str | None, kind: str) -> Capture:
         with self._lock:

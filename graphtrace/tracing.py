@@ -142,7 +142,10 @@ class _Region:
             self.trace.provenance.resume(self.paused)
         self.mode.finish()
         self.trace.recorder.storages.sweep(self.first_storage)  # its dead intermediates
-        self.trace._after_capture(self.capture)
+        try:
+            self.trace._after_capture(self.capture)
+        finally:
+            self.trace.recorder.unpin(self.capture)
 
 
 class _CaptureContext:

@@ -91,6 +91,7 @@ struct Plan {
   PyObject* by_keyword = nullptr;   // dict: argument name -> row code (owned)
   std::vector<int64_t> returns;     // code with access 0 per return slot, -1: a mutated argument
   bool may_alias = false;
+  bool opaque = false;     // ScriptObject arguments: the whole op goes to the Python writer
 };
 
 bool is_scalar(PyObject* v) {
@@ -268,6 +269,7 @@ class Writer {
   // made a fresh output.
   int record(PyObject* func, PyObject* args, PyObject* kwargs, PyObject* out) {
     const Plan& plan = plan_for(func);
+    if (plan.opaque) throw Fallback();  // ScriptObject arguments: recorded by the Python writer
     if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs))) throw Fallback();
     Py_ssize_t flushed = PyObject_Length(ops_arr);
     if (flushed < 0) throw PythonError();
@@ -383,6 +385,10 @@ class Writer {
     int truth = PyObject_IsTrue(may_alias.p);
     if (truth < 0) throw PythonError();
     plan.may_alias = truth;
+    Ref opaque(PyObject_GetAttrString(py.p, "opaque"));
+    truth = PyObject_IsTrue(opaque.p);
+    if (truth < 0) throw PythonError();
+    plan.opaque = truth;
     plan.by_keyword = check(PyObject_GetAttrString(py.p, "by_keyword"));
     if (!PyDict_Check(plan.by_keyword)) {
       Py_DECREF(plan.by_keyword);
