@@ -232,6 +232,8 @@ class VllmTrace:
         self.blind_spots: list[dict] = []
         self.reloads: list[dict] = []
         self._workers: list = []
+        # the RunnerViews made here: a trace holds models weakly, so their maker keeps them
+        self._runner_views: list[RunnerView] = []
         self._open = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -265,8 +267,9 @@ class VllmTrace:
         if self.watch_runner:
             runner = getattr(worker, "model_runner", None)
             if runner is not None:
-                self.trace.watch(RunnerView(runner, self.runner_attrs),
-                                 name="runner" if n == 0 else f"engine{n}.runner")
+                view = RunnerView(runner, self.runner_attrs)
+                self._runner_views.append(view)
+                self.trace.watch(view, name="runner" if n == 0 else f"engine{n}.runner")
         self._workers.append((worker, name))
         if self.worker is None:
             self.worker, self.model, self.model_name = worker, model, name
