@@ -72,154 +72,14 @@ K_IN, N_OUT, BATCH = 256, 128, 4   # in features, out features, tokens: tiny, bl
 
 
 # ---------------------------------------------------------------------------------------------
-# Stand-ins for CUDA-only custom ops (Note [audit stand-ins])
+# Stand-ins (Note [audit stand-ins]): analysis/vllm_audit_standins.py
 
-@dataclass
-class StandIn:
-    schema: str                      # the real op's schema, without the name
-    out: object = None               # fn(**args) -> output tensor(s); None: returns nothing
-    used: int = 0
-
-
-def _reads_value(args: dict) -> torch.Tensor:
-    """A number that depends on every tensor argument's values (so a flip changes it)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for v in args.values():
-        for t in (v if isinstance(v, (list, tuple)) else [v]):
-            if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
-                total = total + t.detach().reshape(-1)[:4096].to(torch.float64).nan_to_num().sum()
-    return total
-
-
-def _fill(t: torch.Tensor, value: torch.Tensor) -> None:
-    if t.is_floating_point():
-        t.fill_((value % 7.0).item() / 7.0)
-    else:
-        t.fill_(int(value.abs().item()) % 7)
-
-
-def _mm_out(a_key="a", b_key="b", n_from="b", n_dim=0, dtype_key=None, dtype=None):
-    """Output [*a.shape[:-1], N] for a GEMM; N taken from a weight argument's dimension or a
-    size argument."""
-    def out(**kw):
-        a = kw[a_key]
-        n = kw[n_from] if isinstance(kw[n_from], int) else kw[n_from].shape[n_dim]
-        dt = dtype or (kw.get(dtype_key) if dtype_key else None) or a.dtype
-        if not isinstance(dt, torch.dtype) or not dt.is_floating_point or dt.itemsize < 2:
-            dt = torch.bfloat16 if a.dtype == torch.bfloat16 else torch.float16
-        return torch.empty(*a.shape[:-1], n, dtype=dt)
-    return out
-
-
-def _same_as(key, dtype=None):
-    return lambda **kw: torch.empty_like(kw[key], dtype=dtype or kw[key].dtype)
-
-
-def _marlin_repack_out(b_q_weight, size_k, size_n, num_bits, **_):
-    return torch.empty(size_k // 16, size_n * 16 // (32 // num_bits), dtype=torch.int32)
-
-
-def _act_dtype(a: torch.Tensor, *others) -> torch.dtype:
-    for t in (a, *others):
-        if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
-            return t.dtype
-    return torch.bfloat16
-
-
-# Schemas as the installed vLLM 0.32 `_custom_ops.py` calls them, writes marked as in
-# vLLM's csrc/torch_bindings.cpp.
-STANDINS: dict[str, StandIn] = {
-    "_C::gptq_gemm": StandIn(
-        "(Tensor a, Tensor b_q_weight, Tensor b_gptq_qzeros, Tensor b_gptq_scales, "
-        "bool use_exllama, bool use_v2_format, int bit) -> Tensor",
-        lambda a, b_q_weight, **_: torch.empty(a.size(0), b_q_weight.size(1), dtype=a.dtype)),
-    "_C::gptq_shuffle": StandIn("(Tensor! q_weight, int bit) -> ()"),
-    "_C::gptq_marlin_repack": StandIn(
-        "(Tensor b_q_weight, SymInt size_k, SymInt size_n, int num_bits, bool is_a_8bit) "
-        "-> Tensor", _marlin_repack_out),
-    "_C::awq_marlin_repack": StandIn(
-        "(Tensor b_q_weight, SymInt size_k, SymInt size_n, int num_bits, bool is_a_8bit) "
-        "-> Tensor", _marlin_repack_out),
-    "_C::marlin_gemm": StandIn(
-        "(Tensor a, Tensor? c_or_none, Tensor b_q_weight, Tensor? b_bias_or_none, "
-        "Tensor b_scales, Tensor? a_scales, Tensor? global_scale, Tensor? b_zeros_or_none, "
-        "Tensor workspace, int b_type_id, SymInt size_m, SymInt size_n, SymInt size_k, "
-        "bool use_atomic_add, bool use_fp32_reduce, bool is_zp_float) -> Tensor",
-        lambda a, b_scales, size_m, size_n, **_: torch.empty(
-            size_m, size_n, dtype=_act_dtype(a, b_scales))),
-    "_C::machete_prepack_B": StandIn(
-        "(Tensor B, ScalarType a_type, int b_type, ScalarType? group_scales_type) -> Tensor",
-        lambda B, **_: torch.empty_like(B, memory_format=torch.contiguous_format)),
-    "_C::machete_mm": StandIn(
-        "(Tensor A, Tensor B, int b_type, ScalarType? out_type, Tensor? group_scales, "
-        "Tensor? group_zeros, int? group_size, Tensor? channel_scales, Tensor? token_scales, "
-        "str? schedule) -> Tensor",
-        lambda A, B, out_type=None, **_: torch.empty(
-            A.shape[0], B.shape[1], dtype=out_type or _act_dtype(A))),
-    "_C::cutlass_scaled_mm": StandIn(
-        "(Tensor! out, Tensor a, Tensor b, Tensor a_scales, Tensor b_scales, Tensor? bias) "
-        "-> ()"),
-    "_C::cutlass_scaled_mm_azp": StandIn(
-        "(Tensor! out, Tensor a, Tensor b, Tensor a_scales, Tensor b_scales, Tensor azp_adj, "
-        "Tensor? azp, Tensor? bias) -> ()"),
-    "_C::cutlass_scaled_fp4_mm": StandIn(
-        "(Tensor! out, Tensor a, Tensor b, Tensor block_scale_a, Tensor block_scale_b, "
-        "Tensor alpha) -> ()"),
-}
+import vllm_audit_standins as standins  # noqa: E402
 
 
 def install_standins() -> list[str]:
-    """Register a CPU stand-in for every op in STANDINS that this vLLM build lacks; returns
-    the names registered. Ops the build has are left alone."""
-    import vllm._custom_ops  # noqa: F401  (loads _C)
-
-    registered = []
-    for name, spec in STANDINS.items():
-        ns, op = name.split("::")
-        if _has_op(ns, op):
-            continue
-        lib = _LIBS.setdefault(ns, torch.library.Library(ns, "FRAGMENT"))
-        lib.define(f"{op}{spec.schema}")
-        lib.impl(op, _make_impl(name, spec), "CPU")
-        registered.append(name)
-    return registered
-
-
-_LIBS: dict[str, torch.library.Library] = {}
-
-
-def _has_op(ns: str, op: str) -> bool:
-    try:
-        getattr(getattr(torch.ops, ns), op)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def _make_impl(name: str, spec: StandIn):
-    schema = torch._C.parse_schema(f"{name}{spec.schema}")
-    arg_names = [a.name for a in schema.arguments]
-    written = [a.name for a in schema.arguments
-               if a.alias_info is not None and a.alias_info.is_write]
-
-    def impl(*args, **kwargs):
-        spec.used += 1
-        bound = dict(zip(arg_names, args))
-        bound.update(kwargs)
-        value = _reads_value({k: v for k, v in bound.items() if k not in written})
-        for k in written:
-            targets = bound.get(k)
-            for t in (targets if isinstance(targets, (list, tuple)) else [targets]):
-                if isinstance(t, torch.Tensor):
-                    _fill(t, value)
-        if spec.out is None:
-            return None
-        out = spec.out(**bound)
-        for t in (out if isinstance(out, (list, tuple)) else [out]):
-            if isinstance(t, torch.Tensor):
-                _fill(t, value)
-        return out
-    return impl
+    """Install every stand-in the audit uses; returns the op names registered."""
+    return standins.install()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,8 +389,7 @@ def audit_kernel(k: KernelInfo) -> Outcome:
 
     res = Outcome(k)
     t0 = time.perf_counter()
-    for spec in STANDINS.values():
-        spec.used = 0
+    standins.reset_used()
     stage = "select"
     try:
         with forced(k, ACT_DTYPE[k.family]):
@@ -575,7 +434,7 @@ def audit_kernel(k: KernelInfo) -> Outcome:
     except Exception as exc:  # every failure is a row: the step and the exact reason
         res.stage = stage
         res.reason = _reason(exc)
-    res.standins = sorted(n for n, s in STANDINS.items() if s.used)
+    res.standins = standins.used()
     res.seconds = time.perf_counter() - t0
     return res
 
