@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import importlib.machinery
 import inspect
 import sys
 import types
@@ -197,9 +198,39 @@ STANDINS: dict[str, StandIn] = {
     # zentorch (AMD ZenDNN plugin), from kernels/linear/*/zentorch.py
     "zentorch::zentorch_dynamic_qlinear": StandIn(
         "(Tensor input, Tensor weight, Tensor weight_scales, Tensor? bias, *, "
-        "str zentorch_op_name) -> Tensor",
+        "str zentorch_op_name=\"\") -> Tensor",
         lambda input, weight, **_: torch.empty(*input.shape[:-1], weight.shape[0],
                                                dtype=_act_dtype(input))),
+    "zentorch::zentorch_woq_repack_weight": StandIn(
+        # packs 8 int4 values (one per int8) into each int32 (kernels/.../zentorch.py)
+        "(Tensor weight) -> Tensor",
+        lambda weight: torch.empty(weight.shape[0], weight.shape[1] // 8, dtype=torch.int32)),
+    "zentorch::zentorch_woq_linear": StandIn(
+        "(Tensor input, Tensor qweight, Tensor weight_scales, Tensor? weight_zero_point, "
+        "Tensor? bias) -> Tensor",
+        lambda input, qweight, **_: torch.empty(*input.shape[:-1], qweight.shape[0],
+                                                dtype=input.dtype)),
+    # `_C` quantizers of vLLM's GPU build that vllm/_xpu_ops.py calls (csrc/torch_bindings.cpp)
+    "_C::per_token_group_fp8_quant": StandIn(
+        "(Tensor input, Tensor(a!) output_q, Tensor(b!) output_s, int group_size, float eps, "
+        "float fp8_min, float fp8_max, bool scale_ue8m0, bool dummy_is_scale_transposed, "
+        "bool dummy_is_tma_aligned) -> ()"),
+    "_C::per_token_group_quant_mxfp4": StandIn(
+        "(Tensor input, Tensor(a!) output_q, Tensor(b!) output_s, int group_size, float eps) "
+        "-> ()"),
+    "_xpu_C::fp4_gemm": StandIn(
+        # weight is [K/2, N] after process_weights (kernels/linear/mxfp4/xpu.py:37)
+        "(Tensor input, Tensor weight, Tensor input_scale, Tensor weight_scale, "
+        "ScalarType out_dtype, Tensor? bias) -> Tensor",
+        lambda input, weight, out_dtype, **_: torch.empty(*input.shape[:-1], weight.shape[-1],
+                                                          dtype=out_dtype)),
+    "_xpu_C::int4_gemm_w4a8": StandIn(
+        # float16 output (the kernel's own warning, kernels/.../mixed_precision/xpu.py:152)
+        "(Tensor input, Tensor input_scale, Tensor input_zero, Tensor weight, "
+        "Tensor weight_scale, Tensor weight_zero_point, int group_size, Tensor? g_idx, "
+        "Tensor? bias) -> Tensor",
+        lambda input, weight, **_: torch.empty(input.shape[0], weight.shape[1],
+                                               dtype=torch.float16)),
 }
 
 
@@ -282,6 +313,7 @@ PLATFORM_OP_MODULES = (
     "vllm._xpu_ops",
     "vllm.model_executor.kernels.linear.scaled_mm.rocm",
     "vllm.model_executor.kernels.linear.mxfp4.aiter",
+    "vllm.utils.flashinfer",
 )
 
 
@@ -359,7 +391,63 @@ def _install_vllm_ops() -> list[str]:
                 continue
             VLLM_OPS[op_name] = spec
             registered.append(f"vllm::{op_name}")
+        registered += _install_decorated_ops(module, path, tree)
     return registered
+
+
+def _decorator_op(node: ast.FunctionDef, suffix: str):
+    """("vllm::name", decorator call) when `node` is decorated `@...<suffix>("vllm::name")`."""
+    for dec in node.decorator_list:
+        if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
+                and dec.func.attr == suffix and dec.args
+                and isinstance(dec.args[0], ast.Constant)
+                and str(dec.args[0].value).startswith("vllm::")):
+            return dec.args[0].value, dec
+    return None, None
+
+
+def _install_decorated_ops(module, path: str, tree) -> list[str]:
+    """`@torch.library.custom_op("vllm::x", ...)` definitions inside a platform branch
+    (`if has_flashinfer():`): registered with vLLM's signature and `mutates_args`, vLLM's
+    `@register_fake` function for the outputs; the module name vLLM binds (the decorated
+    function) is set to the op, as the branch would have done."""
+    fakes = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            name, _ = _decorator_op(node, "register_fake")
+            if name:
+                fakes[name] = node
+    registered = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        qual, dec = _decorator_op(node, "custom_op")
+        if not qual:
+            continue
+        op_name = qual.split("::")[1]
+        if _existing_schema("vllm", op_name) is not None:
+            continue
+        kw = {k.arg: k.value for k in dec.keywords}
+        try:
+            impl = _compile_def(node, module, path)
+            fake = _compile_def(fakes[qual], module, path) if qual in fakes else None
+            mutates = ast.literal_eval(kw["mutates_args"]) if "mutates_args" in kw else []
+            spec = VllmOpStandIn(module.__name__, impl, fake, list(mutates))
+            from vllm.utils.torch_utils import direct_register_custom_op
+
+            direct_register_custom_op(op_name=op_name, op_func=_vllm_op_impl(spec),
+                                      mutates_args=list(mutates), dispatch_key="CPU")
+        except Exception:
+            continue
+        VLLM_OPS[op_name] = spec
+        _SET_ATTRS.append((module, node.name, getattr(module, node.name, _ABSENT)))
+        setattr(module, node.name, getattr(torch.ops.vllm, op_name))
+        registered.append(qual)
+    return registered
+
+
+_SET_ATTRS: list = []
+_ABSENT = object()
 
 
 def _vllm_op_impl(spec: VllmOpStandIn):
@@ -490,6 +578,7 @@ def fake_module(name: str, **attrs) -> types.ModuleType:
             mod.__file__ = f"<audit stand-in {sub}>"
             mod.__path__ = []
             mod.__audit_standin__ = True
+            mod.__spec__ = importlib.machinery.ModuleSpec(sub, None, is_package=True)
             FAKE_MODULES[sub] = mod
             _SAVED_MODULES.setdefault(sub, sys.modules.get(sub))
             sys.modules[sub] = mod
@@ -513,6 +602,26 @@ def _install_fake_packages() -> None:
                 flash_attn_varlen_func=_unused("flash_attn_varlen_func"))
     fake_module("vllm_xpu_kernels.rotary", apply_rotary_emb=_unused("apply_rotary_emb"))
 
+    # flashinfer: found by vLLM's has_flashinfer() (find_spec + flashinfer_cubin); vLLM's own
+    # `if has_flashinfer():` ops in vllm/utils/flashinfer.py are then registered with their
+    # fakes (_install_decorated_ops); the functions vLLM's kernels import directly:
+    same = lambda name: returning(name, lambda x, *a, **k: torch.empty_like(x))  # noqa: E731
+    fake_module("flashinfer_cubin")
+    fake_module("flashinfer",
+                shuffle_matrix_a=same("flashinfer.shuffle_matrix_a"),
+                shuffle_matrix_sf_a=same("flashinfer.shuffle_matrix_sf_a"))
+    fake_module("flashinfer.gemm", prepare_bf16_fp4_weights=returning(
+        # the real layout is flashinfer's; the stand-in keeps each input's shape
+        "flashinfer.gemm.prepare_bf16_fp4_weights",
+        lambda w, s, g, **_: (torch.empty_like(w), torch.empty_like(s), torch.empty_like(g))),
+                fp8_blockscale_gemm_sm90=returning(
+        "flashinfer.gemm.fp8_blockscale_gemm_sm90",
+        lambda input, weight, weight_scale=None, out_dtype=torch.bfloat16, **_: torch.empty(
+            *input.shape[:-1], weight.shape[0], dtype=out_dtype)))
+    import vllm.utils.flashinfer as vfi
+
+    vfi.has_flashinfer.cache_clear()
+
 
 # ---------------------------------------------------------------------------------------------
 
@@ -529,6 +638,12 @@ def install() -> list[str]:
 
 
 def uninstall() -> None:
+    for module, name, old in reversed(_SET_ATTRS):
+        if old is _ABSENT:
+            delattr(module, name)
+        else:
+            setattr(module, name, old)
+    _SET_ATTRS.clear()
     for key, packet in _ROUTED.items():
         ns, op = key.split("::")
         setattr(getattr(torch.ops, ns), op, packet)

@@ -393,7 +393,9 @@ def audit_kernel(k: KernelInfo) -> Outcome:
     stage = "select"
     try:
         with forced(k, ACT_DTYPE[k.family]):
-            scheme, method_cls, act_dtype = make_scheme(k)
+            # vLLM builds schemes while the model's dtype is the default (some read it)
+            with set_default_torch_dtype(ACT_DTYPE[k.family]):
+                scheme, method_cls, act_dtype = make_scheme(k)
             res.scheme = type(scheme).__name__
             quant_config = _OneScheme(scheme, method_cls)
             stage = "create_weights"
