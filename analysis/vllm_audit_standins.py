@@ -618,9 +618,115 @@ def _install_fake_packages() -> None:
         "flashinfer.gemm.fp8_blockscale_gemm_sm90",
         lambda input, weight, weight_scale=None, out_dtype=torch.bfloat16, **_: torch.empty(
             *input.shape[:-1], weight.shape[0], dtype=out_dtype)))
+    # aiter (ROCm): the weight shuffles vLLM's aiter kernels call in process_weights
+    # (vllm/_aiter_ops.py `rocm_aiter_ops.shuffle_weight`: same shape, another layout)
+    fake_module("aiter")
+    fake_module("aiter.ops")
+    fake_module("aiter.ops.shuffle", shuffle_weight=returning(
+        "aiter.ops.shuffle.shuffle_weight", lambda x, layout=(16, 16), **_: torch.empty_like(x)))
     import vllm.utils.flashinfer as vfi
 
     vfi.has_flashinfer.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Triton kernels: vLLM's launcher runs as shipped; only `kernel[grid](...)` is stood in
+
+# (module, kernel function name): the @triton.jit kernels the audited launchers launch
+TRITON_KERNELS = (
+    ("vllm.model_executor.layers.quantization.compressed_tensors.triton_scaled_mm",
+     "scaled_mm_kernel"),
+    ("vllm.model_executor.layers.quantization.utils.fp8_utils",
+     "_w8a8_triton_block_scaled_mm"),
+    ("vllm.model_executor.kernels.linear.mxfp8.rocm_native", "_mxfp8_linear_kernel"),
+    ("vllm.model_executor.kernels.linear.mixed_precision.triton_w4a16",
+     "triton_w4a16_gemm_kernel"),
+)
+
+
+def stored_params(fn) -> list[str]:
+    """The parameters of a Triton kernel that its `tl.store` calls write through: every name
+    a store's pointer expression derives from, followed back through assignments."""
+    tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(fn)) if False else
+                     _dedent_source(inspect.getsource(fn)))
+    fdef = tree.body[0]
+    params = [a.arg for a in fdef.args.args]
+    derives: dict[str, set] = {p: {p} for p in params}
+    changed = True
+    while changed:
+        changed = False
+        for node in ast.walk(fdef):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if node.value is None:
+                    continue
+                src = set().union(*[derives.get(n.id, set()) for n in ast.walk(node.value)
+                                    if isinstance(n, ast.Name)] or [set()])
+                if isinstance(node, ast.AugAssign):
+                    src |= derives.get(getattr(node.target, "id", ""), set())
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name) and not src <= derives.get(n.id, set()):
+                            derives[n.id] = derives.get(n.id, set()) | src
+                            changed = True
+    written: set = set()
+    for node in ast.walk(fdef):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("store", "atomic_add") and node.args):
+            for n in ast.walk(node.args[0]):
+                if isinstance(n, ast.Name):
+                    written |= derives.get(n.id, set())
+    return [p for p in params if p in written]
+
+
+def _dedent_source(src: str) -> str:
+    import textwrap
+
+    return textwrap.dedent(src)
+
+
+class TritonLaunch:
+    """`kernel[grid](*args)`: records one op `audit_lib::triton__<kernel>` reading every
+    tensor argument and writing the ones the kernel stores through."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.sig = inspect.signature(fn)
+        self.writes = stored_params(fn)
+        self.__name__ = fn.__name__
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            bound = self.sig.bind_partial(*args, **{k: v for k, v in kwargs.items()
+                                                    if k in self.sig.parameters})
+            named = bound.arguments
+            writes = [named[w] for w in self.writes if isinstance(named.get(w), torch.Tensor)]
+            reads = [v for k, v in named.items()
+                     if isinstance(v, torch.Tensor) and k not in self.writes]
+            lib_call(f"triton.{self.fn.__name__}", reads, writes)
+        return launch
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def _install_triton() -> None:
+    from vllm.triton_utils import triton
+
+    if not hasattr(triton, "next_power_of_2"):     # the placeholder vLLM uses without Triton
+        _SET_ATTRS.append((triton, "next_power_of_2", _ABSENT))
+        triton.next_power_of_2 = lambda n: 1 << (int(n) - 1).bit_length()
+    from vllm.triton_utils import tl
+
+    for dtype in ("float32", "int32", "float16", "bfloat16"):   # launch-time arguments
+        if not hasattr(tl, dtype):
+            _SET_ATTRS.append((tl, dtype, _ABSENT))
+            setattr(tl, dtype, f"tl.{dtype}")
+    for modname, name in TRITON_KERNELS:
+        module = importlib.import_module(modname)
+        fn = getattr(module, name)
+        _SET_ATTRS.append((module, name, fn))
+        setattr(module, name, TritonLaunch(fn))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,6 +739,7 @@ def install() -> list[str]:
     _install_fake_packages()
     registered += _install_vllm_ops()
     _install_scaled_mm()
+    _install_triton()
     registered.append("aten::_scaled_mm (CPU kernel)")
     return registered
 
