@@ -441,6 +441,152 @@ def audit_kernel(k: KernelInfo) -> Outcome:
     return res
 
 
+# ---------------------------------------------------------------------------------------------
+# Fused-MoE quant methods: one FusedMoE layer (vLLM's FusedMoEFactory), loaded per expert
+# through its weight loader, processed, its forward captured inside vLLM's forward context,
+# reloaded through the layerwise reload
+
+MOE_METHOD_MODULES = (
+    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+    "vllm.model_executor.layers.quantization.fp8",
+    "vllm.model_executor.layers.quantization.modelopt",
+    "vllm.model_executor.layers.quantization.mxfp4",
+    "vllm.model_executor.layers.quantization.moe_wna16",
+    "vllm.model_executor.layers.quantization.auto_awq",
+    "vllm.model_executor.layers.quantization.auto_gptq",
+    "vllm.model_executor.layers.quantization.modelopt_block_quant",
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+    "compressed_tensors_moe",
+    "vllm.model_executor.layers.quantization.quark.quark_moe",
+    "vllm.model_executor.layers.quantization.online.moe_base",
+)
+MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOPK = 4, 256, 256, 2
+MOE_DRIVEN = ("UnquantizedFusedMoEMethod",)
+
+
+def discover_moe() -> list[KernelInfo]:
+    """Every concrete FusedMoEMethodBase subclass in vLLM's quantization modules."""
+    import importlib
+
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+
+    for mod in MOE_METHOD_MODULES:
+        try:
+            importlib.import_module(mod)
+        except Exception:  # noqa: S112 (a module that needs another platform: its classes
+            continue       # are simply not listed)
+    found, todo = {}, [FusedMoEMethodBase]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if not inspect.isabstract(sub) and sub.__module__.startswith("vllm."):
+                _, line = inspect.getsourcelines(sub)
+                found[sub.__name__] = KernelInfo(
+                    sub.__name__, sub, "moe", f"{_rel(inspect.getsourcefile(sub))}:{line}")
+    return sorted(found.values(), key=lambda k: k.name)
+
+
+class MoEAuditModel(torch.nn.Module):
+    """One FusedMoE layer, run inside vLLM's forward context as a model's forward would."""
+
+    def __init__(self, layer: torch.nn.Module, config):
+        super().__init__()
+        self.moe = layer
+        self._config = config
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        from vllm.forward_context import set_forward_context
+
+        with set_forward_context(None, self._config):
+            return self.moe(hidden_states=x, router_logits=router_logits)
+
+
+def load_moe(layer, seed: int) -> None:
+    """vLLM's per-expert loading: the experts' weight_loader with shard and expert ids."""
+    g = torch.Generator().manual_seed(seed)
+    experts = layer.routed_experts
+    for e in range(MOE_EXPERTS):
+        for name, shard, shape in (("w13_weight", "w1", (MOE_INTER, MOE_HIDDEN)),
+                                   ("w13_weight", "w3", (MOE_INTER, MOE_HIDDEN)),
+                                   ("w2_weight", "w2", (MOE_HIDDEN, MOE_INTER))):
+            param = getattr(experts, name)
+            value = torch.randn(shape, generator=g).to(param.dtype)
+            param.weight_loader(param, value, name, shard_id=shard, expert_id=e)
+
+
+def audit_moe(k: KernelInfo) -> Outcome:
+    import graphtrace as gt
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                         initialize_layerwise_reload,
+                                                         record_metadata_for_reloading)
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    res = Outcome(k)
+    t0 = time.perf_counter()
+    standins.reset_used()
+    stage = "select"
+    try:
+        if k.name not in MOE_DRIVEN:
+            raise NotImplementedError(
+                "no MoE driver for this method yet: it needs its own quant config and "
+                "checkpoint layout (scales, packed weights) built by the harness")
+        dt = torch.bfloat16
+        config = VllmConfig()
+        object.__setattr__(config, "model_config", SimpleNamespace(
+            dtype=dt, quantization=None, is_deepseek_mla=False, hf_config=None,
+            max_model_len=128))
+        with set_current_vllm_config(config), set_default_torch_dtype(dt):
+            stage = "create_weights"
+            layer = FusedMoEFactory(num_experts=MOE_EXPERTS, top_k=MOE_TOPK,
+                                    hidden_size=MOE_HIDDEN, intermediate_size=MOE_INTER,
+                                    params_dtype=dt, prefix="moe")
+            model = MoEAuditModel(layer, config)
+            methods = {type(m.quant_method).__name__ for m in layer.modules()
+                       if getattr(m, "quant_method", None) is not None}
+            if k.name not in methods:
+                raise RuntimeError(f"layer selected {sorted(methods)}, not {k.name}")
+            res.scheme = "FusedMoEFactory (unquantized)"
+            record_metadata_for_reloading(model)
+            stage = "load"
+            load_moe(layer, seed=1)
+            stage = "process_weights_after_loading"
+            for m in layer.modules():
+                if getattr(m, "quant_method", None) is not None:
+                    m.quant_method.process_weights_after_loading(m)
+            stage = "apply"
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(BATCH, MOE_HIDDEN, generator=g).to(dt)
+            logits = torch.randn(BATCH, MOE_EXPERTS, generator=g).to(dt)
+            with torch.no_grad():
+                model(x, logits)
+                with gt.trace(model) as t:
+                    with gt.capture("apply") as graph:
+                        out = model(x, logits)
+            stage = "reload"
+            with torch.no_grad():
+                initialize_layerwise_reload(model)
+                load_moe(layer, seed=2)
+                finalize_layerwise_reload(model, model_config=None)
+            stage = "diff"
+            report = t.diff()
+            res.edges = report.edges["verdict"].value_counts().to_dict()
+            for row in report.stale.itertuples():
+                res.findings.append((row.verdict, row.owners, int(row.nbytes), row.impact))
+            res.flip = "n/a (no stale edge)" if report.stale.empty else "not run for MoE"
+            res.ran = True
+            stage = ""
+    except Exception as exc:
+        res.stage = stage
+        res.reason = _reason(exc)
+    res.standins = standins.used()
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
 def _reload_checkpoint(model: AuditModel) -> dict[str, torch.Tensor]:
     """New weights with the construction-time shapes (the layer holds meta tensors now)."""
     return checkpoint_for(model.proj, seed=2)
@@ -551,6 +697,21 @@ FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
         "so the reload's copy-back has nothing to refresh"),
 }
 
+# kernels whose run vLLM's own reload breaks, with the lines read that cause it
+RELOAD_FAILURES: dict[str, tuple[str, str]] = {
+    "ZentorchWNA16LinearKernel": (
+        "vllm/model_executor/kernels/linear/mixed_precision/zentorch.py:193",
+        "process_weights_after_loading returns at once when the plain layer attribute "
+        "`_zentorch_processed_weights` is set (zentorch.py:193-194, set at :268); that "
+        "attribute survives the reload, so the reload's process step repacks nothing, while "
+        "the first run emptied the registered parameters (`param.data = torch.empty(0)`, "
+        ":265). vLLM's `_copy_and_restore_kernel_tensors` "
+        "(model_executor/model_loader/reload/layerwise.py:425) then copies the new, "
+        "unprocessed weight into the emptied kernel tensor and raises; had it not, the "
+        "forward would keep reading `layer._zentorch_woq_packed` / `_zentorch_woq_scale` "
+        "(plain attributes, :254-256) of the old weights"),
+}
+
 FIELDS = ["kernel", "family", "source", "scheme", "ran", "failed_at", "reason", "stable",
           "stale", "dangling", "diverged", "orphaned", "unowned", "stale_owners",
           "vllm_source", "flip", "standins", "seconds"]
@@ -599,9 +760,12 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
         "",
         "Generated by `analysis/vllm_kernel_audit.py` (`make audit-vllm`); do not edit by hand.",
         f"Checkout {revision()}, vLLM {_vllm_version()}, torch {torch.__version__}; "
-        f"{len(table)} kernel classes, {len(ran)} ran through their real "
+        f"linear kernel classes: {sum(r['family'] != 'moe' for r in ran)} of "
+        f"{sum(r['family'] != 'moe' for r in table)} ran through their real "
         f"create_weights / process_weights_after_loading / apply_weights and vLLM's layerwise "
-        f"reload ({elapsed:.0f} s).",
+        f"reload; fused-MoE quant methods: {sum(r['family'] == 'moe' for r in ran)} of "
+        f"{sum(r['family'] == 'moe' for r in table)} ({elapsed:.0f} s). Stand-ins: "
+        "analysis/vllm_audit_standins.py, listed per row.",
         "",
         "Each kernel: one `ColumnParallelLinear` (in 256, out 128, 4 tokens) with the scheme "
         "named, loaded through each parameter's `weight_loader`, processed, its apply captured "
@@ -615,7 +779,13 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
         "",
     ]
     findings = [r for r in table if r["stale_owners"]]
-    if not findings:
+    for name, (src, what) in RELOAD_FAILURES.items():
+        row = next((r for r in table if r["kernel"] == name), None)
+        if row is not None and row["ran"] == "no" and row["failed_at"] == "reload":
+            lines.append(f"- **{name}** ({row['family']}): vLLM's reload raises "
+                         f"({row['reason']})")
+            lines.append(f"  - `{src}`: {what}.")
+    if not findings and not RELOAD_FAILURES:
         lines.append("No stale, dangling or diverged edge in any kernel that ran.")
     for r in findings:
         lines.append(f"- **{r['kernel']}** ({r['family']}): {r['stale_owners']}")
@@ -681,13 +851,17 @@ def main(argv: list[str] | None = None) -> int:
     registered = install_standins()
     kernels = discover()
     if args.kernel:
-        unknown = sorted(set(args.kernel) - {k.name for k in kernels})
+        unknown = sorted(set(args.kernel) - {k.name for k in kernels}
+                         - {k.name for k in discover_moe()})
         if unknown:
             ap.error(f"unknown kernel class(es): {', '.join(unknown)}")
         kernels = [k for k in kernels if k.name in args.kernel]
+    moe_methods = discover_moe()
+    if args.kernel:
+        moe_methods = [k for k in moe_methods if k.name in args.kernel]
     outcomes = []
-    for k in kernels:
-        r = audit_kernel(k)
+    for k in [*kernels, *moe_methods]:
+        r = audit_moe(k) if k.family == "moe" else audit_kernel(k)
         outcomes.append(r)
         state = "ran" if r.ran else f"not run ({r.stage})"
         print(f"{k.family:10s} {k.name:48s} {state:32s} {r.edges} "
