@@ -72,154 +72,14 @@ K_IN, N_OUT, BATCH = 256, 128, 4   # in features, out features, tokens: tiny, bl
 
 
 # ---------------------------------------------------------------------------------------------
-# Stand-ins for CUDA-only custom ops (Note [audit stand-ins])
+# Stand-ins (Note [audit stand-ins]): analysis/vllm_audit_standins.py
 
-@dataclass
-class StandIn:
-    schema: str                      # the real op's schema, without the name
-    out: object = None               # fn(**args) -> output tensor(s); None: returns nothing
-    used: int = 0
-
-
-def _reads_value(args: dict) -> torch.Tensor:
-    """A number that depends on every tensor argument's values (so a flip changes it)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for v in args.values():
-        for t in (v if isinstance(v, (list, tuple)) else [v]):
-            if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta":
-                total = total + t.detach().reshape(-1)[:4096].to(torch.float64).nan_to_num().sum()
-    return total
-
-
-def _fill(t: torch.Tensor, value: torch.Tensor) -> None:
-    if t.is_floating_point():
-        t.fill_((value % 7.0).item() / 7.0)
-    else:
-        t.fill_(int(value.abs().item()) % 7)
-
-
-def _mm_out(a_key="a", b_key="b", n_from="b", n_dim=0, dtype_key=None, dtype=None):
-    """Output [*a.shape[:-1], N] for a GEMM; N taken from a weight argument's dimension or a
-    size argument."""
-    def out(**kw):
-        a = kw[a_key]
-        n = kw[n_from] if isinstance(kw[n_from], int) else kw[n_from].shape[n_dim]
-        dt = dtype or (kw.get(dtype_key) if dtype_key else None) or a.dtype
-        if not isinstance(dt, torch.dtype) or not dt.is_floating_point or dt.itemsize < 2:
-            dt = torch.bfloat16 if a.dtype == torch.bfloat16 else torch.float16
-        return torch.empty(*a.shape[:-1], n, dtype=dt)
-    return out
-
-
-def _same_as(key, dtype=None):
-    return lambda **kw: torch.empty_like(kw[key], dtype=dtype or kw[key].dtype)
-
-
-def _marlin_repack_out(b_q_weight, size_k, size_n, num_bits, **_):
-    return torch.empty(size_k // 16, size_n * 16 // (32 // num_bits), dtype=torch.int32)
-
-
-def _act_dtype(a: torch.Tensor, *others) -> torch.dtype:
-    for t in (a, *others):
-        if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
-            return t.dtype
-    return torch.bfloat16
-
-
-# Schemas as the installed vLLM 0.32 `_custom_ops.py` calls them, writes marked as in
-# vLLM's csrc/torch_bindings.cpp.
-STANDINS: dict[str, StandIn] = {
-    "_C::gptq_gemm": StandIn(
-        "(Tensor a, Tensor b_q_weight, Tensor b_gptq_qzeros, Tensor b_gptq_scales, "
-        "bool use_exllama, bool use_v2_format, int bit) -> Tensor",
-        lambda a, b_q_weight, **_: torch.empty(a.size(0), b_q_weight.size(1), dtype=a.dtype)),
-    "_C::gptq_shuffle": StandIn("(Tensor! q_weight, int bit) -> ()"),
-    "_C::gptq_marlin_repack": StandIn(
-        "(Tensor b_q_weight, SymInt size_k, SymInt size_n, int num_bits, bool is_a_8bit) "
-        "-> Tensor", _marlin_repack_out),
-    "_C::awq_marlin_repack": StandIn(
-        "(Tensor b_q_weight, SymInt size_k, SymInt size_n, int num_bits, bool is_a_8bit) "
-        "-> Tensor", _marlin_repack_out),
-    "_C::marlin_gemm": StandIn(
-        "(Tensor a, Tensor? c_or_none, Tensor b_q_weight, Tensor? b_bias_or_none, "
-        "Tensor b_scales, Tensor? a_scales, Tensor? global_scale, Tensor? b_zeros_or_none, "
-        "Tensor workspace, int b_type_id, SymInt size_m, SymInt size_n, SymInt size_k, "
-        "bool use_atomic_add, bool use_fp32_reduce, bool is_zp_float) -> Tensor",
-        lambda a, b_scales, size_m, size_n, **_: torch.empty(
-            size_m, size_n, dtype=_act_dtype(a, b_scales))),
-    "_C::machete_prepack_B": StandIn(
-        "(Tensor B, ScalarType a_type, int b_type, ScalarType? group_scales_type) -> Tensor",
-        lambda B, **_: torch.empty_like(B, memory_format=torch.contiguous_format)),
-    "_C::machete_mm": StandIn(
-        "(Tensor A, Tensor B, int b_type, ScalarType? out_type, Tensor? group_scales, "
-        "Tensor? group_zeros, int? group_size, Tensor? channel_scales, Tensor? token_scales, "
-        "str? schedule) -> Tensor",
-        lambda A, B, out_type=None, **_: torch.empty(
-            A.shape[0], B.shape[1], dtype=out_type or _act_dtype(A))),
-    "_C::cutlass_scaled_mm": StandIn(
-        "(Tensor! out, Tensor a, Tensor b, Tensor a_scales, Tensor b_scales, Tensor? bias) "
-        "-> ()"),
-    "_C::cutlass_scaled_mm_azp": StandIn(
-        "(Tensor! out, Tensor a, Tensor b, Tensor a_scales, Tensor b_scales, Tensor azp_adj, "
-        "Tensor? azp, Tensor? bias) -> ()"),
-    "_C::cutlass_scaled_fp4_mm": StandIn(
-        "(Tensor! out, Tensor a, Tensor b, Tensor block_scale_a, Tensor block_scale_b, "
-        "Tensor alpha) -> ()"),
-}
+import vllm_audit_standins as standins  # noqa: E402
 
 
 def install_standins() -> list[str]:
-    """Register a CPU stand-in for every op in STANDINS that this vLLM build lacks; returns
-    the names registered. Ops the build has are left alone."""
-    import vllm._custom_ops  # noqa: F401  (loads _C)
-
-    registered = []
-    for name, spec in STANDINS.items():
-        ns, op = name.split("::")
-        if _has_op(ns, op):
-            continue
-        lib = _LIBS.setdefault(ns, torch.library.Library(ns, "FRAGMENT"))
-        lib.define(f"{op}{spec.schema}")
-        lib.impl(op, _make_impl(name, spec), "CPU")
-        registered.append(name)
-    return registered
-
-
-_LIBS: dict[str, torch.library.Library] = {}
-
-
-def _has_op(ns: str, op: str) -> bool:
-    try:
-        getattr(getattr(torch.ops, ns), op)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def _make_impl(name: str, spec: StandIn):
-    schema = torch._C.parse_schema(f"{name}{spec.schema}")
-    arg_names = [a.name for a in schema.arguments]
-    written = [a.name for a in schema.arguments
-               if a.alias_info is not None and a.alias_info.is_write]
-
-    def impl(*args, **kwargs):
-        spec.used += 1
-        bound = dict(zip(arg_names, args))
-        bound.update(kwargs)
-        value = _reads_value({k: v for k, v in bound.items() if k not in written})
-        for k in written:
-            targets = bound.get(k)
-            for t in (targets if isinstance(targets, (list, tuple)) else [targets]):
-                if isinstance(t, torch.Tensor):
-                    _fill(t, value)
-        if spec.out is None:
-            return None
-        out = spec.out(**bound)
-        for t in (out if isinstance(out, (list, tuple)) else [out]):
-            if isinstance(t, torch.Tensor):
-                _fill(t, value)
-        return out
-    return impl
+    """Install every stand-in the audit uses; returns the op names registered."""
+    return standins.install()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,12 +389,13 @@ def audit_kernel(k: KernelInfo) -> Outcome:
 
     res = Outcome(k)
     t0 = time.perf_counter()
-    for spec in STANDINS.values():
-        spec.used = 0
+    standins.reset_used()
     stage = "select"
     try:
         with forced(k, ACT_DTYPE[k.family]):
-            scheme, method_cls, act_dtype = make_scheme(k)
+            # vLLM builds schemes while the model's dtype is the default (some read it)
+            with set_default_torch_dtype(ACT_DTYPE[k.family]):
+                scheme, method_cls, act_dtype = make_scheme(k)
             res.scheme = type(scheme).__name__
             quant_config = _OneScheme(scheme, method_cls)
             stage = "create_weights"
@@ -575,7 +436,153 @@ def audit_kernel(k: KernelInfo) -> Outcome:
     except Exception as exc:  # every failure is a row: the step and the exact reason
         res.stage = stage
         res.reason = _reason(exc)
-    res.standins = sorted(n for n, s in STANDINS.items() if s.used)
+    res.standins = standins.used()
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused-MoE quant methods: one FusedMoE layer (vLLM's FusedMoEFactory), loaded per expert
+# through its weight loader, processed, its forward captured inside vLLM's forward context,
+# reloaded through the layerwise reload
+
+MOE_METHOD_MODULES = (
+    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+    "vllm.model_executor.layers.quantization.fp8",
+    "vllm.model_executor.layers.quantization.modelopt",
+    "vllm.model_executor.layers.quantization.mxfp4",
+    "vllm.model_executor.layers.quantization.moe_wna16",
+    "vllm.model_executor.layers.quantization.auto_awq",
+    "vllm.model_executor.layers.quantization.auto_gptq",
+    "vllm.model_executor.layers.quantization.modelopt_block_quant",
+    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+    "compressed_tensors_moe",
+    "vllm.model_executor.layers.quantization.quark.quark_moe",
+    "vllm.model_executor.layers.quantization.online.moe_base",
+)
+MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOPK = 4, 256, 256, 2
+MOE_DRIVEN = ("UnquantizedFusedMoEMethod",)
+
+
+def discover_moe() -> list[KernelInfo]:
+    """Every concrete FusedMoEMethodBase subclass in vLLM's quantization modules."""
+    import importlib
+
+    from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+
+    for mod in MOE_METHOD_MODULES:
+        try:
+            importlib.import_module(mod)
+        except Exception:  # noqa: S112 (a module that needs another platform: its classes
+            continue       # are simply not listed)
+    found, todo = {}, [FusedMoEMethodBase]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if not inspect.isabstract(sub) and sub.__module__.startswith("vllm."):
+                _, line = inspect.getsourcelines(sub)
+                found[sub.__name__] = KernelInfo(
+                    sub.__name__, sub, "moe", f"{_rel(inspect.getsourcefile(sub))}:{line}")
+    return sorted(found.values(), key=lambda k: k.name)
+
+
+class MoEAuditModel(torch.nn.Module):
+    """One FusedMoE layer, run inside vLLM's forward context as a model's forward would."""
+
+    def __init__(self, layer: torch.nn.Module, config):
+        super().__init__()
+        self.moe = layer
+        self._config = config
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        from vllm.forward_context import set_forward_context
+
+        with set_forward_context(None, self._config):
+            return self.moe(hidden_states=x, router_logits=router_logits)
+
+
+def load_moe(layer, seed: int) -> None:
+    """vLLM's per-expert loading: the experts' weight_loader with shard and expert ids."""
+    g = torch.Generator().manual_seed(seed)
+    experts = layer.routed_experts
+    for e in range(MOE_EXPERTS):
+        for name, shard, shape in (("w13_weight", "w1", (MOE_INTER, MOE_HIDDEN)),
+                                   ("w13_weight", "w3", (MOE_INTER, MOE_HIDDEN)),
+                                   ("w2_weight", "w2", (MOE_HIDDEN, MOE_INTER))):
+            param = getattr(experts, name)
+            value = torch.randn(shape, generator=g).to(param.dtype)
+            param.weight_loader(param, value, name, shard_id=shard, expert_id=e)
+
+
+def audit_moe(k: KernelInfo) -> Outcome:
+    import graphtrace as gt
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                         initialize_layerwise_reload,
+                                                         record_metadata_for_reloading)
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    res = Outcome(k)
+    t0 = time.perf_counter()
+    standins.reset_used()
+    stage = "select"
+    try:
+        if k.name not in MOE_DRIVEN:
+            raise NotImplementedError(
+                "no MoE driver for this method yet: it needs its own quant config and "
+                "checkpoint layout (scales, packed weights) built by the harness")
+        dt = torch.bfloat16
+        config = VllmConfig()
+        object.__setattr__(config, "model_config", SimpleNamespace(
+            dtype=dt, quantization=None, is_deepseek_mla=False, hf_config=None,
+            max_model_len=128))
+        with set_current_vllm_config(config), set_default_torch_dtype(dt):
+            stage = "create_weights"
+            layer = FusedMoEFactory(num_experts=MOE_EXPERTS, top_k=MOE_TOPK,
+                                    hidden_size=MOE_HIDDEN, intermediate_size=MOE_INTER,
+                                    params_dtype=dt, prefix="moe")
+            model = MoEAuditModel(layer, config)
+            methods = {type(m.quant_method).__name__ for m in layer.modules()
+                       if getattr(m, "quant_method", None) is not None}
+            if k.name not in methods:
+                raise RuntimeError(f"layer selected {sorted(methods)}, not {k.name}")
+            res.scheme = "FusedMoEFactory (unquantized)"
+            record_metadata_for_reloading(model)
+            stage = "load"
+            load_moe(layer, seed=1)
+            stage = "process_weights_after_loading"
+            for m in layer.modules():
+                if getattr(m, "quant_method", None) is not None:
+                    m.quant_method.process_weights_after_loading(m)
+            stage = "apply"
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(BATCH, MOE_HIDDEN, generator=g).to(dt)
+            logits = torch.randn(BATCH, MOE_EXPERTS, generator=g).to(dt)
+            with torch.no_grad():
+                model(x, logits)
+                with gt.trace(model) as t:
+                    with gt.capture("apply") as graph:
+                        out = model(x, logits)
+            stage = "reload"
+            with torch.no_grad():
+                initialize_layerwise_reload(model)
+                load_moe(layer, seed=2)
+                finalize_layerwise_reload(model, model_config=None)
+            stage = "diff"
+            report = t.diff()
+            res.edges = report.edges["verdict"].value_counts().to_dict()
+            for row in report.stale.itertuples():
+                res.findings.append((row.verdict, row.owners, int(row.nbytes), row.impact))
+            res.flip = "n/a (no stale edge)" if report.stale.empty else "not run for MoE"
+            res.ran = True
+            stage = ""
+    except Exception as exc:
+        res.stage = stage
+        res.reason = _reason(exc)
+    res.standins = standins.used()
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -690,6 +697,21 @@ FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
         "so the reload's copy-back has nothing to refresh"),
 }
 
+# kernels whose run vLLM's own reload breaks, with the lines read that cause it
+RELOAD_FAILURES: dict[str, tuple[str, str]] = {
+    "ZentorchWNA16LinearKernel": (
+        "vllm/model_executor/kernels/linear/mixed_precision/zentorch.py:193",
+        "process_weights_after_loading returns at once when the plain layer attribute "
+        "`_zentorch_processed_weights` is set (zentorch.py:193-194, set at :268); that "
+        "attribute survives the reload, so the reload's process step repacks nothing, while "
+        "the first run emptied the registered parameters (`param.data = torch.empty(0)`, "
+        ":265). vLLM's `_copy_and_restore_kernel_tensors` "
+        "(model_executor/model_loader/reload/layerwise.py:425) then copies the new, "
+        "unprocessed weight into the emptied kernel tensor and raises; had it not, the "
+        "forward would keep reading `layer._zentorch_woq_packed` / `_zentorch_woq_scale` "
+        "(plain attributes, :254-256) of the old weights"),
+}
+
 FIELDS = ["kernel", "family", "source", "scheme", "ran", "failed_at", "reason", "stable",
           "stale", "dangling", "diverged", "orphaned", "unowned", "stale_owners",
           "vllm_source", "flip", "standins", "seconds"]
@@ -738,9 +760,12 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
         "",
         "Generated by `analysis/vllm_kernel_audit.py` (`make audit-vllm`); do not edit by hand.",
         f"Checkout {revision()}, vLLM {_vllm_version()}, torch {torch.__version__}; "
-        f"{len(table)} kernel classes, {len(ran)} ran through their real "
+        f"linear kernel classes: {sum(r['family'] != 'moe' for r in ran)} of "
+        f"{sum(r['family'] != 'moe' for r in table)} ran through their real "
         f"create_weights / process_weights_after_loading / apply_weights and vLLM's layerwise "
-        f"reload ({elapsed:.0f} s).",
+        f"reload; fused-MoE quant methods: {sum(r['family'] == 'moe' for r in ran)} of "
+        f"{sum(r['family'] == 'moe' for r in table)} ({elapsed:.0f} s). Stand-ins: "
+        "analysis/vllm_audit_standins.py, listed per row.",
         "",
         "Each kernel: one `ColumnParallelLinear` (in 256, out 128, 4 tokens) with the scheme "
         "named, loaded through each parameter's `weight_loader`, processed, its apply captured "
@@ -754,7 +779,13 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
         "",
     ]
     findings = [r for r in table if r["stale_owners"]]
-    if not findings:
+    for name, (src, what) in RELOAD_FAILURES.items():
+        row = next((r for r in table if r["kernel"] == name), None)
+        if row is not None and row["ran"] == "no" and row["failed_at"] == "reload":
+            lines.append(f"- **{name}** ({row['family']}): vLLM's reload raises "
+                         f"({row['reason']})")
+            lines.append(f"  - `{src}`: {what}.")
+    if not findings and not RELOAD_FAILURES:
         lines.append("No stale, dangling or diverged edge in any kernel that ran.")
     for r in findings:
         lines.append(f"- **{r['kernel']}** ({r['family']}): {r['stale_owners']}")
@@ -820,13 +851,17 @@ def main(argv: list[str] | None = None) -> int:
     registered = install_standins()
     kernels = discover()
     if args.kernel:
-        unknown = sorted(set(args.kernel) - {k.name for k in kernels})
+        unknown = sorted(set(args.kernel) - {k.name for k in kernels}
+                         - {k.name for k in discover_moe()})
         if unknown:
             ap.error(f"unknown kernel class(es): {', '.join(unknown)}")
         kernels = [k for k in kernels if k.name in args.kernel]
+    moe_methods = discover_moe()
+    if args.kernel:
+        moe_methods = [k for k in moe_methods if k.name in args.kernel]
     outcomes = []
-    for k in kernels:
-        r = audit_kernel(k)
+    for k in [*kernels, *moe_methods]:
+        r = audit_moe(k) if k.family == "moe" else audit_kernel(k)
         outcomes.append(r)
         state = "ran" if r.ran else f"not run ({r.stage})"
         print(f"{k.family:10s} {k.name:48s} {state:32s} {r.edges} "
