@@ -224,6 +224,14 @@ STANDINS: dict[str, StandIn] = {
         "ScalarType out_dtype, Tensor? bias) -> Tensor",
         lambda input, weight, out_dtype, **_: torch.empty(*input.shape[:-1], weight.shape[-1],
                                                           dtype=out_dtype)),
+    # vLLM's MoE extension (_moe_C), csrc/moe/torch_bindings.cpp, as vllm/_custom_ops.py
+    # (moe_align_block_size) calls it: writes the three output buffers it is handed
+    "_moe_C::moe_align_block_size": StandIn(
+        "(Tensor topk_ids, int num_experts, int block_size, Tensor! sorted_token_ids, "
+        "Tensor! experts_ids, Tensor! num_tokens_post_pad, Tensor? maybe_expert_map, "
+        "Tensor!? maybe_scatter_idx) -> ()"),
+    "_moe_C::moe_sum": StandIn(
+        "(Tensor input, Tensor! output, Tensor? topk_ids, Tensor? expert_map) -> ()"),
     "_xpu_C::int4_gemm_w4a8": StandIn(
         # float16 output (the kernel's own warning, kernels/.../mixed_precision/xpu.py:152)
         "(Tensor input, Tensor input_scale, Tensor input_zero, Tensor weight, "
@@ -641,6 +649,8 @@ TRITON_KERNELS = (
     ("vllm.model_executor.kernels.linear.mxfp8.rocm_native", "_mxfp8_linear_kernel"),
     ("vllm.model_executor.kernels.linear.mixed_precision.triton_w4a16",
      "triton_w4a16_gemm_kernel"),
+    ("vllm.model_executor.layers.fused_moe.fused_moe", "fused_moe_kernel"),
+    ("vllm.model_executor.layers.fused_moe.fused_moe", "fused_moe_kernel_gptq_awq"),
 )
 
 

@@ -1,4 +1,4 @@
-"""Audit vLLM 0.32's own linear kernels on CPU: which tensors their real weight processing
+"""Audit vLLM 0.32's own linear kernels and fused-MoE quant methods on CPU: which tensors their real weight processing
 and apply code leave stale after vLLM's real layerwise reload (issue #15, part 2).
 
 Every kernel class exported by `vllm.model_executor.kernels.linear` is driven, one at a time,
@@ -442,47 +442,195 @@ def audit_kernel(k: KernelInfo) -> Outcome:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fused-MoE quant methods: one FusedMoE layer (vLLM's FusedMoEFactory), loaded per expert
-# through its weight loader, processed, its forward captured inside vLLM's forward context,
-# reloaded through the layerwise reload
+# Fused-MoE quant methods: one FusedMoE layer (vLLM's FusedMoEFactory) built with the
+# method's quant config, loaded per expert and shard through the experts' weight loader,
+# processed, its forward captured inside vLLM's forward context, reloaded through the
+# layerwise reload (Note [audit MoE driver])
 
-MOE_METHOD_MODULES = (
-    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
-    "vllm.model_executor.layers.quantization.fp8",
-    "vllm.model_executor.layers.quantization.modelopt",
-    "vllm.model_executor.layers.quantization.mxfp4",
-    "vllm.model_executor.layers.quantization.moe_wna16",
-    "vllm.model_executor.layers.quantization.auto_awq",
-    "vllm.model_executor.layers.quantization.auto_gptq",
-    "vllm.model_executor.layers.quantization.modelopt_block_quant",
-    "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
-    "compressed_tensors_moe",
-    "vllm.model_executor.layers.quantization.quark.quark_moe",
-    "vllm.model_executor.layers.quantization.online.moe_base",
-)
-MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOPK = 4, 256, 256, 2
-MOE_DRIVEN = ("UnquantizedFusedMoEMethod",)
+# Note [audit MoE driver]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# Discovery imports every module under vllm.model_executor.layers.quantization and
+# .fused_moe (pkgutil.walk_packages) and walks FusedMoEMethodBase.__subclasses__(): the
+# compressed-tensors and online methods live in modules nothing imports until a checkpoint
+# asks for them (compressed_tensors_moe_w8a8_fp8.py, online/fp8.py, ...), and a fixed module
+# list missed them. A module that cannot be imported here has its MoE classes listed from
+# its source (ast), with the import error as the reason.
+# The driver builds each method the way a checkpoint would: through the real quant config
+# (`Fp8Config.from_config`, `CompressedTensorsConfig.from_config`, `QuarkConfig.from_config`,
+# ...) whose `get_quant_method` vLLM's FusedMoE calls, or, where vLLM builds the method from
+# a CLI option rather than a checkpoint dict (online quantization), the method class with
+# the arguments vLLM passes (`cls(moe=layer.moe_config)`, online/base.py). Every checkpoint
+# tensor goes in per expert and shard through `weight_loader(param, value, name, shard_id,
+# expert_id)`, its shape the destination slice the loader narrows to. The backend is the one
+# vLLM's oracle picks for this CPU platform (CPU experts where vLLM has them); no backend is
+# forced.
+
+MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOPK = 4, 128, 128, 2
+MOE_PACKAGES = ("vllm.model_executor.layers.quantization", "vllm.model_executor.layers.fused_moe")
+MOE_BASES = ("FusedMoEMethodBase", "CompressedTensorsMoEMethod", "QuarkMoEMethod",
+             "OnlineMoEMethodBase", "_Fp8OnlineMoEBase", "Mxfp4MoEMethod")
+MOE_IMPORT_FAILURES: dict[str, str] = {}     # class name -> why its module did not import
+
+
+def _ct_group(weights: dict, acts: dict | None = None, fmt: str = "float-quantized") -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": acts}},
+            "ignore": []}
+
+
+_FP8_T = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+          "dynamic": False}
+_FP8_CH = dict(_FP8_T, strategy="channel")
+_FP8_DYN_TOK = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                "dynamic": True}
+_INT8_CH = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True,
+            "dynamic": False}
+_INT8_DYN_TOK = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
+                 "dynamic": True}
+_INT4_G = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+           "symmetric": True, "dynamic": False}
+_FP4_G = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+          "symmetric": True, "dynamic": False}
+_FP4_DYN = dict(_FP4_G, dynamic="local")
+_MXFP4 = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+          "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"}
+_MXFP8 = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32,
+          "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"}
+
+
+def _quark(weight: dict, act: dict | None) -> dict:
+    return {"quant_method": "quark", "export": {"kv_cache_group": [], "pack_method": "reorder"},
+            "global_quant_config": {"weight": weight, "input_tensors": act, "output_tensors": None,
+                                    "bias": None},
+            "layer_quant_config": {}, "layer_type_quant_config": {}, "exclude": []}
+
+
+_Q_FP8 = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False, "symmetric": True}
+_Q_INT8_CH = {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0, "is_dynamic": False,
+              "symmetric": True}
+_Q_INT8_TOK = {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 1, "is_dynamic": True,
+               "symmetric": True}
+_Q_INT4_G = {"dtype": "int4", "qscheme": "per_group", "group_size": 128, "ch_axis": 1,
+             "is_dynamic": False, "symmetric": True}
+_Q_MXFP4 = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1,
+            "is_dynamic": False, "scale_format": "e8m0"}
+_Q_MXFP4_DYN = dict(_Q_MXFP4, is_dynamic=True)
+_Q_NVFP4 = {"dtype": "fp4", "qscheme": "per_group", "group_size": 16, "ch_axis": -1,
+            "is_dynamic": False, "scale_format": "float8_e4m3fn"}
+
+# method class -> (quant config name for vLLM's registry, the checkpoint's config dict) or
+# ("online", None): built as vLLM's online config builds it
+MOE_CONFIGS: dict[str, tuple[str, dict | None]] = {
+    "Fp8MoEMethod": ("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic"}),
+    "ModelOptFp8MoEMethod": ("modelopt", {"quantization": {"quant_algo": "FP8"}}),
+    "ModelOptNvFp4FusedMoE": ("modelopt_fp4", {"quantization": {
+        "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []}}),
+    "ModelOptMxFp8FusedMoE": ("modelopt_mxfp8", {"quantization": {"quant_algo": "MXFP8"}}),
+    "Mxfp4MoEMethod": ("mxfp4", {}),
+    "GptOssMxfp4MoEMethod": ("gpt_oss_mxfp4", {}),
+    "AutoAWQMoEMethod": ("awq", {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                 "zero_point": True}),
+    "AutoGPTQMoEMethod": ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                   "desc_act": False, "sym": True}),
+    "MoeWNA16Method": ("moe_wna16", {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                     "desc_act": False, "sym": True}),
+    "CompressedTensorsW8A8Fp8MoEMethod": ("compressed-tensors", _ct_group(_FP8_CH,
+                                                                         _FP8_DYN_TOK)),
+    "CompressedTensorsW8A8Int8MoEMethod": ("compressed-tensors", _ct_group(
+        _INT8_CH, _INT8_DYN_TOK, "int-quantized")),
+    "CompressedTensorsWNA16MoEMethod": ("compressed-tensors", _ct_group(
+        _INT4_G, None, "pack-quantized")),
+    "CompressedTensorsW4A4Nvfp4MoEMethod": ("compressed-tensors", _ct_group(
+        _FP4_G, _FP4_DYN, "nvfp4-pack-quantized")),
+    "CompressedTensorsW4A4Mxfp4MoEMethod": ("compressed-tensors", _ct_group(
+        _MXFP4, None, "mxfp4-pack-quantized")),
+    "CompressedTensorsW8A8Mxfp8MoEMethod": ("compressed-tensors", _ct_group(
+        _MXFP8, dict(_MXFP8, dynamic=True), "mxfp8-quantized")),
+    "CompressedTensorsW4A8Int8MoEMethod": ("compressed-tensors", _ct_group(
+        dict(_INT4_G, strategy="group"), _INT8_DYN_TOK, "int-quantized")),
+    "CompressedTensorsW4A8Fp8MoEMethod": ("compressed-tensors", _ct_group(
+        _INT4_G, _FP8_DYN_TOK, "int-quantized")),
+    "CompressedTensorsW4A8Mxfp4MoEMethod": ("compressed-tensors", _ct_group(
+        _MXFP4, _FP8_DYN_TOK, "mxfp4-pack-quantized")),
+    "QuarkW8A8Fp8MoEMethod": ("quark", _quark(_Q_FP8, _Q_FP8)),
+    "QuarkW8A8Int8MoEMethod": ("quark", _quark(_Q_INT8_CH, _Q_INT8_TOK)),
+    "QuarkW4A16Int4MoEMethod": ("quark", _quark(_Q_INT4_G, None)),
+    "QuarkOCP_MX_MoEMethod": ("quark", _quark(_Q_MXFP4, _Q_MXFP4_DYN)),
+    "QuarkNvfp4MoEMethod": ("quark", _quark(_Q_NVFP4, _Q_NVFP4)),
+    "QuarkW4A8Fp8MoEMethod": ("quark", _quark(_Q_INT4_G, _Q_FP8)),
+    "Fp8PerTensorOnlineMoEMethod": ("online", None),
+    "Fp8PerBlockOnlineMoEMethod": ("online", None),
+    "Fp8PtpcOnlineMoEMethod": ("online", None),
+    "Int8OnlineMoEMethod": ("online", None),
+    "Mxfp4OnlineMoEMethod": ("online", None),
+    "Mxfp8OnlineMoEMethod": ("online", None),
+    "Nvfp4OnlineMoEMethod": ("online", None),
+}
+
+# methods with no checkpoint config the harness can build, and why (read in the source)
+MOE_NOT_DRIVEN: dict[str, str] = {
+    "FusedMoEModularMethod": (
+        "not a checkpoint format: vLLM wraps a method in it when a modular kernel is "
+        "attached (fused_moe/fused_moe_modular_method.py, made by "
+        "FusedMoEMethodBase.maybe_init_modular_kernel); it is driven by the methods above"),
+    "HummingMoEMethod": "needs the `humming` package (quantization/humming.py)",
+    "INCMxfp4MoEMethod": "Intel Neural Compressor scheme: needs an INC layer config "
+                         "(quantization/inc/); no driver yet",
+    "INCMxfp8MoEMethod": "Intel Neural Compressor scheme: needs an INC layer config "
+                         "(quantization/inc/); no driver yet",
+    "ModelOptBlockQuantMoEMethod": "GGUF-style codebook (iq2_xs) checkpoint layout; no "
+                                   "driver yet",
+}
+
+
+def _moe_source_classes(modname: str) -> list[tuple[str, int]]:
+    """(class name, line) of the MoE method classes a module defines, read from its source
+    (for modules that do not import on this machine)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(modname)
+    tree = ast.parse(Path(spec.origin).read_text())
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and any(
+                getattr(b, "id", getattr(b, "attr", "")) in MOE_BASES for b in node.bases):
+            out.append((node.name, node.lineno, spec.origin))
+    return out
 
 
 def discover_moe() -> list[KernelInfo]:
-    """Every concrete FusedMoEMethodBase subclass in vLLM's quantization modules."""
+    """Every concrete FusedMoEMethodBase subclass vLLM defines (Note [audit MoE driver])."""
     import importlib
+    import pkgutil
 
     from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 
-    for mod in MOE_METHOD_MODULES:
-        try:
-            importlib.import_module(mod)
-        except Exception:  # noqa: S112 (a module that needs another platform: its classes
-            continue       # are simply not listed)
-    found, todo = {}, [FusedMoEMethodBase]
+    failed: dict[str, str] = {}
+    for pkgname in MOE_PACKAGES:
+        pkg = importlib.import_module(pkgname)
+        for info in pkgutil.walk_packages(pkg.__path__, pkgname + "."):
+            try:
+                importlib.import_module(info.name)
+            except Exception as exc:  # noqa: BLE001 (listed below with the reason)
+                failed[info.name] = f"{type(exc).__name__}: {exc}"
+    found, seen, todo = {}, set(), [FusedMoEMethodBase]
     while todo:
         for sub in todo.pop().__subclasses__():
+            if sub in seen:
+                continue
+            seen.add(sub)
             todo.append(sub)
             if not inspect.isabstract(sub) and sub.__module__.startswith("vllm."):
                 _, line = inspect.getsourcelines(sub)
                 found[sub.__name__] = KernelInfo(
                     sub.__name__, sub, "moe", f"{_rel(inspect.getsourcefile(sub))}:{line}")
+    for modname, why in failed.items():
+        for name, line, path in _moe_source_classes(modname):
+            if name not in found:
+                MOE_IMPORT_FAILURES[name] = f"its module does not import here: {why}"
+                found[name] = KernelInfo(name, None, "moe", f"{_rel(path)}:{line}")
     return sorted(found.values(), key=lambda k: k.name)
 
 
@@ -501,17 +649,116 @@ class MoEAuditModel(torch.nn.Module):
             return self.moe(hidden_states=x, router_logits=router_logits)
 
 
+class _OnlineMoE:
+    """The quant config for an online MoE method: builds `cls(moe=layer.moe_config)` for the
+    experts, as OnlineQuantizationConfig.get_quant_method does (online/base.py)."""
+
+    online_quantization_config = None
+    packed_modules_mapping: dict = {}
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    @staticmethod
+    def get_name() -> str:
+        return "online"
+
+    def get_quant_method(self, layer, prefix):
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+        return self.cls(moe=layer.moe_config) if isinstance(layer, RoutedExperts) else None
+
+    def __getattr__(self, name):       # QuantizationConfig hooks the layer may ask for
+        from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+        attr = getattr(QuantizationConfig, name)
+        return attr.__get__(self) if callable(attr) else attr
+
+
+def moe_quant_config(k: KernelInfo):
+    """The quant config a checkpoint of method `k` gives vLLM (None: unquantized)."""
+    if k.name == "UnquantizedFusedMoEMethod":
+        return None
+    if k.name not in MOE_CONFIGS:
+        raise NotImplementedError(MOE_NOT_DRIVEN.get(k.name, "no MoE driver for this method"))
+    qname, cfg = MOE_CONFIGS[k.name]
+    if qname == "online":
+        return _OnlineMoE(k.cls)
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    return get_quantization_config(qname).from_config(cfg)
+
+
+def _experts(layer):
+    return getattr(layer, "routed_experts", layer)
+
+
+def _moe_shard_shape(experts, name: str, param, shard: str) -> tuple[int, ...]:
+    """The shape of one expert's `shard` of checkpoint tensor `name`: the destination slice
+    vLLM's FusedMoE weight_loader narrows to (routed_experts.py weight_loader)."""
+    per_tensor = (getattr(param, "quant_method", None) == "tensor" or "input_scale" in name
+                  or param.dim() == 1 or "weight_shape" in name
+                  or (param.dim() == 2 and param.shape[1] <= 2 and "bias" not in name))
+    if per_tensor:
+        return (1,) if "weight_shape" not in name else tuple(param.shape[1:])
+    dest = list(param.shape[1:])
+    if "bias" in name:
+        if shard != "w2":
+            dest[0] //= 2
+        return tuple(dest)
+    shard_dim = {"w1": 0, "w2": 1, "w3": 0}[shard]
+    if getattr(param, "is_transposed", False):
+        shard_dim = int(not shard_dim)
+    if shard != "w2":
+        dest[shard_dim] //= 2
+    if (type(getattr(experts, "quant_method", None)).__name__ in (
+            "CompressedTensorsWNA16MoEMethod", "CompressedTensorsW4A16FlydslMoEMethod")
+            and getattr(param, "is_transposed", False)):
+        dest = dest[::-1]     # the loader transposes these first
+    return tuple(dest)
+
+
+def _moe_value(name: str, shape, dt: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    if dt.is_floating_point:
+        v = (torch.rand(shape, generator=g) + 0.5 if "scale" in name
+             else torch.randn(shape, generator=g))
+        if dt.itemsize == 1:
+            if dt == getattr(torch, "float8_e8m0fnu", None):
+                v = torch.full(shape, 2.0) ** torch.randint(-3, 3, shape, generator=g)
+            v = v.clamp(-200, 200)
+        return v.to(dt)
+    if "scale" in name and dt == torch.uint8:       # e8m0 exponents near 2**0
+        return torch.randint(124, 130, shape, generator=g, dtype=torch.uint8)
+    if dt == torch.bool:
+        return torch.ones(shape, dtype=dt)
+    info = torch.iinfo(dt)
+    lo, hi = max(info.min, -(2 ** 31)), min(info.max, 2 ** 31 - 1)
+    return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dt)
+
+
 def load_moe(layer, seed: int) -> None:
-    """vLLM's per-expert loading: the experts' weight_loader with shard and expert ids."""
+    """vLLM's per-expert loading: every experts parameter with a weight_loader, per expert
+    and shard (w1, w3 into w13_*; w2 into w2_*)."""
     g = torch.Generator().manual_seed(seed)
-    experts = layer.routed_experts
-    for e in range(MOE_EXPERTS):
-        for name, shard, shape in (("w13_weight", "w1", (MOE_INTER, MOE_HIDDEN)),
-                                   ("w13_weight", "w3", (MOE_INTER, MOE_HIDDEN)),
-                                   ("w2_weight", "w2", (MOE_HIDDEN, MOE_INTER))):
-            param = getattr(experts, name)
-            value = torch.randn(shape, generator=g).to(param.dtype)
-            param.weight_loader(param, value, name, shard_id=shard, expert_id=e)
+    experts = _experts(layer)
+    combined = experts.quant_config is not None and \
+        experts.quant_config.get_name() == "gpt_oss_mxfp4"
+    for name, param in list(experts.named_parameters(recurse=False)):
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            continue
+        if combined:                   # gpt-oss checkpoints hold all experts in one tensor
+            loader(param, _moe_value(name, tuple(param.shape), param.dtype, g), name,
+                   shard_id="w13" if "w13" in name else "w2", expert_id=0)
+            continue
+        shards = ("w2",) if name.startswith("w2") else ("w1", "w3")
+        for e in range(MOE_EXPERTS):
+            for shard in shards:
+                shape = _moe_shard_shape(experts, name, param, shard)
+                value = _moe_value(name, shape, param.dtype, g)
+                if "input_scale" in name:
+                    value = torch.ones(shape, dtype=param.dtype)   # equal for w1 and w3
+                loader(param, value, name, shard_id=shard, expert_id=e)
 
 
 def audit_moe(k: KernelInfo) -> Outcome:
@@ -530,26 +777,27 @@ def audit_moe(k: KernelInfo) -> Outcome:
     standins.reset_used()
     stage = "select"
     try:
-        if k.name not in MOE_DRIVEN:
-            raise NotImplementedError(
-                "no MoE driver for this method yet: it needs its own quant config and "
-                "checkpoint layout (scales, packed weights) built by the harness")
+        if k.name in MOE_IMPORT_FAILURES:
+            raise ImportError(MOE_IMPORT_FAILURES[k.name])
         dt = torch.bfloat16
         config = VllmConfig()
         object.__setattr__(config, "model_config", SimpleNamespace(
             dtype=dt, quantization=None, is_deepseek_mla=False, hf_config=None,
             max_model_len=128))
         with set_current_vllm_config(config), set_default_torch_dtype(dt):
+            quant_config = moe_quant_config(k)
+            object.__setattr__(config, "quant_config", quant_config)
             stage = "create_weights"
             layer = FusedMoEFactory(num_experts=MOE_EXPERTS, top_k=MOE_TOPK,
                                     hidden_size=MOE_HIDDEN, intermediate_size=MOE_INTER,
-                                    params_dtype=dt, prefix="moe")
+                                    params_dtype=dt, quant_config=quant_config, prefix="moe")
             model = MoEAuditModel(layer, config)
             methods = {type(m.quant_method).__name__ for m in layer.modules()
                        if getattr(m, "quant_method", None) is not None}
             if k.name not in methods:
                 raise RuntimeError(f"layer selected {sorted(methods)}, not {k.name}")
-            res.scheme = "FusedMoEFactory (unquantized)"
+            res.scheme = (type(quant_config).__name__ if quant_config is not None
+                          else "unquantized")
             record_metadata_for_reloading(model)
             stage = "load"
             load_moe(layer, seed=1)
@@ -557,6 +805,7 @@ def audit_moe(k: KernelInfo) -> Outcome:
             for m in layer.modules():
                 if getattr(m, "quant_method", None) is not None:
                     m.quant_method.process_weights_after_loading(m)
+            res.scheme += f" -> {_moe_backend(layer)}"
             stage = "apply"
             g = torch.Generator().manual_seed(0)
             x = torch.randn(BATCH, MOE_HIDDEN, generator=g).to(dt)
@@ -574,9 +823,11 @@ def audit_moe(k: KernelInfo) -> Outcome:
             stage = "diff"
             report = t.diff()
             res.edges = report.edges["verdict"].value_counts().to_dict()
-            for row in report.stale.itertuples():
+            stale = report.stale
+            for row in stale.itertuples():
                 res.findings.append((row.verdict, row.owners, int(row.nbytes), row.impact))
-            res.flip = "n/a (no stale edge)" if report.stale.empty else "not run for MoE"
+            stage = "flip"
+            res.flip = flip_test(model, graph, out, (x, logits), stale)
             res.ran = True
             stage = ""
     except Exception as exc:
@@ -585,6 +836,25 @@ def audit_moe(k: KernelInfo) -> Outcome:
     res.standins = standins.used()
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _moe_backend(layer) -> str:
+    """The experts implementation vLLM's oracle chose (its class name), for the row."""
+    for m in layer.modules():
+        qm = getattr(m, "quant_method", None)
+        if qm is None:
+            continue
+        for attr in ("moe_kernel", "kernel", "fused_experts", "experts_cls"):
+            v = getattr(qm, attr, None)
+            if v is not None:
+                inner = getattr(v, "fused_experts", v)
+                return getattr(inner, "__name__", type(inner).__name__)
+        for attr in ("fp8_backend", "moe_backend", "backend", "mxfp4_backend",
+                     "nvfp4_backend", "int8_backend"):
+            v = getattr(qm, attr, None)
+            if v is not None:
+                return str(getattr(v, "name", v))
+    return "?"
 
 
 def _reload_checkpoint(model: AuditModel) -> dict[str, torch.Tensor]:
@@ -649,6 +919,7 @@ def flip_test(model, graph, out, x, stale) -> str:
 
     if stale.empty:
         return "n/a (no stale edge)"
+    inputs = x if isinstance(x, tuple) else (x,)
     paths = sorted({p for owners in stale["owners"] for p in owners.split("; ") if p})
     if any(p.endswith("handler_tensor") for p in paths):
         # The captured int64 is a pointer to a native oneDNN primitive that the old handler's
@@ -664,11 +935,11 @@ def flip_test(model, graph, out, x, stale) -> str:
                 results.append(f"{path}: orphaned")
                 continue
             graph.replay()
-            replay0, eager0 = out.clone(), model(x).clone()
+            replay0, eager0 = out.clone(), model(*inputs).clone()
             saved = live.clone()
             _perturb(live)
             graph.replay()
-            replay1, eager1 = out.clone(), model(x).clone()
+            replay1, eager1 = out.clone(), model(*inputs).clone()
             live.copy_(saved)
             replay_changed = not torch.equal(replay0, replay1)
             eager_changed = not torch.equal(eager0, eager1)
@@ -695,6 +966,30 @@ FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
         "releases the oneDNN primitive the captured tensor points at. The prepacked weight "
         "lives only inside that primitive (the registered `weight` is set to None, cpu.py:146), "
         "so the reload's copy-back has nothing to refresh"),
+    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w1_scale_val'): (
+        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
+        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
+    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.w13_weight_scale'): (
+        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
+        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
+    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w2_scale_val'): (
+        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
+        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
+    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.w2_weight_scale'): (
+        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
+        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
+    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w1_scale_val'): (
+        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
+        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
+    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.w13_weight_scale'): (
+        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
+        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
+    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w2_scale_val'): (
+        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
+        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
+    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.w2_weight_scale'): (
+        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
+        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
 }
 
 # kernels whose run vLLM's own reload breaks, with the lines read that cause it
@@ -710,6 +1005,49 @@ RELOAD_FAILURES: dict[str, tuple[str, str]] = {
         "unprocessed weight into the emptied kernel tensor and raises; had it not, the "
         "forward would keep reading `layer._zentorch_woq_packed` / `_zentorch_woq_scale` "
         "(plain attributes, :254-256) of the old weights"),
+}
+
+# the published fused-MoE bugs of issue #15: (status in 0.32, the line read, what the audit
+# ran of it). Upstream states from the vLLM issue threads (search corpus "issues").
+PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
+    "vLLM #41670 (CUTLASS FP8 MoE kernel rebuilt on reload; `moe_quant_config._w1.scale` "
+    "orphaned)": (
+        "still present in 0.32: every process_weights_after_loading rebuilds the kernel "
+        "(fp8.py:693 `_init_moe_kernel`, :697 new `moe_quant_config`, :700 "
+        "`make_fp8_moe_kernel`), and `CutlassExpertsFp8Base.__init__` allocates new stride "
+        "tensors each time",
+        "vllm/model_executor/layers/fused_moe/experts/cutlass_moe.py:299-307",
+        "the CUTLASS backend does not run here (vLLM's oracle picks no FP8 MoE backend on a "
+        "CPU without AMX: Fp8MoEMethod row); the same rebuild, on the MXFP8 emulation "
+        "experts, is found as diverged scale edges (CompressedTensorsW8A8Mxfp8MoEMethod, "
+        "Mxfp8OnlineMoEMethod, Findings). Upstream: issue closed (stale label), no fix "
+        "cited in the thread"),
+    "vLLM #40390 (`replace_parameter` reallocating `w13_weight`/`w2_weight` after a "
+    "shuffle)": (
+        "fixed in 0.32 for the unquantized method: `replace_parameter(layer, \"w13_weight\", "
+        "w13_new, prefer_copy=is_weight_update)` (and w2, :189), `prefer_copy` copying into "
+        "the existing storage (model_executor/utils.py:120-125); the quantized methods "
+        "still call `replace_parameter` without it (fp8.py:688-691) and rely on the "
+        "layerwise reload's copy-back",
+        "vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py:188",
+        "UnquantizedFusedMoEMethod ran (CPUUnquantizedExperts): no stale edge"),
+    "vLLM #46009 (MoE padding through `.data =`)": (
+        "`.data =` rebinding remains in 0.32's MoE weight conversions (e.g. "
+        "oracle/mxfp4.py:1207-1220, 1256-1275; unquantized_fused_moe_method.py:245-246; "
+        "quantization/utils/flashinfer_utils.py:115-118); whether each runs on a reload "
+        "path that a graph captured is not established here",
+        "vllm/model_executor/layers/fused_moe/oracle/mxfp4.py:1207",
+        "not exercised: the MXFP4 backends that pad/shuffle (AITER, FlashInfer, Triton "
+        "kernels) are not selected on this CPU (Mxfp4MoEMethod row)"),
+    "vLLM #50521 (FlashInfer CUTLASS MoE SwiGLU constants unregistered)": (
+        "still present in 0.32: `FlashInferExperts.__init__` turns the config's floats "
+        "(fused_moe/config.py:256-258) into per-expert device tensors held as plain "
+        "attributes (`self.gemm1_alpha = _per_expert(...)`, :109-111, `torch.full`, :99-106), "
+        "unregistered, and the experts object is rebuilt by every process_weights_after_loading "
+        "(e.g. fp8.py:700), so a captured graph keeps the old kernel's tensors (same values; "
+        "freed with the old kernel)",
+        "vllm/model_executor/layers/fused_moe/experts/flashinfer_cutlass_moe.py:110",
+        "not exercised: FlashInfer CUTLASS MoE is not selected on this CPU"),
 }
 
 FIELDS = ["kernel", "family", "source", "scheme", "ran", "failed_at", "reason", "stable",
@@ -756,7 +1094,7 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
                    registered: list[str], elapsed: float) -> None:
     ran = [r for r in table if r["ran"] == "yes"]
     lines = [
-        "# vLLM 0.32 linear kernels on CPU: what a weight reload leaves stale",
+        "# vLLM 0.32 linear kernels and fused-MoE methods on CPU: what a weight reload leaves stale",
         "",
         "Generated by `analysis/vllm_kernel_audit.py` (`make audit-vllm`); do not edit by hand.",
         f"Checkout {revision()}, vLLM {_vllm_version()}, torch {torch.__version__}; "
@@ -789,10 +1127,16 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
         lines.append("No stale, dangling or diverged edge in any kernel that ran.")
     for r in findings:
         lines.append(f"- **{r['kernel']}** ({r['family']}): {r['stale_owners']}")
-        for (kname, p), (src, what) in FINDING_SOURCES.items():
-            if kname == r["kernel"]:
-                lines.append(f"  - `{src}`: {what}.")
+        sourced = dict.fromkeys(v for (kname, _), v in FINDING_SOURCES.items()
+                                if kname == r["kernel"])
+        for src, what in sourced:
+            lines.append(f"  - `{src}`: {what}.")
         lines.append(f"  - flip test: {r['flip']}")
+    lines += ["", "## Published MoE bugs in vLLM 0.32's code", "",
+              "Each read in the installed vLLM 0.32 source; `audit` says whether a row above "
+              "exercised the code path.", ""]
+    for bug, (status, where, audit) in PUBLISHED_MOE_BUGS.items():
+        lines.append(f"- **{bug}**: {status} `{where}`. Audit: {audit}")
     lines += ["", "## Every kernel class", "",
               "| kernel | family | ran | stable | stale | dangling | diverged | orphaned | "
               "unowned | stale owners | vLLM source | stand-ins | why not run |",

@@ -35,7 +35,7 @@ REPRESENTATIVES = ("CPUInt8ScaledMMLinearKernel", "CutlassInt8ScaledMMLinearKern
                    "AiterHipbMMPerTokenFp8ScaledMMLinearKernel", "TritonW4A16LinearKernel",
                    "CutlassFP8ScaledMMLinearKernel",
                    # fused MoE
-                   "UnquantizedFusedMoEMethod")
+                   "UnquantizedFusedMoEMethod", "CompressedTensorsW8A8Mxfp8MoEMethod")
 
 
 def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -91,3 +91,23 @@ def test_unknown_kernel_is_a_usage_error():
     proc = _run("--kernel", "NoSuchKernel", "--no-write", timeout=120)
     assert proc.returncode == 2
     assert "unknown kernel class(es): NoSuchKernel" in proc.stderr
+
+
+def test_moe_finding_is_sourced_and_flagged(rerun):
+    """The MXFP8 MoE experts' stashed scales diverge from the layer's after vLLM's reload."""
+    row = rerun["CompressedTensorsW8A8Mxfp8MoEMethod"]
+    assert int(row["diverged"]) == 2
+    assert "fused_experts.w1_scale_val" in row["stale_owners"]
+    assert row["vllm_source"].startswith(
+        "vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40")
+    assert "unchecked" not in row["vllm_source"]
+    # the unquantized method copies into its parameters on an update: nothing stale
+    assert int(rerun["UnquantizedFusedMoEMethod"]["stale"]) == 0
+
+
+def test_moe_discovery_finds_modules_nothing_imports():
+    """Compressed-tensors and online MoE methods live in modules imported only on demand."""
+    rows = _rows(COMMITTED)
+    for name in ("CompressedTensorsW8A8Fp8MoEMethod", "Fp8PerTensorOnlineMoEMethod",
+                 "QuarkW8A8Fp8MoEMethod", "FusedMoEModularMethod"):
+        assert rows[name]["family"] == "moe"
