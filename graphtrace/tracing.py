@@ -521,6 +521,13 @@ class Trace:
         return diff(self.recorder, self.owner_snapshot, models, self.blind_spots,
                     provenance=self.provenance)
 
+    def guard(self):
+        """A `graphtrace.guard.Guard` of the owned storages captured so far: weak handles and
+        owner paths only; ``guard.check()`` / ``guard.enforce()`` after each weight update."""
+        from graphtrace.guard import guard_from_trace
+
+        return guard_from_trace(self)
+
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")
         n = sum(c.n_accesses for c in self.recorder.captures)
