@@ -405,6 +405,8 @@ def capture_dummy_run(vt: VllmTrace, worker, label: str, num_tokens: int | None,
         runner._dummy_run(num_tokens, uniform_decode=uniform_decode)
     if not cap.graphs:
         raise GraphtraceError("the dummy run did not call the model's forward")
+    # what a re-capture can record again by itself (plugin, GRAPHTRACE_GUARD=recapture)
+    cap.graphs[0].capture.info.update(dummy_run=True, num_tokens=num_tokens)
     return cap.graphs[0]
 
 
