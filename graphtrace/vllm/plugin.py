@@ -225,34 +225,124 @@ def _guard_before_update(obj, method: str) -> None:
 
 
 def _guard_after_update(obj, method: str) -> None:
+    """Check this worker's guard after a weight update and act on GRAPHTRACE_GUARD. With
+    several ranks every rank reaches the same collectives, whatever happened locally."""
     global _guard_state
     if _session is None:
         return
+    import sys
+
+    from graphtrace.guard import StaleGraphError, _empty, describe
+
+    action = guard_action()
+    several = _world_group() is not None
+    problems, failure = _empty(), None
     with _lock:
         if _guard_state is None:
             _guard_state = _WorkerGuard()
         state = _guard_state
         try:
             guard = state.refresh()
-            if guard is None:
-                return
-            problems = guard.check()
-            action = guard_action()
-            if len(problems) and action == "recapture":
-                problems = _recapture(state, problems)
-            _record_check(state, method, problems, action)
+            if guard is not None:
+                problems = guard.check()
         except Exception:
+            failure = sys.exc_info()
             _guard_failed("checking the guard after " + method)
-            return
-    if len(problems):
-        from graphtrace.guard import StaleGraphError, describe
+        if action == "recapture" and (_any_rank(len(problems) > 0) if several else len(problems)):
+            try:  # a dummy run is collective under tensor parallelism: all ranks re-capture
+                problems = _recapture(state, problems)
+            except Exception:
+                failure = failure or sys.exc_info()
+                _guard_failed("re-capturing after " + method)
+        if failure is None and state.guard is not None:
+            try:
+                _record_check(state, method, problems, action)
+            except Exception:
+                failure = sys.exc_info()
+                _guard_failed("writing the guard check after " + method)
+    if action == "warn":
+        if len(problems):
+            logger.warning("graphtrace guard (rank %s, after %s): %s", _rank(), method,
+                           describe(problems))
+    elif not several:
+        if len(problems):
+            raise StaleGraphError(f"graphtrace guard (rank {_rank()}, after {method}): "
+                                  f"{describe(problems)}", problems)
+    else:
+        _raise_for_all_ranks(problems, method)
+    if failure is not None and _strict():
+        raise failure[1].with_traceback(failure[2])
 
-        text = describe(problems)
-        if action == "warn":
-            logger.warning("graphtrace guard (rank %s, after %s): %s", _rank(), method, text)
-            return
-        raise StaleGraphError(f"graphtrace guard (rank {_rank()}, after {method}): {text}",
-                              problems)
+
+def _raise_for_all_ranks(problems, method: str) -> None:
+    """Note [one rank raises]."""
+    from graphtrace.guard import StaleGraphError, describe
+
+    ranks = _gather_problems(problems)
+    bad = {rank: frame for rank, frame in ranks if len(frame)}
+    if not bad:
+        return
+    if not _is_last_rank():
+        if len(problems):
+            logger.error("graphtrace guard (rank %s, after %s): %s (the last rank raises for "
+                         "all ranks)", _rank(), method, describe(problems))
+        return
+    import pandas as pd
+
+    text = "\n".join(f"rank {rank}: {describe(frame)}" for rank, frame in bad.items())
+    merged = pd.concat([f.assign(rank=r) for r, f in bad.items()], ignore_index=True)
+    raise StaleGraphError(f"graphtrace guard (after {method}), problems in rank(s) "
+                          f"{', '.join(map(str, bad))} of {len(ranks)}:\n{text}", merged)
+
+
+# Note [one rank raises]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# vLLM 0.32's MultiprocExecutor.collective_rpc reads the workers' responses in rank order and
+# raises at the first failed one, leaving the later ranks' responses in their queues: the
+# *next* collective_rpc then reads those (measured here with tensor_parallel_size=2: the call
+# after a failed reload got rank 1's StaleGraphError). So the ranks agree first (an
+# all_gather_object over vLLM's world CPU group, which every rank reaches: every worker runs
+# the same update) and only the last rank raises, for all of them, after the earlier ranks'
+# successful responses were read. Each rank still writes its own check to checks.jsonl.
+
+
+def _world_group():
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+    except Exception:  # no distributed state (tests, a bare worker)
+        return None
+    return group if getattr(group, "world_size", 1) > 1 else None
+
+
+def _is_last_rank() -> bool:
+    group = _world_group()
+    return group is None or group.rank_in_group == group.world_size - 1
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank if it is True on any (an all_gather over the world CPU group)."""
+    import torch.distributed as dist
+
+    group = _world_group()
+    gathered: list = [None] * group.world_size
+    dist.all_gather_object(gathered, bool(flag), group=group.cpu_group)
+    return any(gathered)
+
+
+def _gather_problems(problems):
+    """[(rank, problems)] of every rank of the world group, or None with one worker."""
+    group = _world_group()
+    if group is None:
+        return None
+    import pandas as pd
+    import torch.distributed as dist
+
+    mine = (_rank(), problems.to_dict("records"), list(problems.columns))
+    gathered: list = [None] * group.world_size
+    dist.all_gather_object(gathered, mine, group=group.cpu_group)
+    return [(rank, pd.DataFrame(rows, columns=columns)) for rank, rows, columns in gathered]
 
 
 def _rank() -> int:
@@ -262,11 +352,11 @@ def _rank() -> int:
 
 
 def _guard_failed(where: str) -> None:
+    """Count and log an internal error of the guard (raised later only with GRAPHTRACE_STRICT=1,
+    after the ranks agreed: Note [one rank raises])."""
     if _guard_state is not None:
         _guard_state.errors += 1
-    if _strict():
-        raise
-    logger.exception("graphtrace: guard error %s (ignored: fail open)", where)
+    logger.exception("graphtrace: guard error %s (fail open)", where)
 
 
 def _record_check(state: _WorkerGuard, method: str, problems, action: str) -> None:

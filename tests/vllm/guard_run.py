@@ -28,6 +28,14 @@ def main() -> None:
                             worker_extension_cls="guard_ext.GuardTestExtension")
     if backend != "default":
         kw["distributed_executor_backend"] = backend
+    if backend == "ray":  # a local cluster of our own, stopped at the end
+        import ray
+
+        ray.init(num_cpus=max(tp, os.cpu_count() or 1), include_dashboard=False,
+                 log_to_driver=True, runtime_env={"env_vars": {
+                     k: v for k, v in os.environ.items()
+                     if k.startswith(("GRAPHTRACE_", "VLLM_", "HF_", "TRANSFORMERS_"))
+                     or k == "PYTHONPATH"}})
     llm = LLM(**kw)
     sp = SamplingParams(max_tokens=3, temperature=0.0, detokenize=False, ignore_eos=True)
     out: dict = {"main_pid": os.getpid()}
@@ -56,10 +64,26 @@ def main() -> None:
     out["status_bad"] = llm.collective_rpc("graphtrace_guard_status")
     out["after_bad"] = gen()  # the engine still serves (the update failed, not the engine)
     out["reports"] = llm.collective_rpc("graphtrace_write_report", kwargs={"tag": "after_bad"})
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        # one process: the worker reads GRAPHTRACE_GUARD from this very environment
+        os.environ["GRAPHTRACE_GUARD"] = "warn"
+        attempt("warn_reload", "reload_weights", weights_path=changed_dir)
+        out["status_warn"] = llm.collective_rpc("graphtrace_guard_status")
+        os.environ["GRAPHTRACE_GUARD"] = "recapture"
+        llm.collective_rpc("graphtrace_capture_dummy", kwargs={"label": "dummy_decode"})
+        attempt("recapture_reload", "reload_weights", weights_path=model_dir)
+        out["status_recapture"] = llm.collective_rpc("graphtrace_guard_status")
+        attempt("after_recapture_reload", "reload_weights", weights_path=changed_dir)
+        out["status_after_recapture"] = llm.collective_rpc("graphtrace_guard_status")
+        out["rpc_status"] = llm.collective_rpc("graphtrace_status")
     print("GRAPHTRACE_RESULT " + json.dumps(out), flush=True)
     engine_core = getattr(llm.llm_engine, "engine_core", None)
     if hasattr(engine_core, "shutdown"):
         engine_core.shutdown()
+    if backend == "ray":
+        import ray
+
+        ray.shutdown()
 
 
 if __name__ == "__main__":
