@@ -408,6 +408,13 @@ def _capture_owners(trace: "Trace") -> dict[int, set]:
     return trace._owners
 
 
+def models_changed(trace: "Trace") -> None:
+    """The watched models were updated: storages captured from now on are matched to owners
+    on a fresh walk of the models (the trace caches its walk between captures), so a holder
+    a weight update created is an owner of what later graphs read from it."""
+    trace._owner_cache.clear()
+
+
 # -- from JSON -------------------------------------------------------------------------------
 
 def load_guard(path: str | os.PathLike, model: torch.nn.Module | None = None, *,

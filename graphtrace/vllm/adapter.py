@@ -388,6 +388,11 @@ class VllmTrace:
         report.meta["vllm"] = _plain(self.info())
         return report
 
+    def guard(self):
+        """A `graphtrace.Guard` of the graphs captured so far (docs/guard.md): check it after
+        each weight update with ``guard.check()`` / ``guard.enforce()``."""
+        return self.trace.guard()
+
     def __repr__(self) -> str:
         return f"<graphtrace.vllm.VllmTrace {self.trace!r}, {len(self.graphs)} emulated graphs>"
 

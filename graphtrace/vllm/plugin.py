@@ -260,6 +260,12 @@ def _guard_after_update(obj, method: str) -> None:
             except Exception:
                 failure = sys.exc_info()
                 _guard_failed("writing the guard check after " + method)
+    try:
+        from graphtrace.guard import models_changed
+
+        models_changed(_session.trace)  # graphs captured after this update: owners walked anew
+    except Exception:
+        _guard_failed("refreshing owners after " + method)
     if action == "warn":
         if len(problems):
             logger.warning("graphtrace guard (rank %s, after %s): %s", _rank(), method,
@@ -398,6 +404,9 @@ def _recapture(state: _WorkerGuard, problems):
         logger.error("graphtrace: GRAPHTRACE_GUARD=recapture: vLLM 0.32 has no public API "
                      "to re-capture CUDA graphs; failing the update instead")
         return problems
+    from graphtrace.guard import models_changed
+
+    models_changed(_session.trace)  # the new graphs' owners: the updated model's
     worker = _session.worker
     dummy = [c.label for c in captures[state.first_graph:] if c.info.get("dummy_run")]
     _session.graphs.clear()  # the emulated graphs: the old storages die with them
