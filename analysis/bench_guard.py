@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         f"{platform.machine()}, threads {torch.get_num_threads()}",
         f"layers {args.layers}, parameters {n_params} ({len(LAYER_PARAMS)} per layer), "
         f"graphs {args.graphs}, accesses {n_accesses} (captured in {capture_s:.1f} s)",
-        f"guard: {len(guard)} storages, {len(guard._owners)} owner paths; "
+        f"guard: {len(guard)} storages, {guard.n_owners} owner paths; "
         f"built in {build_ms:.1f} ms",
         "",
         "| what | median ms |",

@@ -36,9 +36,12 @@ from graphtrace.vocab import (GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED, ORPHA
                               verdict_of)
 
 if TYPE_CHECKING:
+    from graphtrace.owners import OwnerSnapshot
+    from graphtrace.recorder import Recorder
     from graphtrace.tracing import Trace
 
-__all__ = ["Guard", "StaleGraphError", "load_guard", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["Guard", "StaleGraphError", "load_guard", "guard_from_trace", "guard_of",
+           "models_changed", "describe", "empty_problems", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "graphtrace.guard"
 FORMAT_VERSION = 1
@@ -186,7 +189,7 @@ class Guard:
             if not same:
                 bad.add(i)
         if not bad:
-            return _empty()
+            return empty_problems()
         return self._problems(bad, statuses, live_ptrs)
 
     def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list) -> pd.DataFrame:
@@ -279,6 +282,11 @@ class Guard:
         return len(self._sids)
 
     @property
+    def n_owners(self) -> int:
+        """The number of (storage, owner path) pairs a check resolves."""
+        return len(self._owners)
+
+    @property
     def identity(self) -> dict[str, int]:
         """How many required storages are checked by weak handle ("storage") and how many by
         address and size only ("data_ptr"; Note [guard identity])."""
@@ -305,7 +313,7 @@ def _storage(tensor: torch.Tensor | None) -> torch.UntypedStorage | None:
 _EMPTY: pd.DataFrame | None = None
 
 
-def _empty() -> pd.DataFrame:
+def empty_problems() -> pd.DataFrame:
     """A clean check's frame: made once, copied (a copy costs a tenth of building one)."""
     global _EMPTY
     if _EMPTY is None:
@@ -351,18 +359,30 @@ def describe(problems: pd.DataFrame, limit: int = 20) -> str:
 def guard_from_trace(trace: "Trace", first_graph: int = 0) -> Guard:
     """The guard of everything `trace` captured so far (see ``Trace.guard``); graphs with
     ids below `first_graph` are left out (dropped, e.g. before a re-capture)."""
-    from graphtrace._schema import READ, VIEW
+    return guard_of(trace.recorder, trace.owner_snapshot, trace.models, first_graph)
+
+
+def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
+             models: Mapping[str, torch.nn.Module], first_graph: int = 0) -> Guard:
+    """The guard of `recorder`'s captures (ids from `first_graph`): their owned storages by
+    weak handle, with the capture-time owners `snapshot` holds (updated first with the
+    storages it has not matched yet, as diff does), checked against `models`."""
+    from graphtrace.encoding import READ, VIEW
     from graphtrace.frames import raw_accesses
 
-    rec = trace.recorder
+    rec = recorder
     if not rec.captures:
         raise GraphtraceError("nothing to guard: the trace recorded no capture. Capture inside "
                               "`with graphtrace.trace(...)` first")
-    if not trace.models:
+    if not models:
         raise GraphtraceError("nothing to guard against: no model is watched. Pass the model to "
                               "graphtrace.trace(model) or call t.watch(model)")
-    owners = _capture_owners(trace)
-    raw = raw_accesses(trace)
+    try:
+        snapshot.update(models, rec.storages)  # storages seen since the last snapshot
+    except Exception as exc:
+        rec.fail("owner snapshot", exc)
+    owners = snapshot.owners
+    raw = raw_accesses(rec)
     touched = (raw["access"] != VIEW) & (raw["graph_id"] >= first_graph)
     sids_all = raw["storage_id"][touched]
     owned = np.fromiter(owners.keys(), dtype=np.int64, count=len(owners))
@@ -395,24 +415,18 @@ def guard_from_trace(trace: "Trace", first_graph: int = 0) -> Guard:
             "shape": str(tuple(shape)), "alive": ref is not None, "ref": ref,
             "graphs": graphs_of[sid], "owners": sorted(owners[sid])})
     graphs = {c.graph_id: c.label for c in rec.captures if c.graph_id >= first_graph}
-    guard = Guard(models=list(trace.models), graphs=graphs, storages=storages, source="trace")
-    for name, model in trace.models.items():
-        guard._models[name] = weakref.ref(model)
+    guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace")
+    for name, model in models.items():
+        guard.attach(model, name=name)
     return guard
 
 
-def _capture_owners(trace: "Trace") -> dict[int, set]:
-    """Capture-time owners per storage id: {sid: {(model, path, kind)}} (storages seen since
-    the last owner snapshot are matched first, as diff does)."""
-    trace._match_owners()
-    return trace._owners
-
-
-def models_changed(trace: "Trace") -> None:
+def models_changed(snapshot: "OwnerSnapshot", models: Iterable[str]) -> None:
     """The watched models were updated: storages captured from now on are matched to owners
-    on a fresh walk of the models (the trace caches its walk between captures), so a holder
-    a weight update created is an owner of what later graphs read from it."""
-    trace._owner_cache.clear()
+    on a fresh walk (the snapshot caches one walk per model between captures), so a holder
+    an update created owns what later graphs read from it."""
+    for name in models:
+        snapshot.forget(name)
 
 
 # -- from JSON -------------------------------------------------------------------------------

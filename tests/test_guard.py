@@ -3,8 +3,6 @@ verdict agrees with `t.diff()` on the same trace, and nothing is kept alive."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import gc
 import json
 import weakref
@@ -15,65 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import graphtrace as gt
 from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS
-
-
-# The model and reload of tests/test_diff.py: every holder kind.
-@dataclasses.dataclass
-class Config:
-    bias: torch.Tensor
-
-
-class Kernel:
-    """A plain object hanging off a module, as vLLM's quant_method.kernel does."""
-
-    def __init__(self, n: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        self.fn = functools.partial(torch.mul, other=torch.rand(n, generator=g))
-        shift = torch.rand(n, generator=g)
-        self.lam = lambda x: x + shift
-        self.tables = {"gate": torch.rand(n, generator=g)}
-
-
-class Layer(torch.nn.Module):
-    def __init__(self, n: int = 8, seed: int = 0):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.weight = torch.nn.Parameter(torch.rand(n, n, generator=g))
-        self.register_buffer("scale", torch.rand(n, generator=g))
-        self.kernel = Kernel(n, seed)
-        self.config = Config(torch.rand(n, generator=g))
-
-    def forward(self, x):
-        x = x @ self.weight.t()              # the parameter, read through a view
-        x = x * self.scale                   # a buffer
-        x = self.kernel.fn(x)                # a tensor bound in a partial
-        x = self.kernel.lam(x)               # a tensor in a lambda's closure
-        x = x * self.kernel.tables["gate"]   # a tensor in a dict on a sub-object
-        return x + self.config.bias          # a tensor in a dataclass
-
-
-class Model(torch.nn.Module):
-    def __init__(self, seed: int = 0):
-        super().__init__()
-        self.layers = torch.nn.ModuleList([Layer(seed=seed), Layer(seed=seed + 1)])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def reload(model: Model, seed: int) -> None:
-    """What an engine's reload does: copy into registered tensors, rebuild everything else."""
-    fresh = Model(seed)
-    with torch.no_grad():
-        for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
-            p.copy_(q)
-        for (name, b), c in zip(model.named_buffers(), fresh.buffers()):
-            b.copy_(c)
-    for layer, new in zip(model.layers, fresh.layers):
-        layer.kernel = new.kernel
-        layer.config = new.config
+from tests.test_diff import Model, reload  # the diff's model and reload: every holder kind
 
 
 X = torch.rand(2, 8, generator=torch.Generator().manual_seed(5))

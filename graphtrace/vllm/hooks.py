@@ -26,8 +26,8 @@ Note [weight updates]
 ~~~~~~~~~~~~~~~~~~~~~
 vLLM 0.32 changes a worker's weights in three ways: ``Worker.reload_weights`` (layerwise
 reload; it calls ``model.load_weights`` inside), the weight-transfer session
-``Worker.start_weight_update`` .. ``update_weights``\* .. ``finish_weight_update`` (RL
-trainers; ``update_weights`` calls ``model.load_weights`` per chunk), and a bare
+``Worker.start_weight_update`` .. ``update_weights`` (per chunk) .. ``finish_weight_update``
+(RL trainers; ``update_weights`` calls ``model.load_weights`` per chunk), and a bare
 ``model.load_weights(weights)`` that RL frameworks run through ``collective_rpc``. The
 model class's ``load_weights`` is wrapped when the model is loaded (`wrap_model_updates`).
 ``before_update`` fires when the outermost of these starts, ``after_update`` when it ends
@@ -48,7 +48,7 @@ from typing import Callable
 
 __all__ = [
     "EVENTS", "add_listener", "remove_listener", "install", "uninstall", "worker_model",
-    "worker_rank"
+    "worker_rank", "wrap_model_updates",
 ]
 
 logger = logging.getLogger("graphtrace.vllm")

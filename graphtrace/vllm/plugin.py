@@ -76,8 +76,8 @@ _registered = False
 _written: dict[str, str] = {}
 _counter = 0
 
-__all__ = ["register", "enabled", "guard_mode", "guard_action", "rpc_guard_status", "session", "modules_setting", "write_report",
-           "rpc_write_report", "rpc_capture", "rpc_capture_dummy", "rpc_status", "WORKER_METHODS"]
+__all__ = ["register", "enabled", "guard_mode", "guard_action", "rpc_guard_status", "session",
+           "modules_setting", "write_report", "rpc_write_report", "rpc_capture", "rpc_capture_dummy", "rpc_status", "WORKER_METHODS"]
 
 
 def enabled() -> bool:
@@ -232,11 +232,11 @@ def _guard_after_update(obj, method: str) -> None:
         return
     import sys
 
-    from graphtrace.guard import StaleGraphError, _empty, describe
+    from graphtrace.guard import StaleGraphError, describe, empty_problems
 
     action = guard_action()
     several = _world_group() is not None
-    problems, failure = _empty(), None
+    problems, failure = empty_problems(), None
     with _lock:
         if _guard_state is None:
             _guard_state = _WorkerGuard()
@@ -263,7 +263,8 @@ def _guard_after_update(obj, method: str) -> None:
     try:
         from graphtrace.guard import models_changed
 
-        models_changed(_session.trace)  # graphs captured after this update: owners walked anew
+        # graphs captured after this update: their owners from a fresh walk
+        models_changed(_session.trace.owner_snapshot, _session.trace.models)
     except Exception:
         _guard_failed("refreshing owners after " + method)
     if action == "warn":
@@ -406,7 +407,7 @@ def _recapture(state: _WorkerGuard, problems):
         return problems
     from graphtrace.guard import models_changed
 
-    models_changed(_session.trace)  # the new graphs' owners: the updated model's
+    models_changed(_session.trace.owner_snapshot, _session.trace.models)  # the updated model's
     worker = _session.worker
     dummy = [c.label for c in captures[state.first_graph:] if c.info.get("dummy_run")]
     _session.graphs.clear()  # the emulated graphs: the old storages die with them
