@@ -217,9 +217,13 @@ class Guard:
                              "; ".join(self._owners[r][2] for r in owner_rows),
                              ";".join(kinds), ";".join(st), live, verdict,
                              "storage" if ref is not None else "data_ptr"))
-        frame = pd.DataFrame(rows, columns=GUARD_COLUMNS)
-        frame["live_data_ptr"] = frame["live_data_ptr"].astype("Int64")
-        return frame.sort_values(["graph_id", "storage_id"], kind="stable", ignore_index=True)
+        rows.sort(key=lambda r: (r[0], r[2]))  # by graph, then storage
+        columns = dict(zip(GUARD_COLUMNS, map(list, zip(*rows)))) if rows else {
+            c: [] for c in GUARD_COLUMNS}
+        columns["live_data_ptr"] = pd.array(columns["live_data_ptr"], dtype="Int64")
+        for c in ("graph_id", "storage_id", "data_ptr", "nbytes"):
+            columns[c] = np.asarray(columns[c], dtype=np.int64)
+        return pd.DataFrame(columns, columns=GUARD_COLUMNS)
 
     def enforce(self) -> None:
         """Raise `StaleGraphError` listing every problem `check()` finds; return if clean."""
