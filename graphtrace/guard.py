@@ -30,7 +30,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphtrace import __version__
-from graphtrace.owners import resolve_path
+from graphtrace.owners import PathSet, resolve_path
 from graphtrace.tracing import GraphtraceError
 from graphtrace.vocab import (GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED, ORPHANED,
                               verdict_of)
@@ -107,6 +107,11 @@ class Guard:
         # owner rows, flat: (storage index, model, path, kind); sorted by index, model, path
         self._owners: list[tuple[int, str, str, str]] = [
             (i, m, p, k) for i, s in enumerate(storages) for m, p, k in s["owners"]]
+        # per model: its owner paths resolved together, and the owner rows they answer
+        rows: dict[str, list[int]] = {}
+        for r, (_, m, _, _) in enumerate(self._owners):
+            rows.setdefault(m, []).append(r)
+        self._paths = {m: (PathSet(self._owners[r][2] for r in rs), rs) for m, rs in rows.items()}
 
     # -- models ------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, name: str | None = None) -> "Guard":
@@ -166,8 +171,11 @@ class Guard:
         statuses: list[str] = []
         live_ptrs: list[int | None] = []
         bad: set[int] = set()
-        for i, model, path, _ in self._owners:
-            tensor = resolve_path(models[model], path)
+        tensors: list = [None] * len(self._owners)
+        for name, (paths, rows) in self._paths.items():
+            for r, tensor in zip(rows, paths.resolve(models[name])):
+                tensors[r] = tensor
+        for (i, _, _, _), tensor in zip(self._owners, tensors):
             if tensor is None:
                 statuses.append(ORPHANED)
                 live_ptrs.append(None)
