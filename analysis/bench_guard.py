@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import platform
 import statistics
 import sys
@@ -146,6 +147,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.layers, args.graphs, args.check_repeat, args.diff_repeat = 4, 3, 5, 1
 
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     torch.manual_seed(0)
     model = LlamaForCausalLM(args.layers).eval()
     per_layer = sorted(n.split(".", 3)[3] for n, _ in model.named_parameters()
@@ -187,7 +189,8 @@ def main(argv=None) -> int:
     lines = [
         "# graphtrace guard.check() vs t.diff(), Llama-70B-shaped model",
         f"# python {platform.python_version()}, torch {torch.__version__}, "
-        f"{platform.machine()}, threads {torch.get_num_threads()}",
+        f"{platform.machine()}, threads {torch.get_num_threads()}, load average at start "
+        f"{load:.1f} (a shared machine: timings vary with it)",
         f"layers {args.layers}, parameters {n_params} ({len(LAYER_PARAMS)} per layer), "
         f"graphs {args.graphs}, accesses {n_accesses} (captured in {capture_s:.1f} s)",
         f"guard: {len(guard)} storages, {guard.n_owners} owner paths; "
