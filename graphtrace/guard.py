@@ -30,6 +30,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphtrace import __version__
+from graphtrace.opaque import is_opaque, storage_of
 from graphtrace.owners import PathSet, resolve_path
 from graphtrace.tracing import GraphtraceError
 from graphtrace.vocab import (GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED, ORPHANED,
@@ -38,9 +39,8 @@ from graphtrace.vocab import (GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED, ORPHA
 if TYPE_CHECKING:
     from graphtrace.owners import OwnerSnapshot
     from graphtrace.recorder import Recorder
-    from graphtrace.tracing import Trace
 
-__all__ = ["Guard", "StaleGraphError", "load_guard", "guard_from_trace", "guard_of",
+__all__ = ["Guard", "StaleGraphError", "load_guard", "guard_of",
            "models_changed", "describe", "empty_problems", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "graphtrace.guard"
@@ -182,14 +182,14 @@ class Guard:
                 bad.add(i)
                 continue
             try:
-                storage = tensor.untyped_storage()
+                storage = storage_of(tensor)  # an opaque handle's proxy storage too
                 ref = refs[i]
                 if ref is not None:
                     same = storage._cdata == ref.cdata
                 else:
                     same = (not self._dead[i] and storage.data_ptr() == ptrs[i]
                             and storage.nbytes() == nbytes[i])
-                ptr = tensor.data_ptr()
+                ptr = 0 if is_opaque(tensor) else tensor.data_ptr()  # as diff reports it
             except Exception:  # no storage (meta, functional wrappers): not the captured one
                 same, ptr = False, None
             statuses.append(HOLDS if same else MOVED)
@@ -317,7 +317,7 @@ def _storage(tensor: torch.Tensor | None) -> torch.UntypedStorage | None:
     if tensor is None:
         return None
     try:
-        return tensor.untyped_storage()
+        return storage_of(tensor)
     except Exception:
         return None
 
@@ -367,12 +367,6 @@ def describe(problems: pd.DataFrame, limit: int = 20) -> str:
 
 
 # -- from a trace ----------------------------------------------------------------------------
-
-def guard_from_trace(trace: "Trace", first_graph: int = 0) -> Guard:
-    """The guard of everything `trace` captured so far (see ``Trace.guard``); graphs with
-    ids below `first_graph` are left out (dropped, e.g. before a re-capture)."""
-    return guard_of(trace.recorder, trace.owner_snapshot, trace.models, first_graph)
-
 
 def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
              models: Mapping[str, torch.nn.Module], first_graph: int = 0) -> Guard:

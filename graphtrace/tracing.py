@@ -521,12 +521,14 @@ class Trace:
         return diff(self.recorder, self.owner_snapshot, models, self.blind_spots,
                     provenance=self.provenance)
 
-    def guard(self):
-        """A `graphtrace.guard.Guard` of the owned storages captured so far: weak handles and
-        owner paths only; ``guard.check()`` / ``guard.enforce()`` after each weight update."""
-        from graphtrace.guard import guard_from_trace
+    def guard(self, first_graph: int = 0):
+        """A `graphtrace.guard.Guard` of the owned storages captured so far (graph ids from
+        `first_graph`): weak handles and owner paths only; ``guard.check()`` /
+        ``guard.enforce()`` after each weight update (docs/guard.md)."""
+        from graphtrace.guard import guard_of
 
-        return guard_from_trace(self)
+        models = self._live_models() if self.recorder.captures else self.models
+        return guard_of(self.recorder, self.owner_snapshot, models, first_graph)
 
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")

@@ -317,3 +317,23 @@ def test_two_models_by_name():
     with pytest.raises(gt.GraphtraceError, match="pass name="):
         guard.attach(a)
     del g
+
+
+def test_opaque_handle_owner_agrees_with_diff():
+    """A ScriptObject (quantized packed params) read by a graph is guarded like a tensor:
+    stable before, stale once a new packed object is bound in its place."""
+    from tests.test_robustness import _quantized, _requantize
+
+    model = _quantized()
+    with gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            model(torch.rand(2, 4))
+    guard = t.guard()
+    assert "0._packed_params._packed_params" in set(guard.manifest["path"])
+    assert guard.check().empty and t.diff().stale.empty
+    _requantize(model, seed=1)
+    problems = guard.check()
+    assert guard_problems(problems) == diff_problems(t.diff())
+    assert set(problems["owners"]) == {"0._packed_params._packed_params"}
+    assert set(problems["verdict"]) == {"stale"} and list(problems["live_data_ptr"]) == [0]
+    del g

@@ -180,14 +180,12 @@ class _WorkerGuard:
         self.last: dict | None = None
 
     def refresh(self):
-        from graphtrace.guard import guard_from_trace
-
         captures = _session.trace.recorder.captures
         if self.guard is None or len(captures) != self.n_graphs:
             if len(captures) <= self.first_graph:
                 self.guard = None
             else:
-                self.guard = guard_from_trace(_session.trace, first_graph=self.first_graph)
+                self.guard = _session.trace.guard(first_graph=self.first_graph)
                 self.folder().mkdir(parents=True, exist_ok=True)
                 self.guard.to_json(self.folder() / "guard.json")
             self.n_graphs = len(captures)
