@@ -521,6 +521,15 @@ class Trace:
         return diff(self.recorder, self.owner_snapshot, models, self.blind_spots,
                     provenance=self.provenance)
 
+    def guard(self, first_graph: int = 0):
+        """A `graphtrace.guard.Guard` of the owned storages captured so far (graph ids from
+        `first_graph`): weak handles and owner paths only; ``guard.check()`` /
+        ``guard.enforce()`` after each weight update (docs/guard.md)."""
+        from graphtrace.guard import guard_of
+
+        models = self._live_models() if self.recorder.captures else self.models
+        return guard_of(self.recorder, self.owner_snapshot, models, first_graph)
+
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")
         n = sum(c.n_accesses for c in self.recorder.captures)

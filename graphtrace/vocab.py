@@ -14,7 +14,8 @@ __all__ = [
     "VERDICTS", "STALE_VERDICTS", "IMPACTS", "ORIGINS", "OWNER_STATUSES", "OWNER_KINDS",
     "ACCESS_KINDS", "EDGE_ACCESSES", "FRAMES", "SCHEMA", "COLUMNS", "COLUMN_KINDS",
     "HOLDS", "MOVED", "ORPHANED", "verdict_of", "BEFORE_TRACE", "NOT_RECORDED",
-    "PROVENANCE_MARKS", "FIXES", "FIX_KINDS",
+    "PROVENANCE_MARKS", "FIXES", "FIX_KINDS", "GUARD_PROBLEMS", "GUARD_SCHEMA", "GUARD_COLUMNS",
+    "GUARD_IDENTITIES",
 ]
 
 # -- verdicts (one per edge; the words are part of the public contract) ---------------------
@@ -85,6 +86,17 @@ SCHEMA: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 COLUMNS: dict[str, list[str]] = {name: [c for c, _ in cols] for name, cols in SCHEMA.items()}
+
+# -- guard (graphtrace.guard: `guard.check()`, one row per problem edge) -------------------
+GUARD_PROBLEMS = ("stale", "dangling", "diverged", "orphaned")  # verdicts a guard fails on
+GUARD_IDENTITIES = ("storage", "data_ptr")  # live weak handle, or address + size (from JSON)
+GUARD_SCHEMA: tuple[tuple[str, str], ...] = (
+    ("graph_id", "int"), ("graph", "str"), ("storage_id", "int"), ("data_ptr", "int"),
+    ("nbytes", "int"), ("dtype", "str"), ("shape", "str"), ("owners", "str"),
+    ("owner_kinds", "str"), ("statuses", "str"), ("live_data_ptr", "Int"), ("verdict", "str"),
+    ("identity", "str"),
+)
+GUARD_COLUMNS: list[str] = [c for c, _ in GUARD_SCHEMA]
 
 
 def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False) -> str:

@@ -48,3 +48,14 @@ def test_bench_scale_quick(tmp_path):
     assert "real " in out and "synthetic " in out
     assert "round trip ok" in out and "MISMATCH" not in out
     assert out_file.read_text().startswith("# graphtrace trace + diff + report at scale")
+
+
+def test_bench_guard_quick(tmp_path):
+    out_file = tmp_path / "guard.txt"
+    out = _run("bench_guard.py", "--out", str(out_file))
+    assert "| guard.check(), clean" in out and "| t.diff()" in out
+    assert "ratio diff / check:" in out
+    # the rebound holder is found by both, with the same edges
+    assert "found by check and diff alike (3 edges, stale): yes" in out
+    assert "parameters 39 (9 per layer)" in out
+    assert out_file.read_text().startswith("# graphtrace guard.check() vs t.diff()")

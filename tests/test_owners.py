@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from graphtrace.owners import resolve_path, walk_owners
+from graphtrace.owners import PathSet, resolve_path, walk_owners
 
 
 def _permute(x, perm):
@@ -319,3 +319,37 @@ def test_an_object_that_raises_is_noted_and_the_walk_goes_on():
     with pytest.warns(RuntimeWarning, match="object that raised RuntimeError"):
         got = [p for p, _, _ in walk_owners(model)]
     assert got == ["good.t"]
+
+
+def test_path_set_resolves_as_resolve_path_does():
+    """PathSet (shared prefixes followed once) answers every path as resolve_path does:
+    before and after rebinds and orphaning, with [1] / [True] / [1.0] keys kept apart."""
+    model = Model()
+    model.d = {1: torch.ones(1), True: torch.zeros(1), 1.5: torch.ones(2), "1": torch.ones(3)}
+    model.d[1] = torch.ones(1)  # True == 1: one dict entry; still two distinct path steps
+    paths = [p for p, _, _ in owners(model)] + [
+        "d[1]", "d[True]", "d[1.5]", "d['1']", "no_such.attr", "block.linear",
+        f"{K}.tables['ints']", "d[2]"]
+    paths_set = PathSet(paths)
+    assert len(paths_set) == len(paths)
+
+    def same():
+        got = paths_set.resolve(model)
+        want = [resolve_path(model, p) for p in paths]
+        assert [id(t) for t in got] == [id(t) for t in want]
+        return got
+
+    before = same()
+    assert before[paths.index("d[1.5]")] is model.d[1.5]
+    k = model.block.kernel
+    k.act_perm = functools.partial(_permute, perm=torch.arange(4))  # rebound
+    k.gather = lambda x: x  # closure gone
+    del k.tables["zeros"]
+    model.block.linear.bias = None
+    after = same()
+    assert sum(t is None for t in after) > sum(t is None for t in before)
+    assert after[paths.index(f"{K}.act_perm.keywords['perm']")] is k.act_perm.keywords["perm"]
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        paths_set.resolve({"not": "a module"})
+    with pytest.raises(ValueError):
+        PathSet(["a..b"])

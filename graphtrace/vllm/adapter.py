@@ -388,6 +388,11 @@ class VllmTrace:
         report.meta["vllm"] = _plain(self.info())
         return report
 
+    def guard(self):
+        """A `graphtrace.Guard` of the graphs captured so far (docs/guard.md): check it after
+        each weight update with ``guard.check()`` / ``guard.enforce()``."""
+        return self.trace.guard()
+
     def __repr__(self) -> str:
         return f"<graphtrace.vllm.VllmTrace {self.trace!r}, {len(self.graphs)} emulated graphs>"
 
@@ -405,6 +410,8 @@ def capture_dummy_run(vt: VllmTrace, worker, label: str, num_tokens: int | None,
         runner._dummy_run(num_tokens, uniform_decode=uniform_decode)
     if not cap.graphs:
         raise GraphtraceError("the dummy run did not call the model's forward")
+    # what a re-capture can record again by itself (plugin, GRAPHTRACE_GUARD=recapture)
+    cap.graphs[0].capture.info.update(dummy_run=True, num_tokens=num_tokens)
     return cap.graphs[0]
 
 

@@ -14,10 +14,25 @@ Listeners are plain callables ``fn(worker)``:
 * ``after_load``: the model exists (``worker.model_runner.get_model()``): watch it;
 * ``after_warmup``: after ``compile_or_warm_up_model`` (CUDA graphs captured; on CPU the
   place for an emulated capture, the KV cache exists);
-* ``shutdown``: before ``Worker.shutdown`` runs.
+* ``shutdown``: before ``Worker.shutdown`` runs;
+* ``before_update`` / ``after_update``: around every weight update, once per outermost update
+  (Note [weight updates]).
 
 A listener's exception is logged and swallowed (fail open): tracing never breaks the engine,
-unless ``GRAPHTRACE_STRICT=1``.
+unless ``GRAPHTRACE_STRICT=1``, and except `graphtrace.StaleGraphError`, which a guard
+raises on purpose to fail the update (fail closed).
+
+Note [weight updates]
+~~~~~~~~~~~~~~~~~~~~~
+vLLM 0.32 changes a worker's weights in three ways: ``Worker.reload_weights`` (layerwise
+reload; it calls ``model.load_weights`` inside), the weight-transfer session
+``Worker.start_weight_update`` .. ``update_weights`` (per chunk) .. ``finish_weight_update``
+(RL trainers; ``update_weights`` calls ``model.load_weights`` per chunk), and a bare
+``model.load_weights(weights)`` that RL frameworks run through ``collective_rpc``. The
+model class's ``load_weights`` is wrapped when the model is loaded (`wrap_model_updates`).
+``before_update`` fires when the outermost of these starts, ``after_update`` when it ends
+without raising: calls nested inside another, and ``load_weights`` inside an open transfer
+session, fire nothing (the model is half-updated until the session finishes).
 """
 
 from __future__ import annotations
@@ -33,12 +48,13 @@ from typing import Callable
 
 __all__ = [
     "EVENTS", "add_listener", "remove_listener", "install", "uninstall", "worker_model",
-    "worker_rank"
+    "worker_rank", "wrap_model_updates",
 ]
 
 logger = logging.getLogger("graphtrace.vllm")
 
-EVENTS = ("before_load", "after_load", "after_warmup", "shutdown")
+EVENTS = ("before_load", "after_load", "after_warmup", "shutdown", "before_update",
+          "after_update")
 _listeners: dict[str, list[Callable]] = {e: [] for e in EVENTS}
 _lock = threading.RLock()
 _patched: set[str] = set()
@@ -49,6 +65,9 @@ _TARGETS = {
         ("Worker", "load_model", "before_load", "after_load"),
         ("Worker", "compile_or_warm_up_model", None, "after_warmup"),
         ("Worker", "shutdown", "shutdown", None),
+        ("Worker", "reload_weights", "update", "call"),
+        ("Worker", "start_weight_update", "update", "start"),
+        ("Worker", "finish_weight_update", "update", "finish"),
     ],
     "vllm.v1.worker.cpu_worker": [
         # CPUWorker overrides compile_or_warm_up_model (and not the other two)
@@ -76,14 +95,83 @@ def _strict() -> bool:
     return os.environ.get("GRAPHTRACE_STRICT") == "1"
 
 
-def _fire(event: str, worker) -> None:
+def _fire(event: str, worker, *args) -> None:
     for fn in list(_listeners[event]):
         try:
-            fn(worker)
-        except Exception:
-            if _strict():
+            fn(worker, *args)
+        except Exception as exc:
+            if _strict() or _fails_closed(exc):
                 raise
             logger.exception("graphtrace: %s listener %r failed (ignored)", event, fn)
+
+
+def _fails_closed(exc: Exception) -> bool:
+    """A guard's verdict (StaleGraphError) fails the weight update on purpose."""
+    from graphtrace.guard import StaleGraphError
+
+    return isinstance(exc, StaleGraphError)
+
+
+class _UpdateState(threading.local):
+    def __init__(self):
+        self.depth = 0          # weight-update calls running on this thread
+        self.session = False    # a weight-transfer session is open (start .. finish)
+
+
+_update_state = _UpdateState()
+
+
+def _wrap_update(cls, method: str, role: str) -> None:
+    """Wrap one weight-update entry point (Note [weight updates]); `role`: "call" (a whole
+    update), "start" or "finish" (a transfer session's ends)."""
+    original = cls.__dict__.get(method)
+    if original is None or getattr(original, "__graphtrace_wrapped__", False):
+        return
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        state = _update_state
+        outer = state.depth == 0 and not state.session
+        if outer and role != "finish":
+            _fire("before_update", self, method)
+        state.depth += 1
+        ok = False
+        try:
+            result = original(self, *args, **kwargs)
+            ok = True
+        finally:
+            state.depth -= 1
+            if ok and state.depth == 0:
+                if role == "start":
+                    state.session = True
+                elif role == "finish":
+                    state.session = False
+        if ok and state.depth == 0 and not state.session and role != "start":
+            _fire("after_update", self, method)
+        return result
+
+    wrapper.__graphtrace_wrapped__ = True
+    wrapper.__graphtrace_original__ = original
+    setattr(cls, method, wrapper)
+
+
+def wrap_model_updates(model) -> None:
+    """Make ``type(model).load_weights`` a weight update (fires the update events when it is
+    the outermost one); idempotent."""
+    cls = type(model)
+    if "load_weights" not in cls.__dict__:  # inherited: wrap where it is defined
+        for base in cls.__mro__[1:]:
+            if "load_weights" in base.__dict__:
+                cls = base
+                break
+        else:
+            return
+    with _lock:
+        _wrap_update(cls, "load_weights", "call")
+        _model_classes.add(cls)
+
+
+_model_classes: set = set()
 
 
 def _wrap(cls, method: str, before: str | None, after: str | None) -> None:
@@ -123,7 +211,11 @@ def _patch_module(name: str) -> None:
             return
         for cls_name, method, before, after in _TARGETS[name]:
             cls = getattr(module, cls_name, None)
-            if cls is not None:
+            if cls is None:
+                continue
+            if before == "update":
+                _wrap_update(cls, method, after)
+            else:
                 _wrap(cls, method, before, after)
         _patched.add(name)
 
@@ -192,6 +284,11 @@ def uninstall() -> None:
                 if fn is not None and getattr(fn, "__graphtrace_wrapped__", False):
                     setattr(cls, method, fn.__graphtrace_original__)
             _patched.discard(name)
+        for cls in list(_model_classes):
+            fn = cls.__dict__.get("load_weights")
+            if fn is not None and getattr(fn, "__graphtrace_wrapped__", False):
+                setattr(cls, "load_weights", fn.__graphtrace_original__)
+        _model_classes.clear()
         if _finder is not None and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
         _finder = None

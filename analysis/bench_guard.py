@@ -1,0 +1,224 @@
+"""guard.check() against t.diff() on a model shaped like an 80-layer Llama 70B, 67 graphs.
+
+Model: the module tree of Hugging Face's LlamaForCausalLM for Llama-3-70B (``model.
+embed_tokens``, 80 ``model.layers.{i}`` each with ``self_attn.{q,k,v,o}_proj``,
+``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``; ``model.norm``,
+``model.rotary_emb.inv_freq``, ``lm_head``): the same modules and the same 9 parameters per
+layer (no biases), 723 parameters in all, with tiny tensors (hidden size 8: the shapes do not
+change what the guard or the diff do per storage). Each layer's attention also keeps a
+kernel-like holder (a tensor in a ``functools.partial``), as vLLM's quant methods do. 67
+graphs are captured, one per decode batch size 1..67 (vLLM's default capture list has 67
+sizes), each a full forward. Then a same-weights reload (values copied into the registered
+tensors, holders untouched) and: ``guard.check()`` (median of many runs) against
+``t.diff()`` (median of a few) on the same trace, and the check of a reload that rebinds one
+holder (detected by both).
+
+    python analysis/bench_guard.py [--layers 80] [--graphs 67] [--out analysis/results/bench_guard.txt]
+    python analysis/bench_guard.py --quick      # 4 layers, 3 graphs (tests)
+
+Exit status 1 when the full-size run misses the targets: check <= 10 ms and >= 50x faster
+than diff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+import graphtrace as gt
+
+LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                "mlp.down_proj.weight", "input_layernorm.weight",
+                "post_attention_layernorm.weight")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(d, d, bias=False) for _ in range(4))
+        # what a quant method keeps outside the registered parameters
+        self.kernel_scale = functools.partial(torch.mul, other=torch.ones(d))
+
+    def forward(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        att = torch.softmax(q @ k.t(), dim=-1)
+        return self.o_proj(self.kernel_scale(att @ v))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, 2 * d, bias=False)
+        self.up_proj = nn.Linear(d, 2 * d, bias=False)
+        self.down_proj = nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.self_attn = Attention(d)
+        self.mlp = MLP(d)
+        self.input_layernorm = RMSNorm(d)
+        self.post_attention_layernorm = RMSNorm(d)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Rotary(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(d // 2), persistent=False)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, layers: int, d: int, vocab: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(DecoderLayer(d) for _ in range(layers))
+        self.norm = RMSNorm(d)
+        self.rotary_emb = Rotary(d)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, layers: int = 80, d: int = 8, vocab: int = 32):
+        super().__init__()
+        self.model = LlamaModel(layers, d, vocab)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+def same_weights_reload(model: nn.Module) -> None:
+    """What vLLM's layerwise reload does to registered tensors: copy into their storages."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.detach().clone())
+
+
+def median_ms(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--graphs", type=int, default=67)
+    ap.add_argument("--check-repeat", type=int, default=50)
+    ap.add_argument("--diff-repeat", type=int, default=3)
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("--quick", action="store_true", help="4 layers, 3 graphs (tests)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.layers, args.graphs, args.check_repeat, args.diff_repeat = 4, 3, 5, 1
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(args.layers).eval()
+    per_layer = sorted(n.split(".", 3)[3] for n, _ in model.named_parameters()
+                       if n.startswith("model.layers.0."))
+    assert per_layer == sorted(LAYER_PARAMS), per_layer
+    n_params = sum(1 for _ in model.parameters())
+
+    t0 = time.perf_counter()
+    with torch.no_grad(), gt.trace(model) as t:
+        graphs = []
+        for bs in range(1, args.graphs + 1):
+            with gt.capture(f"decode_bs{bs}") as g:
+                model(torch.arange(bs) % 32)
+            graphs.append(g)
+    capture_s = time.perf_counter() - t0
+    n_accesses = sum(c.n_accesses for c in t.captures)
+
+    t0 = time.perf_counter()
+    guard = t.guard()
+    build_ms = (time.perf_counter() - t0) * 1e3
+    same_weights_reload(model)
+
+    problems = guard.check()
+    report = t.diff()
+    assert problems.empty and report.stale.empty, "a same-weights copy reload must be clean"
+    check_ms = median_ms(guard.check, args.check_repeat)
+    diff_ms = median_ms(t.diff, args.diff_repeat)
+    ratio = diff_ms / check_ms
+
+    # a reload that rebinds one holder: both find it, with the same verdict
+    layer = model.model.layers[args.layers // 2].self_attn
+    layer.kernel_scale = functools.partial(torch.mul, other=torch.ones(8))
+    problems = guard.check()
+    stale = t.diff().stale
+    found = sorted(set(problems["verdict"])) == ["stale"] and set(problems["owners"]) == set(
+        stale["owners"].astype(str)) and len(problems) == len(stale) == args.graphs
+    bad_ms = median_ms(guard.check, max(3, args.check_repeat // 5))
+
+    lines = [
+        "# graphtrace guard.check() vs t.diff(), Llama-70B-shaped model",
+        f"# python {platform.python_version()}, torch {torch.__version__}, "
+        f"{platform.machine()}, threads {torch.get_num_threads()}, load average at start "
+        f"{load:.1f} (a shared machine: timings vary with it)",
+        f"layers {args.layers}, parameters {n_params} ({len(LAYER_PARAMS)} per layer), "
+        f"graphs {args.graphs}, accesses {n_accesses} (captured in {capture_s:.1f} s)",
+        f"guard: {len(guard)} storages, {guard.n_owners} owner paths; "
+        f"built in {build_ms:.1f} ms",
+        "",
+        "| what | median ms |",
+        "|---|---|",
+        f"| guard.check(), clean (x{args.check_repeat}) | {check_ms:.2f} |",
+        f"| guard.check(), one holder rebound | {bad_ms:.2f} |",
+        f"| t.diff() (x{args.diff_repeat}) | {diff_ms:.1f} |",
+        "",
+        f"ratio diff / check: {ratio:.0f}x",
+        f"rebound holder: found by check and diff alike ({len(problems)} edges, stale): "
+        f"{'yes' if found else 'NO'}",
+    ]
+    targets = check_ms <= 10.0 and ratio >= 50.0
+    if not args.quick:
+        lines.append(f"targets (check <= 10 ms, >= 50x faster than diff): "
+                     f"{'met' if targets else 'MISSED'}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if not found:
+        return 1
+    return 0 if (args.quick or targets) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

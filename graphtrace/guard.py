@@ -1,0 +1,505 @@
+"""The guard: after every weight update, are the storages the captured graphs read still
+where their capture-time owners point?
+
+``guard = t.guard()`` keeps, for every *owned* storage a captured graph reads or writes, a
+weak handle to it and its owner paths; nothing else from the trace and nothing alive (models
+by weak reference). ``guard.check()`` re-resolves just those paths on the live model(s)
+(`graphtrace.owners.resolve_path`) and classifies each storage with the rule
+`graphtrace.vocab.verdict_of`, the rule diff applies, so the verdicts agree with
+``t.diff()``; it returns one row per problem edge (graph, storage). ``guard.enforce()``
+raises `StaleGraphError` listing them. ``guard.to_json(path)`` writes the required-storage
+manifest (docs/guard.md) that ``load_guard(path, model=...)`` reads back, here or in an
+engine without graphtrace.
+
+See Note [guard identity] for what a guard loaded from JSON can and cannot tell.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import tempfile
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Mapping
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from graphtrace import __version__
+from graphtrace.opaque import is_opaque, storage_of
+from graphtrace.owners import PathSet, resolve_path
+from graphtrace.tracing import GraphtraceError
+from graphtrace.vocab import (GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED, ORPHANED,
+                              verdict_of)
+
+if TYPE_CHECKING:
+    from graphtrace.owners import OwnerSnapshot
+    from graphtrace.recorder import Recorder
+
+__all__ = ["Guard", "StaleGraphError", "load_guard", "guard_of",
+           "models_changed", "describe", "empty_problems", "FORMAT", "FORMAT_VERSION"]
+
+FORMAT = "graphtrace.guard"
+FORMAT_VERSION = 1
+
+# Note [guard identity]
+# ~~~~~~~~~~~~~~~~~~~~~
+# A guard made from a trace holds one StorageWeakRef per required storage. A held weak
+# reference keeps the StorageImpl allocation (so its address, `_cdata`) unique without
+# keeping the data alive: "the owner's tensor has this `_cdata`" is exact identity, and
+# `expired()` says whether the captured storage was freed (stale vs dangling). This is
+# `identity == "storage"`.
+#
+# A manifest read from JSON has only the storage's base `data_ptr` and `nbytes`.
+# `attach(model)` upgrades it where it can: an owner path that resolves to a storage with
+# that very address and size is taken as the captured storage and a weak handle to it is
+# kept from then on (identity "storage" again). So: load and attach *before* the weight
+# update and the answers are the live guard's. Where no owner holds such a storage at
+# attach time (attached after the update), identity stays "data_ptr": an owner "holds" when
+# its storage has the captured address and size. That is weaker, because the caching
+# allocator hands a freed address out again (94 of 100 frees here): a moved owner whose new
+# storage landed at the old address reads as holding (a dangling read goes unseen), and the
+# old storage's liveness is unknown, so a moved owner reads `stale` (never `dangling`).
+
+
+class StaleGraphError(GraphtraceError):
+    """A weight update left captured graphs reading storages their owners no longer hold.
+
+    ``problems`` is the DataFrame `Guard.check()` returned (one row per problem edge).
+    """
+
+    def __init__(self, message: str, problems: pd.DataFrame):
+        super().__init__(message)
+        self.problems = problems
+
+    def __reduce__(self):  # crosses vLLM's process boundaries (collective_rpc errors)
+        return (type(self), (str(self), self.problems))
+
+
+class Guard:
+    """The owned storages captured graphs read, their owners and graphs; see the module doc.
+
+    Made by ``Trace.guard()`` or `load_guard`; ``check()`` / ``enforce()`` after each update.
+    """
+
+    def __init__(self, *, models: Iterable[str], graphs: Mapping[int, str],
+                 storages: list[dict], source: str = "trace"):
+        """`storages`: per required storage a dict with keys storage_id, data_ptr, nbytes,
+        device, dtype, shape, alive (bool), graphs (graph ids), owners ((model, path, kind)
+        sorted), ref (a StorageWeakRef or None)."""
+        self._model_names = list(models)
+        self._models: dict[str, weakref.ref | None] = {n: None for n in self._model_names}
+        self.graphs: dict[int, str] = dict(graphs)
+        self.source = source
+        self._sids = [s["storage_id"] for s in storages]
+        self._ptrs = [int(s["data_ptr"]) for s in storages]
+        self._nbytes = [int(s["nbytes"]) for s in storages]
+        self._devices = [s["device"] for s in storages]
+        self._dtypes = [s["dtype"] for s in storages]
+        self._shapes = [s["shape"] for s in storages]
+        self._dead = [not s["alive"] for s in storages]  # freed before the guard was made
+        self._graph_ids = [tuple(s["graphs"]) for s in storages]
+        self._refs: list[StorageWeakRef | None] = [s.get("ref") for s in storages]
+        # owner rows, flat: (storage index, model, path, kind); sorted by index, model, path
+        self._owners: list[tuple[int, str, str, str]] = [
+            (i, m, p, k) for i, s in enumerate(storages) for m, p, k in s["owners"]]
+        # per model: its owner paths resolved together, and the owner rows they answer
+        rows: dict[str, list[int]] = {}
+        for r, (_, m, _, _) in enumerate(self._owners):
+            rows.setdefault(m, []).append(r)
+        self._paths = {m: (PathSet(self._owners[r][2] for r in rs), rs) for m, rs in rows.items()}
+
+    # -- models ------------------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module, name: str | None = None) -> "Guard":
+        """Check against `model` (by weak reference) under `name`; with one model name,
+        `name` may be left out. A storage known only by address is upgraded to a weak handle
+        when an owner path of `model` reaches a storage of that address and size (Note
+        [guard identity])."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"a guard attaches to a torch.nn.Module, got {type(model).__name__}")
+        if name is None:
+            if len(self._model_names) != 1:
+                raise GraphtraceError(
+                    f"this guard checks {len(self._model_names)} models "
+                    f"({', '.join(map(repr, self._model_names))}): pass name=...")
+            name = self._model_names[0]
+        if name not in self._models:
+            raise GraphtraceError(f"this guard has no model named {name!r} (its models: "
+                                  f"{', '.join(map(repr, self._model_names))})")
+        self._models[name] = weakref.ref(model)
+        self._adopt(name, model)
+        return self
+
+    def _adopt(self, name: str, model: torch.nn.Module) -> None:
+        for i, m, path, _ in self._owners:
+            if m != name or self._refs[i] is not None or self._dead[i]:
+                continue
+            tensor = resolve_path(model, path)
+            storage = _storage(tensor)
+            if (storage is not None and storage.data_ptr() == self._ptrs[i]
+                    and storage.nbytes() == self._nbytes[i]):
+                self._refs[i] = StorageWeakRef(storage)
+
+    def _live_models(self) -> dict[str, torch.nn.Module]:
+        live = {}
+        for name in self._model_names:
+            ref = self._models[name]
+            model = ref() if ref is not None else None
+            if model is None:
+                what = "was never attached" if ref is None else "was freed"
+                label = f"model {name!r}" if name else "the model"
+                raise GraphtraceError(f"{label} of this guard {what}: call "
+                                      f"guard.attach(model{', name=' + repr(name) if name else ''})")
+            live[name] = model
+        return live
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._model_names)
+
+    # -- checks ------------------------------------------------------------------------------
+    def check(self) -> pd.DataFrame:
+        """One row per (graph, storage) whose storage's owners no longer all hold it
+        (columns: graphtrace.vocab.GUARD_COLUMNS; verdicts: GUARD_PROBLEMS); empty when
+        every captured storage is still where its owners point."""
+        models = self._live_models()
+        refs, ptrs, nbytes = self._refs, self._ptrs, self._nbytes
+        statuses: list[str] = []
+        live_ptrs: list[int | None] = []
+        bad: set[int] = set()
+        tensors: list = [None] * len(self._owners)
+        for name, (paths, rows) in self._paths.items():
+            for r, tensor in zip(rows, paths.resolve(models[name])):
+                tensors[r] = tensor
+        for (i, _, _, _), tensor in zip(self._owners, tensors):
+            if tensor is None:
+                statuses.append(ORPHANED)
+                live_ptrs.append(None)
+                bad.add(i)
+                continue
+            try:
+                storage = storage_of(tensor)  # an opaque handle's proxy storage too
+                ref = refs[i]
+                if ref is not None:
+                    same = storage._cdata == ref.cdata
+                else:
+                    same = (not self._dead[i] and storage.data_ptr() == ptrs[i]
+                            and storage.nbytes() == nbytes[i])
+                ptr = 0 if is_opaque(tensor) else tensor.data_ptr()  # as diff reports it
+            except Exception:  # no storage (meta, functional wrappers): not the captured one
+                same, ptr = False, None
+            statuses.append(HOLDS if same else MOVED)
+            live_ptrs.append(ptr)
+            if not same:
+                bad.add(i)
+        if not bad:
+            return empty_problems()
+        return self._problems(bad, statuses, live_ptrs)
+
+    def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list) -> pd.DataFrame:
+        by_storage: dict[int, list[int]] = {}
+        for row, (i, *_rest) in enumerate(self._owners):
+            if i in bad:
+                by_storage.setdefault(i, []).append(row)
+        rows = []
+        for i in sorted(bad):
+            owner_rows = by_storage[i]
+            st = [statuses[r] for r in owner_rows]
+            ref = self._refs[i]
+            alive = (not ref.expired()) if ref is not None else not self._dead[i]
+            verdict = verdict_of(st, alive)
+            if verdict not in GUARD_PROBLEMS:
+                continue
+            moved = [live_ptrs[r] for r in owner_rows if statuses[r] == MOVED
+                     and live_ptrs[r] is not None]
+            known = [live_ptrs[r] for r in owner_rows if live_ptrs[r] is not None]
+            live = moved[0] if moved else (known[0] if known else pd.NA)
+            kinds = sorted({self._owners[r][3] for r in owner_rows})
+            for g in self._graph_ids[i]:
+                rows.append((g, self.graphs.get(g, ""), self._sids[i], self._ptrs[i],
+                             self._nbytes[i], self._dtypes[i], self._shapes[i],
+                             "; ".join(self._owners[r][2] for r in owner_rows),
+                             ";".join(kinds), ";".join(st), live, verdict,
+                             "storage" if ref is not None else "data_ptr"))
+        rows.sort(key=lambda r: (r[0], r[2]))  # by graph, then storage
+        columns = dict(zip(GUARD_COLUMNS, map(list, zip(*rows)))) if rows else {
+            c: [] for c in GUARD_COLUMNS}
+        columns["live_data_ptr"] = pd.array(columns["live_data_ptr"], dtype="Int64")
+        for c in ("graph_id", "storage_id", "data_ptr", "nbytes"):
+            columns[c] = np.asarray(columns[c], dtype=np.int64)
+        return pd.DataFrame(columns, columns=GUARD_COLUMNS)
+
+    def enforce(self) -> None:
+        """Raise `StaleGraphError` listing every problem `check()` finds; return if clean."""
+        problems = self.check()
+        if len(problems):
+            raise StaleGraphError(describe(problems), problems)
+
+    # -- the manifest ------------------------------------------------------------------------
+    @property
+    def manifest(self) -> pd.DataFrame:
+        """The required storages, one row per (graph, owner): graph_id, graph, storage_id,
+        model, path, kind, data_ptr, nbytes, device, dtype, shape (what the JSON holds)."""
+        rows = [(g, self.graphs.get(g, ""), self._sids[i], m, p, k, self._ptrs[i],
+                 self._nbytes[i], self._devices[i], self._dtypes[i], self._shapes[i])
+                for i, m, p, k in self._owners for g in self._graph_ids[i]]
+        return pd.DataFrame(rows, columns=["graph_id", "graph", "storage_id", "model", "path",
+                                           "kind", "data_ptr", "nbytes", "device", "dtype",
+                                           "shape"])
+
+    def to_dict(self) -> dict:
+        """The manifest as plain JSON data (format in docs/guard.md)."""
+        owners: dict[int, list] = {}
+        for i, m, p, k in self._owners:
+            owners.setdefault(i, []).append({"model": m, "path": p, "kind": k})
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "graphtrace_version": __version__,
+            "torch_version": torch.__version__,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "models": list(self._model_names),
+            "graphs": [{"graph_id": g, "label": label} for g, label in self.graphs.items()],
+            "storages": [
+                {"storage_id": self._sids[i], "data_ptr": self._ptrs[i],
+                 "nbytes": self._nbytes[i], "device": self._devices[i],
+                 "dtype": self._dtypes[i], "shape": self._shapes[i],
+                 "alive": not self._dead[i], "graphs": list(self._graph_ids[i]),
+                 "owners": owners.get(i, [])}
+                for i in range(len(self._sids))],
+        }
+
+    def to_json(self, path: str | os.PathLike) -> Path:
+        """Write the manifest to `path` atomically (a failed write leaves no partial file)."""
+        path = Path(path)
+        text = json.dumps(self.to_dict(), indent=1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    # -- misc --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """The number of required storages."""
+        return len(self._sids)
+
+    @property
+    def n_owners(self) -> int:
+        """The number of (storage, owner path) pairs a check resolves."""
+        return len(self._owners)
+
+    @property
+    def identity(self) -> dict[str, int]:
+        """How many required storages are checked by weak handle ("storage") and how many by
+        address and size only ("data_ptr"; Note [guard identity])."""
+        by_handle = sum(r is not None for r in self._refs)
+        return {"storage": by_handle, "data_ptr": len(self._refs) - by_handle}
+
+    def __repr__(self) -> str:
+        attached = [n for n, r in self._models.items() if r is not None and r() is not None]
+        return (f"<graphtrace.Guard from {self.source}: {len(self)} storages, "
+                f"{len(self._owners)} owners, {len(self.graphs)} graphs, "
+                f"models {self._model_names} ({len(attached)} attached), "
+                f"identity {self.identity}>")
+
+
+def _storage(tensor: torch.Tensor | None) -> torch.UntypedStorage | None:
+    if tensor is None:
+        return None
+    try:
+        return storage_of(tensor)
+    except Exception:
+        return None
+
+
+_EMPTY: pd.DataFrame | None = None
+
+
+def empty_problems() -> pd.DataFrame:
+    """A clean check's frame: made once, copied (a copy costs a tenth of building one)."""
+    global _EMPTY
+    if _EMPTY is None:
+        ints = ("graph_id", "storage_id", "data_ptr", "nbytes")
+        _EMPTY = pd.DataFrame({c: pd.Series(dtype="int64" if c in ints else "Int64"
+                                            if c == "live_data_ptr" else object)
+                               for c in GUARD_COLUMNS})
+    return _EMPTY.copy(deep=False)
+
+
+_WHAT = {"stale": "owners moved; the graph reads the old values",
+         "dangling": "owners moved and the captured storage was freed; the graph reads freed memory",
+         "diverged": "owners disagree: some hold the captured storage, others moved",
+         "orphaned": "the owner path no longer resolves"}
+
+
+def describe(problems: pd.DataFrame, limit: int = 20) -> str:
+    """A readable list of `check()`'s problems, one line per storage (its graphs named)."""
+    if problems.empty:
+        return "no problems: every captured storage is still where its owners point"
+    n_storages = problems["storage_id"].nunique()
+    n_graphs = problems["graph_id"].nunique()
+    lines = [f"{n_storages} captured storage(s) read by {n_graphs} graph(s) are no longer "
+             f"where their owners point after the weight update "
+             f"({len(problems)} problem edge(s)):"]
+    for shown, (sid, rows) in enumerate(problems.groupby("storage_id", sort=True)):
+        if shown == limit:
+            lines.append(f"  ... and {n_storages - limit} more storage(s) (guard.check() has all)")
+            break
+        r = rows.iloc[0]
+        graphs = ", ".join(dict.fromkeys(rows["graph"].astype(str)))
+        lines.append(f"  {r['verdict']:<8} storage {sid} ({r['dtype']} {r['shape']}, "
+                     f"{r['nbytes']} bytes) owned by {r['owners']} [{r['statuses']}]; "
+                     f"read by: {graphs}")
+    for verdict in GUARD_PROBLEMS:
+        if (problems["verdict"] == verdict).any():
+            lines.append(f"  ({verdict}: {_WHAT[verdict]})")
+    return "\n".join(lines)
+
+
+# -- from a trace ----------------------------------------------------------------------------
+
+def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
+             models: Mapping[str, torch.nn.Module], first_graph: int = 0) -> Guard:
+    """The guard of `recorder`'s captures (ids from `first_graph`): their owned storages by
+    weak handle, with the capture-time owners `snapshot` holds (updated first with the
+    storages it has not matched yet, as diff does), checked against `models`."""
+    from graphtrace.encoding import READ, VIEW
+    from graphtrace.frames import raw_accesses
+
+    rec = recorder
+    if not rec.captures:
+        raise GraphtraceError("nothing to guard: the trace recorded no capture. Capture inside "
+                              "`with graphtrace.trace(...)` first")
+    if not models:
+        raise GraphtraceError("nothing to guard against: no model is watched. Pass the model to "
+                              "graphtrace.trace(model) or call t.watch(model)")
+    try:
+        snapshot.update(models, rec.storages)  # storages seen since the last snapshot
+    except Exception as exc:
+        rec.fail("owner snapshot", exc)
+    owners = snapshot.owners
+    raw = raw_accesses(rec)
+    touched = (raw["access"] != VIEW) & (raw["graph_id"] >= first_graph)
+    sids_all = raw["storage_id"][touched]
+    owned = np.fromiter(owners.keys(), dtype=np.int64, count=len(owners))
+    keep = np.isin(sids_all, owned)
+    rows = np.flatnonzero(touched)[keep]
+    sids = raw["storage_id"][rows]
+    graph_ids = raw["graph_id"][rows]
+    # the view each storage is described by: its first read, else its first write (as diff)
+    is_read = raw["access"][rows] == READ
+    order = np.lexsort((rows, ~is_read, sids))  # by storage, reads first, then row order
+    first = np.r_[True, sids[order][1:] != sids[order][:-1]] if len(order) else np.empty(0, bool)
+    view_of = dict(zip(sids[order][first].tolist(), raw["view"][rows][order][first].tolist()))
+    pairs = np.unique(np.stack([sids, graph_ids]), axis=1) if len(sids) else np.empty((2, 0), int)
+    graphs_of: dict[int, list[int]] = {}
+    for sid, g in zip(pairs[0].tolist(), pairs[1].tolist()):
+        graphs_of.setdefault(sid, []).append(g)
+
+    table = rec.storages
+    data_ptrs, nbytes, devices = table.data_ptrs, table.nbytes, table.devices
+    views = rec.views.items
+    storages = []
+    for sid in sorted(graphs_of):
+        dtype, shape, _stride, _offset = views[view_of[sid]]
+        strong = table.upgrade(sid)
+        ref = StorageWeakRef(strong) if strong is not None else None
+        del strong  # never kept: the guard holds the weak handle only
+        storages.append({
+            "storage_id": sid, "data_ptr": data_ptrs[sid], "nbytes": nbytes[sid],
+            "device": devices[sid], "dtype": str(dtype).removeprefix("torch."),
+            "shape": str(tuple(shape)), "alive": ref is not None, "ref": ref,
+            "graphs": graphs_of[sid], "owners": sorted(owners[sid])})
+    graphs = {c.graph_id: c.label for c in rec.captures if c.graph_id >= first_graph}
+    guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace")
+    for name, model in models.items():
+        guard.attach(model, name=name)
+    return guard
+
+
+def models_changed(snapshot: "OwnerSnapshot", models: Iterable[str]) -> None:
+    """The watched models were updated: storages captured from now on are matched to owners
+    on a fresh walk (the snapshot caches one walk per model between captures), so a holder
+    an update created owns what later graphs read from it."""
+    for name in models:
+        snapshot.forget(name)
+
+
+# -- from JSON -------------------------------------------------------------------------------
+
+def load_guard(path: str | os.PathLike, model: torch.nn.Module | None = None, *,
+               models: Mapping[str, torch.nn.Module] | None = None) -> Guard:
+    """Read a manifest written by `Guard.to_json`; attach `model` (one watched model) or
+    `models` ({name: model}) now, or later with `Guard.attach`. Bad input raises
+    GraphtraceError naming the file and the entry."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise GraphtraceError(f"no guard manifest at {path}") from None
+    except (OSError, ValueError) as exc:
+        raise GraphtraceError(f"{path}: not a readable JSON guard manifest ({exc})") from None
+    guard = _from_dict(data, str(path))
+    if model is not None:
+        guard.attach(model)
+    for name, m in (models or {}).items():
+        guard.attach(m, name=name)
+    return guard
+
+
+def _from_dict(data: object, where: str) -> Guard:
+    def fail(what: str) -> GraphtraceError:
+        return GraphtraceError(f"{where}: {what}")
+
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise fail(f"not a graphtrace guard manifest (\"format\" must be {FORMAT!r})")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise fail(f"format_version {data.get('format_version')!r} is not {FORMAT_VERSION}")
+    models = data.get("models")
+    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+        raise fail("\"models\" must be a list of model names")
+    graphs = {}
+    for k, g in enumerate(_list(data, "graphs", fail)):
+        if not (isinstance(g, dict) and isinstance(g.get("graph_id"), int)
+                and isinstance(g.get("label"), str)):
+            raise fail(f"graphs[{k}] needs an int \"graph_id\" and a str \"label\"")
+        graphs[g["graph_id"]] = g["label"]
+    storages = []
+    types = {"storage_id": int, "data_ptr": int, "nbytes": int, "device": str, "dtype": str,
+             "shape": str, "alive": bool, "graphs": list, "owners": list}
+    for k, s in enumerate(_list(data, "storages", fail)):
+        if not isinstance(s, dict):
+            raise fail(f"storages[{k}] is not an object")
+        for key, tp in types.items():
+            if not isinstance(s.get(key), tp):
+                raise fail(f"storages[{k}][{key!r}] must be {tp.__name__}, got {s.get(key)!r}")
+        if not all(g in graphs for g in s["graphs"]):
+            raise fail(f"storages[{k}] names a graph id not in \"graphs\"")
+        owners = []
+        for j, o in enumerate(s["owners"]):
+            if not (isinstance(o, dict) and o.get("model") in models
+                    and isinstance(o.get("path"), str) and isinstance(o.get("kind"), str)):
+                raise fail(f"storages[{k}].owners[{j}] needs \"model\" (one of \"models\"), "
+                           "\"path\" and \"kind\"")
+            owners.append((o["model"], o["path"], o["kind"]))
+        if not owners:
+            raise fail(f"storages[{k}] has no owner")
+        storages.append({**s, "owners": sorted(owners), "ref": None})
+    return Guard(models=models, graphs=graphs, storages=storages, source=where)
+
+
+def _list(data: dict, key: str, fail) -> list:
+    value = data.get(key)
+    if not isinstance(value, list):
+        raise fail(f"{key!r} must be a list")
+    return value
