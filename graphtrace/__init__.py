@@ -33,6 +33,7 @@ _LAZY = {
     "assert_no_stale": "graphtrace.report",
     "VERDICTS": "graphtrace.vocab",
     "STALE_VERDICTS": "graphtrace.vocab",
+    "BlindSpot": "graphtrace.blindspots",
 }
 
 __all__ = ["__version__", *_LAZY]

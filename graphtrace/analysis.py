@@ -87,17 +87,12 @@ def stale_by(report: Report, by: str = "module") -> pd.DataFrame:
 
 
 def _blind_spot_counts(report: Report, graphs: pd.DataFrame) -> list[int]:
-    """A blind spot given as text applies to every graph; one given as a dict with a
-    ``graph`` key (label or id) applies to that graph only."""
+    """A blind spot without a ``graph`` applies to every graph; one with a ``graph`` (label
+    or id) applies to that graph only."""
     counts = []
+    records = report.blind_spot_records
     for gid, label in zip(graphs["graph_id"], graphs["label"]):
-        n = 0
-        for b in report.blind_spots:
-            if isinstance(b, dict) and "graph" in b:
-                n += b["graph"] in (label, int(gid), str(gid))
-            else:
-                n += 1
-        counts.append(n)
+        counts.append(sum(not b.graph or b.graph in (label, str(gid)) for b in records))
     return counts
 
 

@@ -237,7 +237,7 @@ def report_json(report: Report, path: str | None = None) -> dict:
         "n_stale": len(report.stale),
         "stale": _records(report.stale),
         "stale_reads": _records(stale_reads(report)),
-        "blind_spots": report.blind_spots,
+        "blind_spots": [b.to_json() for b in report.blind_spot_records],
         "errors": report.errors,
     }
 

@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 
 from graphtrace import __version__
+from graphtrace.blindspots import BlindSpot
 from graphtrace.encoding import FACTORY, READ, VIEW, WRITE
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
 from graphtrace.opaque import is_opaque, storage_of
@@ -313,7 +314,7 @@ def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray) -> dict:
 
 
 def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndarray,
-             moved_to: dict, owners: Mapping[int, set], notes: list[str]) -> pd.Categorical:
+             moved_to: dict, owners: Mapping[int, set], notes: list[BlindSpot]) -> pd.Categorical:
     """`impact` per edge: value checks for stale and diverged edges (once per storage and
     view), unknown for dangling ones, empty otherwise. A dtype or shape change between the
     view read and the owner's live tensor is appended to `notes`, one text per storage and
@@ -329,9 +330,12 @@ def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndar
                             if sid in moved_to else ("unknown", ""))
             cache[k] = names.index(impact)
             if note:
-                paths = ", ".join(sorted(p for _, p, _ in owners.get(sid, ())))
-                notes.append(f"storage {sid} ({paths}): {note} since capture; impact "
-                             f"{impact} compares values cast to a common dtype")
+                found = sorted(owners.get(sid, ()))
+                paths = ", ".join(sorted(p for _, p, _ in found))
+                notes.append(BlindSpot(
+                    "dtype/shape change", f"storage {sid} ({paths}): {note} since capture; "
+                    f"impact {impact} compares values cast to a common dtype",
+                    holder=found[0][1] if found else "", model=found[0][0] if found else ""))
         codes[i] = cache[k]
     return pd.Categorical.from_codes(codes, names)
 
@@ -481,25 +485,39 @@ def _storages(table, alive: np.ndarray, nbytes: np.ndarray, access: np.ndarray,
     }, columns=STORAGE_COLUMNS)
 
 
-def _opaque_blind_spots(rec, edges: dict) -> list[str]:
-    """One text per opaque handle a graph reads: what graphtrace cannot look inside."""
-    texts = []
+def _opaque_blind_spots(rec, edges: dict) -> list[BlindSpot]:
+    """One record per opaque handle a graph reads: what graphtrace cannot look inside."""
+    found = []
     for i in np.flatnonzero(np.isin(edges["storage_id"], list(rec.opaque))).tolist():
         sid = int(edges["storage_id"][i])
         owners = edges["owners"][i] or "no watched owner"
-        texts.append(f"opaque handle {rec.opaque[sid]} (storage {sid}, {owners}) read by "
-                     f"{edges['ops'][i]} in graph {edges['graph'][i]!r}: graphtrace sees which "
-                     "object the graph reads, not the tensors packed inside it (a change made "
-                     "inside the same object is not seen; impact unknown)")
-    return texts
+        found.append(BlindSpot(
+            "opaque handle",
+            f"opaque handle {rec.opaque[sid]} (storage {sid}, {owners}) read by "
+            f"{edges['ops'][i]} in graph {edges['graph'][i]!r}: graphtrace sees which "
+            "object the graph reads, not the tensors packed inside it (a change made "
+            "inside the same object is not seen; impact unknown)",
+            holder=(edges["owners"][i] or "").split("; ")[0], op=edges["ops"][i].split(";")[0],
+            graph=str(edges["graph"][i])))
+    return found
+
+
+def _add(spots: list[BlindSpot], new: Iterable[BlindSpot]) -> None:
+    """Append the records of `new` whose text is not in `spots` yet."""
+    texts = {b.text for b in spots}
+    for b in new:
+        if b.text not in texts:
+            texts.add(b.text)
+            spots.append(b)
 
 
 def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, torch.nn.Module],
-         blind_spots: Iterable[str] = (), provenance: "Provenance | None" = None) -> "Report":
+         blind_spots: Iterable["str | BlindSpot"] = (), provenance: "Provenance | None" = None) -> "Report":
     """The Report of a reload: every edge of `recorder`'s captures, its capture-time owners
     (`snapshot`, updated first with the storages it has not matched yet) resolved on the
-    live `models` (name -> module, as the snapshot was taken). `blind_spots`: texts for the
-    report's meta, plus what that update's owner walks had to cut. `provenance`: the
+    live `models` (name -> module, as the snapshot was taken). `blind_spots`: records (or
+    texts, kind ``other``) for the report's meta, plus what that update's owner walks had to
+    cut. `provenance`: the
     trace's creation sites (graphtrace.provenance), for `created_at` / `live_created_at`."""
     from graphtrace.report import Report
 
@@ -510,13 +528,14 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     if not models:
         raise ValueError("nothing to diff against: no model is watched. Pass the model to "
                          "graphtrace.trace(model) or call t.watch(model) before the reload")
-    blind_spots = list(blind_spots)
+    spots: list[BlindSpot] = []
+    _add(spots, (BlindSpot.from_json(b) for b in blind_spots))
     try:  # storages seen since the last snapshot
         cut = snapshot.update(models, rec.storages)
     except Exception as exc:
         rec.fail("owner snapshot", exc)
         cut = []
-    blind_spots += [text for text in cut if text not in blind_spots]
+    _add(spots, (BlindSpot("walk cut", text) for text in cut))
     raw = raw_accesses(rec)
     views = view_table(rec.views.items)
     accesses = accesses_frame(rec, raw, views)
@@ -540,17 +559,17 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     edges.update(_owner_columns(_per_storage(owners, alive, internal_storage), sids))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(np.where(internal, 1, 0), list(ORIGINS))
-    notes: list[str] = []
+    notes: list[BlindSpot] = []
     edges["impact"] = _impacts(rec, verdict, sids, raw["view"][view_row], moved_to,
                                snapshot.owners, notes)
-    blind_spots += [text for text in notes if text not in blind_spots]
+    _add(spots, notes)
     edges.update(edge_columns(provenance, table, sids, verdict, owners, moved_to))
 
     storages = _storages(table, alive, nbytes, raw["access"], sids, first_rows)
     if rec.opaque:
         opaque_sids = np.fromiter(rec.opaque, dtype=np.int64)
         storages.loc[opaque_sids, "device"] = "opaque"
-        blind_spots += [t for t in _opaque_blind_spots(rec, edges) if t not in blind_spots]
+        _add(spots, _opaque_blind_spots(rec, edges))
     edges = pd.DataFrame(edges, columns=EDGE_COLUMNS, copy=False)  # fresh columns: no copy
 
     meta = {
@@ -559,7 +578,7 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "errors": list(rec.errors),
         "n_errors": rec.n_errors,
-        "blind_spots": blind_spots,
+        "blind_spots": [b.to_json() for b in spots],
         "graphs": [{"graph_id": c.graph_id, "label": c.label, "kind": c.kind, "n_ops": c.n_ops,
                     "n_accesses": c.n_accesses, "thread": c.thread} for c in rec.captures],
         "models": list(models),

@@ -56,7 +56,10 @@ __all__ = ["ENV", "enabled_by_default", "skipped_file", "ProvenanceTable", "Prov
 # (torch.load, from_numpy, safetensors, Inductor's compiled kernels) or inside a capture.
 # Like RecordingMode it sets `ignore_compile_internals`, so Dynamo compiles under it as
 # without it and never sees it. Off: `graphtrace.trace(provenance=False)` or
-# GRAPHTRACE_PROVENANCE=0 (what the vLLM plugin reads).
+# GRAPHTRACE_PROVENANCE=0 (what the vLLM plugin reads). Paused: `Trace.pause_provenance()` /
+# `resume_provenance()` / `with t.provenance_paused():` take the mode off the stack for a
+# while (the vLLM adapters pause it after warm-up and resume it around weight updates, so
+# an engine's steady-state forwards pay nothing); storages made meanwhile are `not recorded`.
 #
 # "Before the trace": storages reachable from the models watched when the trace opens are
 # noted as `before trace` (a census by the owner walk); anything else the trace never saw
@@ -250,6 +253,8 @@ class Provenance:
         self._op_names: dict = {}
         self._lock = threading.Lock()
         self.n_census = 0
+        self._suspended: str | None = None  # what `suspend` did, for `unsuspend`
+        self.n_suspends = 0
 
     # -- lifecycle (graphtrace.tracing calls these) ----------------------------------------
     def start(self, models: Mapping[str, torch.nn.Module]) -> None:
@@ -287,6 +292,7 @@ class Provenance:
                     _push_mode(mode)
             self.mode.paused = True
         self.thread = None
+        self._suspended = None
         self.table.sweep()
 
     def pause(self) -> str | None:
@@ -308,6 +314,23 @@ class Provenance:
             _push_mode(self.mode)
         elif token == "flag":
             self.mode.paused = False
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspended is not None
+
+    def suspend(self) -> None:
+        """Stop noting until `unsuspend` (Trace.pause_provenance; Note [provenance]): the
+        mode leaves this thread's dispatch stack when it is on top, else only stops
+        noting. Idempotent."""
+        if self._suspended is None and self.thread == threading.get_ident():
+            self._suspended = self.pause() or "none"
+            self.n_suspends += 1
+
+    def unsuspend(self) -> None:
+        if self._suspended is not None and self.thread == threading.get_ident():
+            token, self._suspended = self._suspended, None
+            self.resume(token)
 
     # -- recording ---------------------------------------------------------------------------
     def note(self, func, args, kwargs, out) -> None:
@@ -392,7 +415,7 @@ class Provenance:
     def meta(self) -> dict:
         return {"enabled": True, "depth": self.depth, "storages_noted": self.table.n_added,
                 "census": self.n_census, "sites": len(self.table.sites),
-                "live_entries": len(self.table)}
+                "live_entries": len(self.table), "suspends": self.n_suspends}
 
 
 def _op_name(func) -> str:

@@ -19,6 +19,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
 from graphtrace.attribution import ModuleAttribution
+from graphtrace.blindspots import BlindSpot
+from graphtrace.derived import DerivedCopies
 from graphtrace.encoding import REPLAY_FRESH
 from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
@@ -320,7 +322,9 @@ class Trace:
         self.strict = strict
         # watched models by weak reference: a trace never keeps a model (or its storages) alive
         self._models: dict[str, weakref.ref] = {}
-        self.blind_spots: list[str] = []
+        self.blind_spots: list[BlindSpot] = []
+        # packed/derived copies and the weights they are made from (Note [derived copies])
+        self.derived = DerivedCopies(self.recorder.fail)
         self._regions = threading.local()
         self._cuda_regions: dict[int, _Region] = {}
         self._cuda_labels: dict[tuple[int, int], list] = {}  # (thread, id(graph)) -> [label, captured]
@@ -435,7 +439,7 @@ class Trace:
             self.recorder.fail("owner snapshot", exc)
             return
         for text in cut:  # what the owner walk had to cut goes into the report, not stderr
-            self.add_blind_spot(text)
+            self.add_blind_spot(text, kind="walk cut")
 
     # -- capture regions ---------------------------------------------------------------------
     def _open_region(self) -> _Region | None:
@@ -446,6 +450,8 @@ class Trace:
 
     def _after_capture(self, capture: Capture) -> None:
         self._match_owners()
+        if self.derived.pairs:
+            self.derived.refresh(self.models)
         if self.provenance is not None:
             try:
                 self.provenance.match(self.recorder.storages)
@@ -471,7 +477,8 @@ class Trace:
         outer = self._open_region()
         if outer is not None:  # recorded once, by the region already open on this thread
             self.add_blind_spot(f"a CUDA graph was captured inside capture region "
-                                f"{outer.capture.label!r}: its ops are recorded there")
+                                f"{outer.capture.label!r}: its ops are recorded there",
+                                kind="nested capture", graph=outer.capture.label or "")
             return
         try:
             label = entry[0] if entry is not None else None
@@ -501,10 +508,71 @@ class Trace:
     def errors(self) -> list[dict]:
         return list(self.recorder.errors)
 
-    def add_blind_spot(self, text: str) -> None:
-        """Say what the recorder cannot see (opaque handles, kernels launched off the dispatcher)."""
-        if text not in self.blind_spots:
-            self.blind_spots.append(text)
+    def add_blind_spot(self, text: "str | BlindSpot", *, kind: str = "other", holder: str = "",
+                       op: str = "", model: str = "", graph: str = "") -> BlindSpot:
+        """Say what the recorder cannot see (opaque handles, kernels launched off the
+        dispatcher): a sentence, or a `BlindSpot`; `kind` (vocab.BLIND_SPOT_KINDS), the owner
+        path (`holder`) and `op` it concerns let the report match it to edges. A record
+        whose text is already there is not added again; returns the record kept."""
+        spot = text if isinstance(text, BlindSpot) else BlindSpot(
+            kind, text, holder=holder, op=op, model=model, graph=graph)
+        for known in self.blind_spots:
+            if known.text == spot.text:
+                return known
+        self.blind_spots.append(spot)
+        return spot
+
+    def watch_copy(self, copy: str, source: str, *, model: str = "") -> "Trace":
+        """Tell the trace that the tensor (or packed handle) at path `copy` is made from the
+        registered weight at path `source`, both on the watched model `model`: the diff then
+        reports a ``packed copy not rebuilt`` blind spot when the source changed while the
+        copy stayed the same (Note [derived copies] in graphtrace/derived.py). Call it once
+        the copy is built; the fingerprint is taken now and again after each capture."""
+        for name, value in (("copy", copy), ("source", source), ("model", model)):
+            if not isinstance(value, str):
+                raise TypeError(f"watch_copy: {name} must be a str, got {type(value).__name__}")
+        if model not in self._models:
+            raise GraphtraceError(f"watch_copy: no watched model is named {model!r}; watch it "
+                                  "first (t.watch(model, name=...))")
+        self.derived.add(model, copy, source, self.models)
+        return self
+
+    # -- provenance --------------------------------------------------------------------------
+    @property
+    def provenance_recording(self) -> bool:
+        """Is provenance on and not paused (its dispatch mode on the opening thread)?"""
+        p = self.provenance
+        return p is not None and self._open and not p.suspended
+
+    def pause_provenance(self) -> None:
+        """Stop noting creation sites (an engine's steady state: its eager forwards then run
+        without provenance's dispatch mode); idempotent. Storages made meanwhile read
+        ``not recorded``. Call on the thread that opened the trace."""
+        if self.provenance is not None and self._open:
+            self._check_thread("pause_provenance")
+            self.provenance.suspend()
+
+    def resume_provenance(self) -> None:
+        """Note creation sites again after `pause_provenance` (around a weight update)."""
+        if self.provenance is not None and self._open:
+            self._check_thread("resume_provenance")
+            self.provenance.unsuspend()
+
+    @contextlib.contextmanager
+    def provenance_paused(self):
+        """``with t.provenance_paused(): ...``: no creation sites noted inside the block."""
+        was = self.provenance_recording
+        self.pause_provenance()
+        try:
+            yield self
+        finally:
+            if was:
+                self.resume_provenance()
+
+    def _check_thread(self, what: str) -> None:
+        if self.provenance.thread not in (None, threading.get_ident()):
+            raise GraphtraceError(f"{what}() must run on the thread that opened the trace "
+                                  "(provenance's dispatch mode lives on that thread's stack)")
 
     @property
     def accesses(self):
@@ -518,7 +586,10 @@ class Trace:
         from graphtrace.diff import diff
 
         models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
-        return diff(self.recorder, self.owner_snapshot, models, self.blind_spots,
+        spots = list(self.blind_spots)
+        if self.derived.pairs:
+            spots += self.derived.check(models)
+        return diff(self.recorder, self.owner_snapshot, models, spots,
                     provenance=self.provenance)
 
     def guard(self, first_graph: int = 0):

@@ -15,7 +15,7 @@ __all__ = [
     "ACCESS_KINDS", "EDGE_ACCESSES", "FRAMES", "SCHEMA", "COLUMNS", "COLUMN_KINDS",
     "HOLDS", "MOVED", "ORPHANED", "verdict_of", "BEFORE_TRACE", "NOT_RECORDED",
     "PROVENANCE_MARKS", "FIXES", "FIX_KINDS", "GUARD_PROBLEMS", "GUARD_SCHEMA", "GUARD_COLUMNS",
-    "GUARD_IDENTITIES",
+    "GUARD_IDENTITIES", "BLIND_SPOT_KINDS", "BLIND_SPOT_FIELDS",
 ]
 
 # -- verdicts (one per edge; the words are part of the public contract) ---------------------
@@ -54,6 +54,22 @@ FIXES: dict[str, str] = {
                  "or keep the allocation and copy_ into it",
 }
 FIX_KINDS = tuple(FIXES)
+
+# -- blind spots (graphtrace.blindspots.BlindSpot; one record per thing the recording could
+# not see, in `report.blind_spots` and the report's meta) ----------------------------------
+BLIND_SPOT_KINDS = (
+    "opaque handle",            # an op reads an object (ScriptObject, pointer-valued tensor)
+    "packed copy",              # a registered weight whose GEMM reads a packed copy instead
+    "packed copy not rebuilt",  # the source of a packed copy changed, the copy did not
+    "empty parameter",          # an empty parameter: its data lives where the walk did not look
+    "forward context",          # an op fetches tensors by name inside itself (vLLM KV cache)
+    "compiled",                 # compiled code read tensors off the dispatcher
+    "walk cut",                 # the owner walk stopped (depth, size)
+    "nested capture",           # a CUDA graph captured inside a capture region
+    "dtype/shape change",       # the owner's live tensor has another dtype or shape
+    "other",                    # anything else (a plain text from an older report)
+)
+BLIND_SPOT_FIELDS = ("kind", "text", "holder", "op", "model", "graph")  # meta / frame columns
 
 # -- frames ----------------------------------------------------------------------------------
 # Column kinds: "int" int64 (no NA); "Int" nullable Int64; "bool" (no NA); "str" ("" when
@@ -130,7 +146,7 @@ def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False) -> 
 # -- docs ------------------------------------------------------------------------------------
 WORD_LISTS = ("VERDICTS", "STALE_VERDICTS", "IMPACTS", "ORIGINS", "OWNER_STATUSES",
               "OWNER_KINDS", "ACCESS_KINDS", "EDGE_ACCESSES", "COLUMN_KINDS",
-              "PROVENANCE_MARKS", "FIX_KINDS")
+              "PROVENANCE_MARKS", "FIX_KINDS", "BLIND_SPOT_KINDS")
 
 
 def markdown_tables() -> str:

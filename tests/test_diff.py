@@ -350,7 +350,9 @@ def test_diff_runs_on_records_and_a_snapshot_without_a_trace(use_native):
     expected = {f"layers.{i}.{path}": v for i in (0, 1) for path, v in EXPECTED_OWNERS.items()}
     assert verdicts_by_owner(report) == expected
     assert set(report.stale.impact) == {"manifest"}
-    assert report.meta["blind_spots"] == ["a note"] and report.meta["models"] == [""]
+    assert report.blind_spots == ["a note"] and report.meta["models"] == [""]
+    assert report.meta["blind_spots"] == [{"kind": "other", "text": "a note", "holder": "", "op": "",
+                                           "model": "", "graph": ""}]
     assert [g["label"] for g in report.meta["graphs"]] == ["bs2"]
     # the same edges as gt.trace + t.diff() give for the same model and reload
     model2 = Model(0)

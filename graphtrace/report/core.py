@@ -28,7 +28,9 @@ from graphtrace.report.io import (
     _write_folder,
 )
 from graphtrace.report.validate import check_frames, check_meta
-from graphtrace.vocab import FRAMES, HOLDS, IMPACTS, STALE_VERDICTS, VERDICTS
+from graphtrace.blindspots import BlindSpot
+from graphtrace.vocab import (BLIND_SPOT_FIELDS, FRAMES, HOLDS, IMPACTS, STALE_VERDICTS,
+                              VERDICTS)
 
 __all__ = ["Report", "load_report"]
 
@@ -146,9 +148,48 @@ class Report:
         return list(self._meta.get("errors") or [])
 
     @property
-    def blind_spots(self) -> list:
-        """What the recording could not see (for example Triton kernels), as text."""
-        return list(self._meta.get("blind_spots") or [])
+    def blind_spots(self) -> list[str]:
+        """What the recording could not see (for example Triton kernels), as text; the
+        records behind them: `blind_spot_records`, `blind_spots_frame`."""
+        return [b.text for b in self.blind_spot_records]
+
+    @property
+    def blind_spot_records(self) -> list[BlindSpot]:
+        """What the recording could not see, one `graphtrace.BlindSpot` each (kind, text,
+        holder path, op, model, graph); plain texts of older reports have kind ``other``."""
+        return [BlindSpot.from_json(b) for b in self._meta.get("blind_spots") or []]
+
+    @property
+    def blind_spots_frame(self) -> pd.DataFrame:
+        """The blind spots as a frame: one row per record, columns
+        ``vocab.BLIND_SPOT_FIELDS`` plus ``n_edges``, the edges it concerns (its holder is
+        one of the edge's owners or its op one of the edge's ops; `blind_spot_edges`)."""
+        records = self.blind_spot_records
+        df = pd.DataFrame([b.to_json() for b in records], columns=list(BLIND_SPOT_FIELDS),
+                          dtype=object)
+        df["n_edges"] = pd.Series([int(self._blind_spot_mask(b).sum()) for b in records],
+                                  dtype="int64")
+        return df
+
+    def blind_spot_edges(self, spot: "BlindSpot | int") -> pd.DataFrame:
+        """The rows of ``edges`` a blind spot concerns (a record, or its position in
+        `blind_spot_records`): its holder is among the edge's owners or its op
+        among the edge's ops."""
+        if not isinstance(spot, BlindSpot):
+            records = self.blind_spot_records
+            if not isinstance(spot, int) or not -len(records) <= spot < len(records):
+                raise IndexError(f"no blind spot {spot!r}: this report has {len(records)}")
+            spot = records[spot]
+        return self.edges[self._blind_spot_mask(spot)]
+
+    def _blind_spot_mask(self, spot: BlindSpot) -> pd.Series:
+        edges = self.edges
+        if not (spot.holder or spot.op) or edges.empty:
+            return pd.Series(False, index=edges.index)
+        owners = edges["owners"].astype(object).to_numpy()
+        ops = edges["ops"].astype(object).to_numpy()
+        hit = [spot.matches(o, p) for o, p in zip(owners, ops)]
+        return pd.Series(hit, index=edges.index, dtype=bool)
 
     @property
     def graphs(self) -> pd.DataFrame:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
+from graphtrace.blindspots import BlindSpot
 from graphtrace.report.canonical import ReportError, _first, _frame_error
 from graphtrace.vocab import (
     ACCESS_KINDS,
@@ -143,7 +144,8 @@ _OPTIONAL_TEXT = ("graphtrace_version", "torch_version", "created")
 def check_meta(meta: Mapping[str, Any]) -> None:
     """The documented meta keys have the documented types (ReportError otherwise):
     ``errors`` a list of objects whose ``where``/``message``/``traceback`` are strings,
-    ``n_errors`` an integer >= 0, ``blind_spots`` a list of strings or objects,
+    ``n_errors`` an integer >= 0, ``blind_spots`` a list of strings or objects
+    (`graphtrace.blindspots.BlindSpot` fields: kind in vocab.BLIND_SPOT_KINDS, text strings),
     ``graphs`` a list of objects with an integer ``graph_id`` (unique) and typed
     ``label``, ``kind``, ``n_ops``, ``n_accesses``, ``thread``, ``models`` a list of
     strings; versions and ``created`` strings. Any of them may be null or left out; other
@@ -173,6 +175,10 @@ def check_meta(meta: Mapping[str, Any]) -> None:
         if not isinstance(b, (str, dict)):
             raise bad(f"blind_spots[{i}]", f"expected a string or an object, got "
                                            f"{_type_name(b)}")
+        try:
+            BlindSpot.from_json(b)
+        except (TypeError, ValueError) as exc:
+            raise bad(f"blind_spots[{i}]", str(exc)) from None
     seen: set[int] = set()
     for i, g in enumerate(meta.get("graphs") or []):
         if not isinstance(g, dict):
