@@ -96,3 +96,65 @@ def test_layout_tables_name_every_module(doc):
     assert not missing, f"{doc.name}'s Layout table does not name {missing}"
     for named in re.findall(r"`(graphtrace/[\w/.]+)`", layout):
         assert (ROOT / named).exists(), f"{doc.name}'s Layout names {named}, which does not exist"
+
+
+def _env_reads(path: Path) -> set[str]:
+    """The environment variables a module reads: ``os.environ.get(X)``, ``os.environ[X]``,
+    ``os.getenv(X)``, ``X in os.environ``, with X a literal or a module-level string
+    constant."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    consts = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+              and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+              for t in node.targets if isinstance(t, ast.Name)}
+
+    def name(node) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return consts.get(node.id) if isinstance(node, ast.Name) else None
+
+    def is_environ(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    found = set()
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if (f.attr in ("get", "pop") and is_environ(f.value)) or f.attr == "getenv":
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and is_environ(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
+            key = node.left
+        if key is not None:
+            assert name(key), f"{path.name}:{node.lineno}: an environment read by a name " \
+                              "this test cannot resolve"
+            found.add(name(key))
+    return found
+
+
+def test_readme_names_every_variable_the_vllm_package_reads():
+    files = sorted((ROOT / "graphtrace" / "vllm").glob("*.py")) + [
+        ROOT / "graphtrace" / "provenance.py"]  # the plugin's trace reads it
+    read = set().union(*(_env_reads(f) for f in files))
+    assert {"GRAPHTRACE_VLLM", "GRAPHTRACE_VLLM_DIR", "VLLM_ENABLE_V1_MULTIPROCESSING",
+            "GRAPHTRACE_PROVENANCE"} <= read  # the scan sees constants and literals
+    text = section(README.read_text(), "Inside a real vLLM")
+    missing = sorted(v for v in read if f"`{v}`" not in text)
+    assert not missing, f"README's vLLM section does not name {missing}"
+
+
+def test_readme_documents_every_trace_llm_option():
+    import inspect
+
+    from graphtrace.vllm.adapter import VllmTrace
+
+    text = section(README.read_text(), "Inside a real vLLM")
+    options = [p for p in inspect.signature(VllmTrace.__init__).parameters if p != "self"]
+    assert options and not [p for p in options if f"| `{p}` |" not in text]
+    for method in ("capture", "capture_dummy", "reload", "generate"):
+        params = [p for p in inspect.signature(getattr(VllmTrace, method)).parameters
+                  if p != "self"]
+        assert f"vt.{method}(" in text and all(p in text for p in params), method

@@ -24,8 +24,19 @@ through ``torch.cuda.graph(...)`` (``CUDAGraphWrapper``, Model Runner V2's
 (``BreakableCUDAGraphCapture``), and both end in those two methods.
 
 What the recorder cannot see (oneDNN handles, KV cache via the forward context) is found
-on the model by :mod:`graphtrace.vllm.blind` and reported in ``report.meta["blind_spots"]``
-and ``report.meta["vllm"]["blind_spots"]``.
+on the model by :mod:`graphtrace.vllm.blind` and reported as `graphtrace.BlindSpot` records
+(``report.blind_spot_records``; the raw findings also in ``report.meta["vllm"]["blind_spots"]``);
+each ``packed_copy`` is also registered with ``Trace.watch_copy``, so a reload that refreshes
+the weight without rebuilding its oneDNN copy is a ``packed copy not rebuilt`` finding.
+
+In-process mode: entering a VllmTrace sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` when it is
+unset (restored on exit) and refuses when it is set to anything else; an ``LLM`` built
+with multiprocessing on is refused by ``attach``/``capture`` with what to do instead.
+
+Provenance (Note [provenance]) costs every eager op its dispatch mode, so by default
+(``pause_provenance=True``) it runs only while the engine loads, compiles and warms up
+(``after_warmup`` pauses it) and again around each weight update (``vt.reload``, and the
+worker's update entry points where graphtrace.vllm.hooks reports them).
 """
 
 from __future__ import annotations
@@ -44,7 +55,27 @@ from graphtrace.vllm import blind, hooks
 
 logger = logging.getLogger("graphtrace.vllm")
 
-__all__ = ["VllmTrace", "trace_llm", "find_worker", "find_model", "RunnerView"]
+__all__ = ["VllmTrace", "trace_llm", "find_worker", "find_model", "RunnerView", "MP_ENV"]
+
+
+MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+_MP_MESSAGE = (
+    "this vLLM engine runs its engine core and worker in another process "
+    "(VLLM_ENABLE_V1_MULTIPROCESSING is not 0), where an in-process trace cannot see them: "
+    "enter graphtrace.vllm.trace_llm() before constructing LLM(...) (it sets "
+    "VLLM_ENABLE_V1_MULTIPROCESSING=0), or set VLLM_ENABLE_V1_MULTIPROCESSING=0 yourself, or "
+    "trace the worker processes with the plugin (GRAPHTRACE_VLLM=1; graphtrace.vllm.plugin)")
+
+
+def _require_in_process() -> None:
+    """Refuse an environment that asks vLLM for worker processes (set before the trace)."""
+    value = os.environ.get(MP_ENV)
+    if value is not None and value.strip() != "0":
+        raise GraphtraceError(
+            f"{MP_ENV}={value} asks vLLM to run the engine core in another process, which an "
+            f"in-process trace cannot see: set {MP_ENV}=0 (or leave it unset: trace_llm() then "
+            "sets it) before constructing LLM(...), or trace worker processes with the "
+            "plugin (GRAPHTRACE_VLLM=1; graphtrace.vllm.plugin)")
 
 
 class RunnerView(nn.Module):
@@ -94,10 +125,7 @@ def find_worker(llm) -> Any:
         core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
         executor = getattr(core, "model_executor", None)
     if executor is None:
-        raise GraphtraceError(
-            "the vLLM engine core is not in this process (VLLM_ENABLE_V1_MULTIPROCESSING=1?): "
-            "set VLLM_ENABLE_V1_MULTIPROCESSING=0 for the in-process adapter, or enable the "
-            "worker plugin with GRAPHTRACE_VLLM=1 (see graphtrace.vllm.plugin)")
+        raise GraphtraceError(_MP_MESSAGE)
     wrapper = getattr(executor, "driver_worker", None)
     if wrapper is None:
         raise GraphtraceError(
@@ -145,6 +173,8 @@ class _ForwardCapture:
     def open(self) -> "_ForwardCapture":
         model = self.vt.model
         if model is None:
+            if os.environ.get(MP_ENV, "1") != "0":
+                raise GraphtraceError(_MP_MESSAGE)
             raise GraphtraceError("no vLLM model is watched yet: capture after LLM(...) is built")
         self._handles = [model.register_forward_pre_hook(self._pre),
                          model.register_forward_hook(self._post, always_call=True)]
@@ -213,12 +243,18 @@ class VllmTrace:
     ``modules``: module attribution, as ``graphtrace.trace(modules=...)``. ``provenance``:
     creation sites (``graphtrace.trace(provenance=...)``; None: ``GRAPHTRACE_PROVENANCE``,
     default on): model loading, process-weights and reloads run inside the trace, so the
-    sites point into vLLM's own files.
+    sites point into vLLM's own files. ``pause_provenance``: pause it after warm-up and
+    resume it only around weight updates (default), so serving forwards pay nothing.
+    ``runner_attrs``: the model runner attributes watched (None: all of them).
+    ``in_process``: set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` on entry when unset, refuse
+    when it is set otherwise (default True; False leaves the environment alone, for a
+    worker process where the plugin made the trace).
     """
 
     def __init__(self, *, strict: bool = False, watch_runner: bool = True,
                  keep_graphs: bool = True, runner_attrs: Iterable[str] | None = RUNNER_INPUT_ATTRS,
-                 modules: str = "forward", provenance: bool | None = None):
+                 modules: str = "forward", provenance: bool | None = None,
+                 pause_provenance: bool = True, in_process: bool = True):
         self.strict = strict
         self.watch_runner = watch_runner
         self.keep_graphs = keep_graphs
@@ -235,18 +271,55 @@ class VllmTrace:
         # the RunnerViews made here: a trace holds models weakly, so their maker keeps them
         self._runner_views: list[RunnerView] = []
         self._open = False
+        self.pause_provenance = pause_provenance
+        self.in_process = in_process
+        self._env_set = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "VllmTrace":
+        if self.in_process:
+            _require_in_process()
+            if MP_ENV not in os.environ:
+                os.environ[MP_ENV] = "0"
+                self._env_set = True
         self.trace.__enter__()
         self._open = True
-        hooks.add_listener("after_load", self._on_load)
+        for event, fn in self._listeners():
+            hooks.add_listener(event, fn)
         return self
 
     def __exit__(self, *exc) -> None:
-        hooks.remove_listener("after_load", self._on_load)
+        for event, fn in self._listeners():
+            hooks.remove_listener(event, fn)
         self._open = False
+        if self._env_set:
+            os.environ.pop(MP_ENV, None)
+            self._env_set = False
         self.trace.__exit__(*exc)
+
+    def _listeners(self) -> list:
+        out = [("after_load", self._on_load)]
+        if self.pause_provenance:
+            out.append(("after_warmup", self._provenance_off))
+            if "before_update" in hooks.EVENTS:  # worker-side updates (RL weight pushes)
+                out += [("before_update", self._provenance_on),
+                        ("after_update", self._provenance_off)]
+        return out
+
+    def _provenance_off(self, worker=None, *args) -> None:
+        if active_trace() is self.trace:
+            self._steer_provenance(self.trace.pause_provenance)
+
+    def _provenance_on(self, worker=None, *args) -> None:
+        if active_trace() is self.trace:
+            self._steer_provenance(self.trace.resume_provenance)
+
+    def _steer_provenance(self, step) -> None:
+        try:
+            step()
+        except GraphtraceError:  # another thread than the trace's: provenance stays as it is
+            logger.debug("graphtrace: provenance not steered from thread %d",
+                         threading.get_ident())
 
     def _on_load(self, worker) -> None:
         if active_trace() is not self.trace:
@@ -278,6 +351,7 @@ class VllmTrace:
 
     def attach(self, llm) -> "VllmTrace":
         """Bind an in-process ``LLM``: its worker's model is watched (if not already)."""
+        find_worker(llm)  # refuses an engine built with multiprocessing on, saying what to do
         self.llm = llm
         worker = find_worker(llm)
         self.watch_worker(worker)
@@ -293,7 +367,10 @@ class VllmTrace:
             for spot in spots:
                 if spot not in self.blind_spots:
                     self.blind_spots.append(spot)
-                    self.trace.add_blind_spot(blind.describe(spot))
+                    self.trace.add_blind_spot(blind.record(spot))
+                    if spot["kind"] == "packed_copy":  # Note [derived copies]
+                        self.trace.watch_copy(spot["holder"].removeprefix(f"{name}:"),
+                                              spot["path"].removeprefix(f"{name}:"), model=name)
         except Exception as exc:
             if self.strict:
                 raise
@@ -339,13 +416,20 @@ class VllmTrace:
             kwargs["weights_iterator"] = list(weights)
         if weights_path is not None:
             kwargs["weights_path"] = weights_path
+        if self.llm is None and self.worker is None:
+            raise GraphtraceError("nothing to reload: attach an LLM or watch a worker first")
         self.reloads.append({"weights": "given" if weights is not None else "disk",
                              "weights_path": weights_path or ""})
-        if self.llm is not None:
-            return self.llm.collective_rpc("reload_weights", kwargs=kwargs)
-        if self.worker is not None:
+        paused = self.pause_provenance and not self.trace.provenance_recording
+        if paused:  # a weight update: where the new tensors are made is worth recording
+            self._provenance_on()
+        try:
+            if self.llm is not None:
+                return self.llm.collective_rpc("reload_weights", kwargs=kwargs)
             return self.worker.reload_weights(**kwargs)
-        raise GraphtraceError("nothing to reload: attach an LLM or watch a worker first")
+        finally:
+            if paused:
+                self._provenance_off()
 
     # -- results -----------------------------------------------------------------------------
     def info(self) -> dict:
@@ -422,5 +506,6 @@ def _plain(obj):
 
 
 def trace_llm(**kwargs) -> VllmTrace:
-    """``with trace_llm() as vt: llm = LLM(...)``: see :class:`VllmTrace`."""
+    """``with trace_llm() as vt: llm = LLM(...)``: see :class:`VllmTrace` (its keyword
+    arguments; in-process mode is set on entry)."""
     return VllmTrace(**kwargs)

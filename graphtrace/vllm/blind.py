@@ -19,8 +19,10 @@ model's reads are not:
   ``vllm::unified_kv_cache_update``) take the layer *name* and fetch the KV cache from the
   forward context inside the op: those KV-cache reads and writes are not visible.
 
-Each finding is a dict (``kind``, ``path``, ``holder``, ``detail``); :func:`describe` turns
-one into the sentence that goes into ``report.meta["blind_spots"]``.
+Each finding is a dict (``kind``, ``path``, ``holder``, ``detail``); :func:`record` turns
+one into the `graphtrace.BlindSpot` (kind from ``RECORD_KINDS``, text from :func:`describe`)
+that goes into ``report.blind_spots``. A ``packed_copy`` is also a pairing the adapter hands
+to ``Trace.watch_copy`` (Note [derived copies] in graphtrace/derived.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ from typing import Iterator
 
 from torch import nn
 
-__all__ = ["find_blind_spots", "engine_blind_spots", "describe", "handle_holders"]
+__all__ = ["find_blind_spots", "engine_blind_spots", "describe", "handle_holders", "record",
+           "RECORD_KINDS"]
+
+# vLLM finding kind -> graphtrace.vocab.BLIND_SPOT_KINDS
+RECORD_KINDS = {"onednn": "opaque handle", "packed_copy": "packed copy",
+                "empty_parameter": "empty parameter", "forward_context": "forward context",
+                "compiled": "compiled"}
 
 
 def _closure_items(fn) -> Iterator[tuple[str, object]]:
@@ -107,20 +115,44 @@ def engine_blind_spots(vllm_config) -> list[dict]:
     return found
 
 
+def _split(path: str) -> tuple[str, str]:
+    """("engine1", "model.x") from "engine1:model.x"; ("", path) without a model prefix."""
+    model, sep, rest = path.partition(":")
+    return (model, rest) if sep and "." not in model and "[" not in model else ("", path)
+
+
+def record(spot: dict):
+    """The `graphtrace.BlindSpot` of a finding: its holder is the path an edge's owners
+    name (the handle tensor for oneDNN, the registered path otherwise), its op the op that
+    reads it where one is known."""
+    from graphtrace.blindspots import BlindSpot
+
+    kind = spot["kind"]
+    holder = spot.get("holder", "") if kind in ("onednn", "packed_copy") else ""
+    if kind == "empty_parameter":
+        holder = spot["path"]
+    model, holder = _split(holder) if holder else ("", "")
+    # an op only where no holder names the edges (every oneDNN GEMM is _C::onednn_mm)
+    op = "vllm::unified_attention_with_output" if kind == "forward_context" else ""
+    return BlindSpot(RECORD_KINDS.get(kind, "other"), describe(spot), holder=holder, op=op,
+                     model=model)
+
+
 def describe(spot: dict) -> str:
     """One sentence for ``report.meta['blind_spots']``."""
     kind, path, holder = spot["kind"], spot["path"], spot.get("holder", "")
     if kind == "onednn":
         return (f"vllm/onednn: {path} is empty: vLLM prepacked it into a oneDNN handle "
                 f"({holder}, a 0-d int64 pointer read by _C::onednn_mm; {spot['detail']}); "
-                "the recorder sees the handle tensor, not the packed weight behind it")
+                "the recorder sees the handle tensor, not the packed weight behind it, so "
+                "the impact of its edge compares pointers, not weights: a rebuilt handle "
+                "reads manifest even after an identical-weights reload")
     if kind == "packed_copy":
-        when = ("" if "LMHead" in spot.get("detail", "") or "Embedding" not in spot.get("detail", "")
-                else " (used only when this embedding serves as a tied lm_head; the embedding "
-                     "lookup itself reads the registered weight)")
         return (f"vllm/onednn: {path} stays registered but a GEMM through this layer reads a "
-                f"packed copy behind the oneDNN handle {holder}{when}; reads of that copy are "
-                "not visible")
+                f"packed copy behind the oneDNN handle {holder}; reads of that copy are "
+                "not visible (the impact of the handle's edge compares pointers, not "
+                "weights; a copy a reload does not rebuild is reported as 'packed copy not "
+                "rebuilt')")
     if kind == "empty_parameter":
         return (f"vllm/empty: {path} is an empty parameter ({spot['detail']}); the forward reads "
                 "its data from a holder graphtrace did not identify")

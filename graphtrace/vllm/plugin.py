@@ -161,7 +161,7 @@ def _before_load(worker) -> None:
             logger.warning("graphtrace: a trace is already open in pid %d (graphtrace.vllm."
                            "trace_llm?); the plugin leaves this worker to it", os.getpid())
             return
-        vt = VllmTrace(strict=_strict(), modules=modules_setting())
+        vt = VllmTrace(strict=_strict(), modules=modules_setting(), in_process=False)
         vt.__enter__()  # watches the worker's model right after load_model
         _session = vt
 
