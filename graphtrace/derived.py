@@ -14,11 +14,14 @@ registers each ``packed copy`` it finds), it keeps a fingerprint of the source -
 storage (a weak handle), its version counter and a value hash of at most `SAMPLE` evenly
 strided elements (torch.hash_tensor plus a float64 sum; a change confined to elements off the
 sample is missed) -- and a weak handle of the copy's storage (a ScriptObject's proxy storage,
-Note [opaque handles]), taken when the pair is registered and again at the end of each
-capture. The diff resolves both paths again: a copy whose storage is the one fingerprinted
-while its source's storage, version or values changed is a ``packed copy not rebuilt`` blind
-spot naming both paths (its holder is the copy's path, so it matches the copy's edges).
-A rebuilt copy (a new storage or object) or an unchanged source says nothing.
+Note [opaque handles]), taken when the pair is registered and again whenever the copy is
+seen rebuilt (a new storage or object: at the end of each capture and after each diff). The
+diff resolves both paths again: a copy whose storage is the one fingerprinted while its
+source's storage, version or values changed is a ``packed copy not rebuilt`` blind spot
+naming both paths (its holder is the copy's path, so it matches the copy's edges). A
+rebuilt copy or an unchanged source says nothing, and the rebuilt copy becomes the
+baseline: an engine that rebuilds on its first reload and forgets on its second is found
+at the second.
 """
 
 from __future__ import annotations
@@ -90,11 +93,14 @@ class DerivedCopies:
             self._fingerprint(pair, models[model])
 
     def refresh(self, models: Mapping[str, torch.nn.Module]) -> None:
-        """Fingerprint every pair again (the end of each capture)."""
+        """Fingerprint again each pair whose copy was rebuilt (or never fingerprinted) since
+        its last fingerprint (the end of each capture, and the diff)."""
         for pair in self.pairs.values():
             if pair.model in models:
                 try:
-                    self._fingerprint(pair, models[pair.model])
+                    if pair.source_print is None or not _same(
+                            pair.copy_ref, resolve_path(models[pair.model], pair.copy)):
+                        self._fingerprint(pair, models[pair.model])
                 except Exception as exc:  # fail open: the report says so
                     self.fail("derived copy fingerprint", exc)
 
@@ -143,4 +149,5 @@ class DerivedCopies:
                     holder=pair.copy, model=pair.model))
             except Exception as exc:  # fail open: a pair that cannot be checked is an error
                 self.fail("derived copy check", exc)
+        self.refresh(models)  # rebuilt copies: the next check compares against them
         return found

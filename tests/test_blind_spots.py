@@ -266,3 +266,16 @@ def _raises(fn) -> str:
     except gt.GraphtraceError as exc:
         return str(exc)
     return ""
+
+
+def test_copy_rebuilt_on_one_update_and_forgotten_on_the_next():
+    model = Packed()
+    t = _captured(model)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(4, 3))
+    model.process()
+    assert _not_rebuilt(t.diff()) == []  # rebuilt: the new copy is the baseline now
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(4, 3))  # forgotten this time
+    (spot,) = _not_rebuilt(t.diff())
+    assert spot.holder == "packed"

@@ -61,7 +61,7 @@ def test_only_extern_kernels_and_custom_ops_are_seen_and_the_report_says_so(run)
     ops = set(run.report.edges["ops"].astype(str).str.split(";").explode())
     assert "_C::onednn_mm" in ops
     assert not any(op.startswith("aten::") for op in ops), ops   # fused by Inductor
-    assert any(s.startswith("vllm/compiled:") for s in run.report.meta["blind_spots"])
+    assert any(s.startswith("vllm/compiled:") for s in run.report.blind_spots)
 
 
 def test_the_stale_onednn_handles_are_found_as_in_eager_mode(run):

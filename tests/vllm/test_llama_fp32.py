@@ -18,6 +18,7 @@ import gc
 import types
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.vllm
 
@@ -42,6 +43,15 @@ def run(tiny_llama_dir):
         vt.attach(llm)
         ns.model = vt.model
         ns.before = vt.generate(max_tokens=4)
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        from graphtrace.provenance import ProvenanceMode
+        ns.provenance_in_forward = []
+        spy = vt.model.register_forward_pre_hook(lambda m, a: ns.provenance_in_forward.append(
+            any(isinstance(x, ProvenanceMode) for x in _get_current_dispatch_mode_stack())))
+        vt.generate(max_tokens=2)  # after warm-up: provenance paused
+        spy.remove()
+        ns.recording_after_warmup = vt.trace.provenance_recording
         # Forward 0 of a generate is the prefill of all prompts, forward 1 the first decode
         # step: that is what vLLM would capture as a decode CUDA graph on GPU.
         with vt.capture("decode", skip=1) as cap:
@@ -61,6 +71,11 @@ def run(tiny_llama_dir):
     ns.decode_graphs = ns.dummy = None
     gc.collect()
     ns.report_no_graphs = vt.diff()
+    # A reload that refreshes lm_head's registered weight but does not rebuild its oneDNN
+    # copy (what a failed tied lm_head load leaves): the packed copy is not rebuilt.
+    with torch.no_grad():
+        ns.model.lm_head.weight.add_(0.5)
+    ns.report_forgot = vt.diff()
     ns.vt = vt
     ns.llm = llm
     yield ns
@@ -137,8 +152,39 @@ def test_unowned_edges_are_graph_internal(run):
     assert set(unowned["origin"].astype(str)) == {"internal"}
 
 
+def test_provenance_paused_after_warmup_and_recorded_around_reloads(run):
+    assert run.provenance_in_forward and not any(run.provenance_in_forward)
+    assert not run.recording_after_warmup
+    handles = run.report.stale[run.report.stale["owners"].astype(str).str.endswith(
+        ".handler_tensor")]
+    # the handles the reload made were made while provenance was resumed for it
+    assert len(handles) and "not recorded" not in set(handles["live_created_at"].astype(str))
+    assert run.report.meta["provenance"]["suspends"] >= 2
+
+
+def test_blind_spots_are_records_matched_to_edges(run):
+    frame = run.report.blind_spots_frame
+    onednn = frame[frame["kind"] == "opaque handle"]
+    assert len(onednn) == 2 * len(LINEARS) and (onednn["n_edges"] == 2).all()  # decode, dummy
+    assert onednn["text"].str.contains("compares pointers, not weights").all()
+    edges = run.report.blind_spot_edges(int(onednn.index[0]))
+    assert edges["owners"].astype(str).str.endswith(".handler_tensor").all()
+    lm = frame[frame["kind"] == "packed copy"]
+    assert "lm_head.cpu_linear.__closure__['handler'].handler_tensor" in lm["holder"].tolist()
+    assert set(frame["kind"]) >= {"opaque handle", "packed copy", "forward context"}
+
+
+def test_packed_copy_not_rebuilt_is_its_own_finding(run):
+    for r in (run.report, run.report_restored):  # vLLM's reload rebuilds the copy: silent
+        assert "packed copy not rebuilt" not in {b.kind for b in r.blind_spot_records}
+    (spot,) = [b for b in run.report_forgot.blind_spot_records
+               if b.kind == "packed copy not rebuilt"]
+    assert "lm_head.weight" in spot.text and spot.holder.startswith("lm_head.cpu_linear")
+    assert "values changed" in spot.text
+
+
 def test_empty_prepacked_weights_are_blind_spots_not_hidden(run):
-    spots = run.report.meta["blind_spots"]
+    spots = run.report.blind_spots
     structured = run.report.meta["vllm"]["blind_spots"]
     onednn = {s["path"] for s in structured if s["kind"] == "onednn"}
     expected = {f"model.layers.{i}.{lin}.weight" for i in range(2) for lin in LINEARS}
