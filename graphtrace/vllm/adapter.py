@@ -35,8 +35,9 @@ with multiprocessing on is refused by ``attach``/``capture`` with what to do ins
 
 Provenance (Note [provenance]) costs every eager op its dispatch mode, so by default
 (``pause_provenance=True``) it runs only while the engine loads, compiles and warms up
-(``after_warmup`` pauses it) and again around each weight update (``vt.reload``, and the
-worker's update entry points where graphtrace.vllm.hooks reports them).
+(``after_warmup`` pauses it) and again around each weight update (``before_update`` /
+``after_update`` of graphtrace.vllm.hooks: ``reload_weights``, a weight-transfer session,
+``model.load_weights``; and ``vt.reload``).
 """
 
 from __future__ import annotations
@@ -301,9 +302,8 @@ class VllmTrace:
         out = [("after_load", self._on_load)]
         if self.pause_provenance:
             out.append(("after_warmup", self._provenance_off))
-            if "before_update" in hooks.EVENTS:  # worker-side updates (RL weight pushes)
-                out += [("before_update", self._provenance_on),
-                        ("after_update", self._provenance_off)]
+            out += [("before_update", self._provenance_on),  # Note [weight updates] in hooks
+                    ("after_update", self._provenance_off)]
         return out
 
     def _provenance_off(self, worker=None, *args) -> None:
