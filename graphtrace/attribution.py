@@ -17,7 +17,12 @@ dispatched. Two ways keep the stack, chosen by `gt.trace(modules=...)`:
   ``module.forward`` stays untouched (for code that needs the very attribute).
 
 Both are removed at trace exit. Under ``torch.compile`` Dynamo inlines either way, so the
-stack moves only while tracing, and ops inside compiled code are not attributed.
+stack moves only while tracing, and ops inside compiled code are not attributed. A model that
+Dynamo already compiled gets hooks even under ``"forward"``: its cached graphs guard on every
+module's ``__dict__`` lacking ``forward``, so wrappers would make it compile again, while hook
+changes are not guarded (``torch._dynamo.config.skip_nnmodule_hook_guards``). The wrapper's
+frame is marked for Dynamo to skip (``skip_code``), so a model first compiled inside the
+trace enters Dynamo at its class forward, as it would without the trace.
 """
 
 from __future__ import annotations
@@ -47,6 +52,44 @@ def forward(self, *args, **kwargs):
         return type(self).forward(self, *args, **kwargs)
     finally:
         stack.pop()
+
+
+_frame_skipped = False
+
+
+def _dynamo_skips_wrapper() -> None:
+    """Tell Dynamo to run the wrapper's frame as is and to look at the frames it calls: a
+    module compiled before the trace opened then enters its cached graph at the class forward,
+    as without the trace, instead of compiling the wrapper as a new frame (a recompile)."""
+    global _frame_skipped
+    if _frame_skipped:
+        return
+    _frame_skipped = True
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except Exception:  # a torch without Dynamo: nothing compiles frames
+        return
+    skip_code(forward.__code__)
+
+
+def has_compiled_code(model: torch.nn.Module) -> bool:
+    """Whether Dynamo already compiled a forward of `model` (or `Module.compile()` was called):
+    its cached graphs guard on each module's `__dict__` having no `forward`, so an instance
+    wrapper would make Dynamo compile the model again (hooks are not guarded)."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except Exception:
+        return False
+    codes = set()
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            return True
+        code = getattr(type(module).forward, "__code__", None)
+        if code is not None and code not in codes:
+            codes.add(code)
+            if _debug_get_cache_entry_list(code):
+                return True
+    return False
 
 
 def _push_hook(fqn: int) -> Callable:
@@ -96,12 +139,15 @@ class ModuleAttribution:
         its first name."""
         if self.mode == "off":
             return
+        wrap = self.mode == "forward" and not has_compiled_code(model)
+        if wrap:
+            _dynamo_skips_wrapper()
         for fqn, module in model.named_modules():
             if id(module) in self.seen:
                 continue
             self.seen.add(id(module))
             fid = fqn_id(prefix + fqn)
-            if (self.mode == "forward" and "forward" not in module.__dict__
+            if (wrap and "forward" not in module.__dict__
                     and not isinstance(module, torch.jit.ScriptModule)):
                 module.__dict__["forward"] = _wrapper_for(module)
                 _fqn_ids[id(module)] = fid

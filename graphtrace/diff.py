@@ -109,7 +109,7 @@ def _live_paths(models: dict, fail) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _resolve_owners(handles, captured: dict, sids: np.ndarray,
-                    live) -> tuple[pd.DataFrame, dict]:
+                    live, models: Mapping | None = None) -> tuple[pd.DataFrame, dict]:
     """One row per (storage, capture-time owner), with its status on the live model; rows
     in the order of `sids` (ascending), then model, path and owner kind."""
     rows = []
@@ -121,6 +121,9 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
         handle = handles[sid]
         for model, path, owner_kind in (sorted(owners) if len(owners) > 1 else owners):
             tensor = live[model].get(path) if model in live else None
+            if tensor is None and models is not None and model in models:
+                tensor = _resolve(models[model], path)  # a path the walk does not list (an
+                # owner only Dynamo's source named, graphtrace.compiled)
             status, ptr = _status(tensor, handle)
             if status == MOVED:
                 moved_to.setdefault(sid, tensor)
@@ -128,6 +131,14 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
     frame = pd.DataFrame(rows, columns=OWNER_COLUMNS)
     frame["live_data_ptr"] = frame["live_data_ptr"].astype("Int64")
     return frame, moved_to
+
+
+def _resolve(model, path: str) -> torch.Tensor | None:
+    try:
+        found = resolve_path(model, path)
+    except Exception:
+        return None
+    return found if isinstance(found, torch.Tensor) or is_opaque(found) else None
 
 
 def _status(tensor: torch.Tensor | None, handle: int) -> tuple[str, object]:
@@ -512,13 +523,16 @@ def _add(spots: list[BlindSpot], new: Iterable[BlindSpot]) -> None:
 
 
 def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, torch.nn.Module],
-         blind_spots: Iterable["str | BlindSpot"] = (), provenance: "Provenance | None" = None) -> "Report":
+         blind_spots: Iterable["str | BlindSpot"] = (), provenance: "Provenance | None" = None,
+         extra_meta: Mapping | None = None) -> "Report":
     """The Report of a reload: every edge of `recorder`'s captures, its capture-time owners
     (`snapshot`, updated first with the storages it has not matched yet) resolved on the
     live `models` (name -> module, as the snapshot was taken). `blind_spots`: records (or
     texts, kind ``other``) for the report's meta, plus what that update's owner walks had to
     cut. `provenance`: the
-    trace's creation sites (graphtrace.provenance), for `created_at` / `live_created_at`."""
+    trace's creation sites (graphtrace.provenance), for `created_at` / `live_created_at`.
+    `extra_meta`: more entries for the meta (the compiled regions' coverage,
+    graphtrace.compiled)."""
     from graphtrace.report import Report
 
     rec = recorder
@@ -555,7 +569,7 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     edge_sids = np.flatnonzero(np.bincount(sids, minlength=n_storages))  # sorted, no hashing
     with _gc_paused():
         owners, moved_to = _resolve_owners(table.handles, snapshot.owners, edge_sids,
-                                           _live_paths(models, rec.fail))
+                                           _live_paths(models, rec.fail), models)
     edges.update(_owner_columns(_per_storage(owners, alive, internal_storage), sids))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(np.where(internal, 1, 0), list(ORIGINS))
@@ -584,4 +598,5 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
         "models": list(models),
         "provenance": provenance.meta() if provenance is not None else {"enabled": False},
     }
+    meta.update(extra_meta or {})
     return Report(accesses=accesses, storages=storages, owners=owners, edges=edges, meta=meta)

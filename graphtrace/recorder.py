@@ -238,6 +238,7 @@ class Capture:
 
 _SCALARS = (type(None), int, float, bool, str)
 _OPAQUE_VIEW = (torch.uint8, torch.Size([0]), (1,), 0)  # the view of a proxy storage
+_STRIDED = torch.strided
 
 
 def _plain_tensors(t: torch.Tensor):
@@ -340,7 +341,7 @@ class PyWriter:
             if code is None:
                 continue
             tp = type(value)
-            if tp is torch.Tensor or tp is torch.nn.Parameter:
+            if (tp is torch.Tensor or tp is torch.nn.Parameter) and value.layout is _STRIDED:
                 slot = slot_of(value)
                 append((seq, code, slot))
                 inputs.append(slot >> SID_SHIFT)
@@ -354,7 +355,7 @@ class PyWriter:
                     wrote |= self._put(seq, code, value, inputs)
         fresh = False
         end_inputs = len(cap.accesses)
-        if type(out) is torch.Tensor:
+        if type(out) is torch.Tensor and out.layout is _STRIDED:
             name = plan.returns[0] if plan.returns else None
             if name is not None:  # None: a mutated argument, already recorded as a write
                 slot = slot_of(out)
@@ -402,6 +403,10 @@ class PyWriter:
         self._append((seq, code, slot))
         return slot >> SID_SHIFT
 
+    def _opaque(self, seq: int) -> None:
+        """A tensor without a storage (mkldnn's prepacked weights, sparse): say which op."""
+        self.recorder.opaque_ops.add(self.recorder.names.items[self.capture.ops[seq]])
+
     def _put(self, seq: int, code: int, value, inputs: list) -> bool:
         """Tensors inside subclasses and containers (Tensor[], Tensor?[]), and opaque handles:
         the slow path."""
@@ -409,6 +414,9 @@ class PyWriter:
         for item in (value,) if isinstance(value, torch.Tensor) else tree_iter(value):
             if isinstance(item, torch.Tensor):
                 for t in _plain_tensors(item):
+                    if t.layout is not _STRIDED:
+                        self._opaque(seq)
+                        continue
                     inputs.append(self._row(seq, code, t))
                     found = True
             elif isinstance(item, torch.ScriptObject):
@@ -426,6 +434,9 @@ class PyWriter:
         """Outputs sharing an input's storage are views (`_unsafe_view` claims otherwise)."""
         fresh = False
         for t in _plain_tensors(value):
+            if t.layout is not _STRIDED:
+                self._opaque(seq)
+                continue
             sid = self._find(t.untyped_storage()._cdata)
             access = VIEW if sid is not None and sid in inputs else FACTORY
             self._row(seq, name | access, t)
@@ -495,6 +506,7 @@ class Recorder:
         self._pins: dict[int, list] = {}  # graph id -> opaque handles read, until unpin()
         self.errors: list[dict] = []
         self.n_errors = 0
+        self.opaque_ops: set[str] = set()  # ops given tensors without storage (not recorded)
         self._lock = threading.Lock()
 
     @property

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map_only
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
 from graphtrace.derived import DerivedCopies
+from graphtrace.compiled import CompiledPatch
 from graphtrace.encoding import REPLAY_FRESH
 from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
@@ -335,6 +336,7 @@ class Trace:
                            if (enabled_by_default() if provenance is None else provenance)
                            else None)
         self._patch = _CudaGraphPatch(self)
+        self.compiled_regions = CompiledPatch(self)  # compiled regions: Note [Compiled regions]
         self._open = False
         self._closed = False
         if model is not None:
@@ -359,11 +361,13 @@ class Trace:
                 self.provenance.start(self.models)
             except Exception as exc:
                 self.recorder.fail("provenance start", exc)
+        self.compiled_regions.install()
         return self
 
     def __exit__(self, *exc) -> None:
         global _active
         self._patch.uninstall()
+        self.compiled_regions.uninstall()
         for region in list(self._cuda_regions.values()):
             region.close()
         self._cuda_regions.clear()
@@ -457,6 +461,11 @@ class Trace:
                 self.provenance.match(self.recorder.storages)
             except Exception as exc:
                 self.recorder.fail("provenance match", exc)
+        for op in sorted(self.recorder.opaque_ops):
+            self.add_blind_spot(f"opaque tensors: {op} was given tensors without a storage "
+                                "(e.g. mkldnn-prepacked weights, as Inductor's CPU freezing "
+                                "makes); what they hold is not recorded",
+                                kind="opaque handle", op=op)
 
     def _label_cuda_graph(self, graph, label: str | None) -> None:
         key = (threading.get_ident(), id(graph))
@@ -585,12 +594,22 @@ class Trace:
         """Resolve capture-time owners on the live model(s) and classify every edge."""
         from graphtrace.diff import diff
 
+        from graphtrace.compiled import blind_spots, coverage
+
         models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
         spots = list(self.blind_spots)
         if self.derived.pairs:
             spots += self.derived.check(models)
+        extra = {}
+        if self.compiled_regions.seen and self.recorder.captures and self.models:
+            self._match_owners()  # coverage counts owners: match the newest storages first
+            rows = coverage(self)
+            if rows:  # per capture and compiled region: what was attributed (compiled.py)
+                extra["compiled"] = rows
+                known = {s.text for s in spots}
+                spots += [s for s in blind_spots(rows) if s.text not in known]
         return diff(self.recorder, self.owner_snapshot, models, spots,
-                    provenance=self.provenance)
+                    provenance=self.provenance, extra_meta=extra)
 
     def guard(self, first_graph: int = 0):
         """A `graphtrace.guard.Guard` of the owned storages captured so far (graph ids from

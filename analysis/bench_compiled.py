@@ -1,0 +1,172 @@
+"""What recording compiled regions costs (issue 14): a traced capture of a torch.compile'd
+(Inductor, CPU) workload against a no-op TorchDispatchMode on the same workload.
+
+Rows (min of N rounds, each round R calls of the compiled model):
+- baseline: the compiled model, nothing around it;
+- no-op mode: a TorchDispatchMode that only runs each op (with `ignore_compile_internals`, as
+  graphtrace's, so Dynamo keeps the compiled frames); it sees the extern kernels;
+- graphtrace: `gt.trace(model)` open, each round one `gt.capture` region (emulated, replayable)
+  around the R calls: extern kernels recorded, one `compiled::` op per region call with its
+  inputs, the owner match at capture end.
+The ratio is graphtrace's added time over the no-op mode's added time (goal: at most 1.3).
+
+Then the boundary record alone: one compiled region with 500 tensor inputs (a module holding
+500 parameters), per call, traced minus no-op mode.
+
+Run: PYTHONPATH=. python analysis/bench_compiled.py [--quick]
+Writes analysis/results/bench_compiled.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _common import ROOT, best_of, revision, write_results
+
+import graphtrace as gt
+from graphtrace.compiled import CompiledPatch
+
+
+class NoOpMode(TorchDispatchMode):
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 64, blocks: int = 4, vocab: int = 256):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(blocks))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.norm(x)
+
+
+class Wide(nn.Module):
+    """One region with `n` parameter inputs: the boundary record's size, not its kernels."""
+
+    def __init__(self, n: int = 500):
+        super().__init__()
+        self.ws = nn.ParameterList(nn.Parameter(torch.randn(4), requires_grad=False)
+                                   for _ in range(n))
+
+    def forward(self, x):
+        return x * torch.stack(list(self.ws)).sum(0)
+
+
+def rounds(model, compiled, x, calls: int, repeat: int):
+    def base():
+        for _ in range(calls):
+            compiled(x)
+
+    def noop():
+        with NoOpMode():
+            for _ in range(calls):
+                compiled(x)
+
+    with torch.no_grad():
+        base()  # compile and warm
+        t_base, _ = best_of(base, repeat)
+        t_noop, _ = best_of(noop, repeat)
+        with gt.trace(model) as t:
+            def traced():
+                with gt.capture("round"):
+                    for _ in range(calls):
+                        compiled(x)
+            t_traced, _ = best_of(traced, repeat)
+        report = t.diff()
+    return t_base, t_noop, t_traced, report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds (smoke test)")
+    ap.add_argument("--out", default=str(ROOT / "analysis" / "results" / "bench_compiled.txt"))
+    args = ap.parse_args(argv)
+    repeat, calls = (3, 5) if args.quick else (15, 20)
+    torch.manual_seed(0)
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    say(f"# bench_compiled at {revision()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, best of {repeat} rounds of {calls} calls")
+    model = Net().eval()
+    ids = torch.randint(0, 256, (8, 32))
+    t0 = time.perf_counter()
+    compiled = torch.compile(model, backend="inductor")
+    t_base, t_noop, t_traced, report = rounds(model, compiled, ids, calls, repeat)
+    say(f"compile+warm {time.perf_counter() - t0:.1f} s")
+    per = 1e6 / calls
+    add_noop, add_traced = t_noop - t_base, t_traced - t_base
+    say(f"baseline      {t_base * per:9.1f} us/call")
+    say(f"no-op mode    {t_noop * per:9.1f} us/call  (+{add_noop * per:.1f})")
+    say(f"graphtrace    {t_traced * per:9.1f} us/call  (+{add_traced * per:.1f})")
+    ratio = add_traced / add_noop if add_noop > 0 else float("inf")
+    say(f"added-cost ratio graphtrace / no-op mode: {ratio:.2f} (goal <= 1.3)")
+    row = report.meta["compiled"][-1]
+    say(f"region {row['region']}: {row['owned_inputs']}/{row['tensor_inputs']} tensor inputs "
+        f"owned, {row['calls']} calls in the last round")
+
+    wide = Wide(500).eval()
+    x = torch.randn(4)
+    t0 = time.perf_counter()
+    cw = torch.compile(wide, backend="inductor")
+    spent: list[float] = []
+    record = CompiledPatch._record
+
+    def timed(self, *a, **k):  # the boundary record alone: the kernel's own time is noise here
+        t = time.perf_counter()
+        try:
+            return record(self, *a, **k)
+        finally:
+            spent.append(time.perf_counter() - t)
+
+    CompiledPatch._record = timed
+    try:
+        wb, wn, wt, wreport = rounds(wide, cw, x, calls, repeat)
+    finally:
+        CompiledPatch._record = record
+    say(f"500-input region: compile+warm {time.perf_counter() - t0:.1f} s")
+    say(f"  baseline {wb * per:.1f} us/call, no-op mode {wn * per:.1f}, graphtrace {wt * per:.1f}"
+        " (the fused kernel's time varies more than the record costs)")
+    spent.sort()
+    med = spent[len(spent) // 2]
+    say(f"  boundary record per call: median {med * 1e6:.1f} us, min {spent[0] * 1e6:.1f} us "
+        f"over {len(spent)} calls ({med * 1e9 / 500:.0f} ns per input)")
+    wrow = wreport.meta["compiled"][-1]
+    say(f"  {wrow['owned_inputs']}/{wrow['tensor_inputs']} tensor inputs owned")
+    if not args.quick:
+        write_results(__import__("pathlib").Path(args.out), "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
