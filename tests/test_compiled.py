@@ -150,10 +150,11 @@ def test_partial_held_perm_inside_compiled_code(variant, breaking):
     with torch.no_grad():
         c(x)
         with gt.trace(m, strict=True) as t:
-            with gt.capture("decode"):
-                c(x)
+            with gt.capture("decode") as graph:  # kept: it holds what it captured, as a CUDA
+                c(x)                              # graph's artifacts would (stale, not dangling)
         demo_reload.reload(m, m.make_checkpoint(1, act_order_seed=5), backend="builtin")
     report = t.diff()
+    del graph
     stale = report.stale
     compiled_ops = report.edges["ops"].astype(str).str.contains("compiled::")
     assert compiled_ops.any()
