@@ -100,6 +100,15 @@ def test_coverage_small_net_compiled(checks, notes, driver):
                f"{f['stale_like_edges']}, replay==eager {f['replay_eq_eager_after_rebind']}/{f['rows']}"
                f" -> {'a stale read graphtrace does NOT flag (blind spot)' if blind else 'see figures'}")
     assert f["triton_kernel_nodes"] > 0, "no Triton kernel in the graph"
+    # issue 14 (graphtrace/compiled.py): the compiled region's call and each Triton launch
+    # are recorded as ops, so the fused kernels' owned reads are attributed
+    ops = f["op_names"]
+    notes.line(f"small-net-compiled: recorded compiled regions "
+               f"{[o for o in ops if o.startswith('compiled::')]}, Triton launches "
+               f"{[o for o in ops if o.startswith('triton::')]}")
+    assert any(o.startswith("compiled::") for o in ops), ops
+    assert any(o.startswith("triton::") for o in ops), ops
+    assert c["owned_attributed"] == c["owned"], c
 
 
 @pytest.mark.gpu_timeout(300)
