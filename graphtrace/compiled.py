@@ -459,11 +459,12 @@ def _is_dense(t: Any) -> bool:
 
 
 def _shape_of(value) -> tuple | None:
+    """A tensor's shape when every size is a plain int, else None. Never int() a SymInt: that
+    would specialize a dynamic size (a guard added to the graph being compiled)."""
     shape = getattr(value, "shape", None)
-    try:
-        return None if shape is None else tuple(int(d) for d in shape)
-    except Exception:  # symbolic sizes
+    if shape is None or not all(type(d) is int for d in shape):
         return None
+    return tuple(shape)
 
 
 def _same_shapes(names: list, example_inputs: Sequence) -> bool:

@@ -367,7 +367,8 @@ class VllmTrace:
             for spot in spots:
                 if spot not in self.blind_spots:
                     self.blind_spots.append(spot)
-                    self.trace.add_blind_spot(blind.record(spot))
+                    if spot["kind"] != "compiled":  # diff() says whether compiled code hid reads
+                        self.trace.add_blind_spot(blind.record(spot))
                     if spot["kind"] == "packed_copy":  # Note [derived copies]
                         self.trace.watch_copy(spot["holder"].removeprefix(f"{name}:"),
                                               spot["path"].removeprefix(f"{name}:"), model=name)
@@ -468,6 +469,10 @@ class VllmTrace:
         """``graphtrace`` diff of everything captured against the live vLLM model(s)."""
         for worker, name in self._workers:  # layers rebuilt by a reload can add blind spots
             self._scan_blind_spots(hooks.worker_model(worker), name)
+        if not self.trace.compiled_regions.seen:  # the core records compiled regions; none seen
+            for spot in self.blind_spots:
+                if spot["kind"] == "compiled":
+                    self.trace.add_blind_spot(blind.record(spot))
         report = self.trace.diff()
         report.meta["vllm"] = _plain(self.info())
         return report

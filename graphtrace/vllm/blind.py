@@ -14,7 +14,9 @@ model's reads are not:
   weight, while the GEMM reads the packed copy behind the handle.
 * ``empty_parameter``: any other empty parameter (its data lives somewhere we did not find).
 * ``compiled`` (engine setting): with ``torch.compile`` on, Inductor-generated kernels read
-  tensors without going through the dispatcher; only extern kernels and custom ops are seen.
+  tensors without going through the dispatcher. graphtrace's core records each compiled
+  region's call with its inputs (graphtrace.compiled), so this is reported only when the
+  engine compiles and no capture recorded a compiled region.
 * ``forward_context``: attention ops (``vllm::unified_attention_with_output``,
   ``vllm::unified_kv_cache_update``) take the layer *name* and fetch the KV cache from the
   forward context inside the op: those KV-cache reads and writes are not visible.
@@ -162,8 +164,9 @@ def describe(spot: dict) -> str:
                 f"forward context inside the op ({spot['detail']}: {path}); those KV-cache "
                 "reads and writes are not recorded")
     if kind == "compiled":
-        return (f"vllm/compiled: the forward is compiled ({spot['detail']}): Inductor-generated "
-                "kernels read tensors without the dispatcher; only extern kernels and custom ops "
-                "(e.g. _C::onednn_mm, vllm::unified_attention_with_output) are recorded")
+        return (f"vllm/compiled: the forward is compiled ({spot['detail']}) but no capture "
+                "recorded a compiled region: Inductor-generated kernels read tensors without "
+                "the dispatcher; only extern kernels and custom ops (e.g. _C::onednn_mm, "
+                "vllm::unified_attention_with_output) are recorded")
     return f"vllm/{kind}: {path} {holder} {spot.get('detail', '')}".strip()
 
