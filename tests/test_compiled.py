@@ -8,6 +8,7 @@ model is built once per module.
 from __future__ import annotations
 
 import functools
+import types
 import importlib.util
 
 import pytest
@@ -351,3 +352,45 @@ def test_pair_triton_args_pairs_tensors_with_signature_names():
 ])
 def test_source_to_path(source, expected):
     assert source_to_path(source) == expected
+
+
+class FakeAutotuner:
+    """Shaped like Inductor's CachingAutotuner as the launch hook reads it (CUDA-only code
+    exercised on CPU): `fn.__name__`, `triton_meta["signature"]`, `mutated_arg_names`."""
+
+    def __init__(self):
+        self.fn = types.SimpleNamespace(__name__="triton_poi_fused_add_0")
+        self.triton_meta = {"signature": {"in_ptr0": "*fp32", "in_ptr1": "*fp32",
+                                          "out_ptr0": "*fp32", "xnumel": "i32"}}
+        self.mutated_arg_names = ["out_ptr0"]
+
+    def run(self, *args, stream, benchmark_run=False, **kwargs):
+        """A Triton launch: no op reaches the dispatcher."""
+
+
+@pytest.mark.usefixtures("writer")
+def test_triton_launches_are_recorded_with_kernel_argument_names():
+    from graphtrace.compiled import CompiledPatch
+
+    m = small_net()
+    a, out = m.lin.weight, torch.empty(8, 8)
+    b = torch.ones(8, 8)
+    with torch.no_grad(), gt.trace(m, strict=True) as t:
+        patch = CompiledPatch(t)
+        patch._wrap(FakeAutotuner, "run", patch._make_triton_run)  # what install() does on CUDA
+        try:
+            with gt.capture("c"):
+                FakeAutotuner().run(a, b, out, 64, stream=0)
+                FakeAutotuner().run(a, b, out, 64, stream=0, benchmark_run=True)  # autotuning
+            FakeAutotuner().run(a, b, out, 64, stream=0)  # outside any capture: not recorded
+        finally:
+            patch.uninstall()
+        assert "run" in FakeAutotuner.__dict__ and FakeAutotuner.run.__name__ == "run"
+        report = t.diff()
+    acc = report.accesses
+    rows = acc[acc["op"].astype(str) == "triton::triton_poi_fused_add_0"]
+    assert list(zip(rows["arg"].astype(str), rows["access"].astype(str))) == [
+        ("in_ptr0", "read"), ("in_ptr1", "read"), ("out_ptr0", "write")]
+    e = report.edges
+    assert e[e["owners"].astype(str) == "lin.weight"]["args"].astype(str).tolist() == ["in_ptr0"]
+    assert patch.n_triton == 1
