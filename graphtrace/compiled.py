@@ -135,13 +135,14 @@ class CompiledRegion:
 
 
 class _TritonKernel:
-    """Plan key of one Triton kernel (per trace)."""
+    """Plan key of one Triton kernel launch shape (per trace): kernel names repeat across
+    graphs (`triton_poi_fused_add_0`), so keys are (name, argument codes)."""
 
     __slots__ = ("name", "plan", "__weakref__")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, plan: _RegionPlan):
         self.name = name
-        self.plan = None
+        self.plan = plan
 
 
 class _Replay:
@@ -246,7 +247,7 @@ class CompiledPatch:
         self.trace = trace
         self.saved: list[tuple[type, str, Any]] = []
         self.regions: dict[int, CompiledRegion] = {}   # id(CompiledFxGraph) -> region
-        self.kernels: dict[str, _TritonKernel] = {}
+        self.kernels: dict[tuple, _TritonKernel] = {}  # (name, argument codes) -> key
         self.seen: dict[int, dict[CompiledRegion, dict]] = {}  # graph id -> region -> stats
         self._pending = _Pending()
         self._names_by_graph: dict[int, tuple[weakref.ref, list]] = {}
@@ -380,10 +381,15 @@ class CompiledPatch:
 
     def _record(self, mode, region: CompiledRegion, graph, args: tuple, out, emulated) -> None:
         recorder = self.trace.recorder
-        plan = region.plan
-        if plan is None or region.n_inputs != len(args):
-            plan = region.make_plan(recorder.names, len(args))
-            recorder.plans[region] = plan  # both writers look plans up here first
+        if region.plan is not None and region.n_inputs != len(args):
+            # a plan is never changed under its key (the native writer caches plans by key):
+            # another input count gets a region object of its own
+            with self._lock:
+                region = self.regions[id(graph)] = CompiledRegion(
+                    f"{region.name}_{len(args)}in", graph, None)
+        if region.plan is None:
+            recorder.plans[region] = region.make_plan(recorder.names, len(args))  # both
+            # writers look plans up here first
         constants = region.constants(graph)
         values = args + tuple(constants) if constants else args
         flags = mode.writer.record(region, values, {}, out)
@@ -441,15 +447,14 @@ class CompiledPatch:
         signature = (getattr(autotuner, "triton_meta", None) or {}).get("signature", {})
         mutated = getattr(autotuner, "mutated_arg_names", ()) or ()
         pairs = pair_triton_args(signature, args, mutated)
-        key = self.kernels.get(name)
         recorder = self.trace.recorder
-        if key is None:
-            key = self.kernels[name] = _TritonKernel(name)
         codes = tuple(pack_code(recorder.names(n), WRITE if w else READ) for n, _, w in pairs)
-        if key.plan is None or key.plan.positional != codes:
-            key.plan = _RegionPlan(recorder.names(TRITON_PREFIX + name), codes, recorder.names("out"))
-            key.plan.returns = ()
-            recorder.plans[key] = key.plan
+        key = self.kernels.get((name, codes))
+        if key is None:
+            plan = _RegionPlan(recorder.names(TRITON_PREFIX + name), codes, recorder.names("out"))
+            plan.returns = ()
+            key = self.kernels[(name, codes)] = _TritonKernel(name, plan)
+            recorder.plans[key] = plan
         mode.writer.record(key, tuple(t for _, t, _ in pairs), {}, None)
         self.n_triton += 1
 
