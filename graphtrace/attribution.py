@@ -17,12 +17,13 @@ dispatched. Two ways keep the stack, chosen by `gt.trace(modules=...)`:
   ``module.forward`` stays untouched (for code that needs the very attribute).
 
 Both are removed at trace exit. Under ``torch.compile`` Dynamo inlines either way, so the
-stack moves only while tracing, and ops inside compiled code are not attributed. A model that
-Dynamo already compiled gets hooks even under ``"forward"``: its cached graphs guard on every
-module's ``__dict__`` lacking ``forward``, so wrappers would make it compile again, while hook
-changes are not guarded (``torch._dynamo.config.skip_nnmodule_hook_guards``). The wrapper's
-frame is marked for Dynamo to skip (``skip_code``), so a model first compiled inside the
-trace enters Dynamo at its class forward, as it would without the trace.
+stack moves only while tracing, and ops inside compiled code are not attributed. Modules that
+Dynamo's cached graphs already inlined get hooks even under ``"forward"`` (`compiled_inside`):
+those graphs guard on each inlined module's ``__dict__`` lacking ``forward``, so wrappers would
+make them compile again, while hook changes are not guarded
+(``torch._dynamo.config.skip_nnmodule_hook_guards``). The wrapper's frame is marked for Dynamo
+to skip (``skip_code``), so a compiled module's own call enters Dynamo at its class forward, as
+it would without the trace.
 """
 
 from __future__ import annotations
@@ -72,24 +73,42 @@ def _dynamo_skips_wrapper() -> None:
     skip_code(forward.__code__)
 
 
-def has_compiled_code(model: torch.nn.Module) -> bool:
-    """Whether Dynamo already compiled a forward of `model` (or `Module.compile()` was called):
-    its cached graphs guard on each module's `__dict__` having no `forward`, so an instance
-    wrapper would make Dynamo compile the model again (hooks are not guarded)."""
+def compiled_inside(model: torch.nn.Module) -> set[int]:
+    """ids of the modules of `model` that Dynamo's cached graphs may have inlined: those below
+    a module whose class forward Dynamo compiled (a frame it enters), and every module under
+    one that `Module.compile()` compiled (its `_call_impl` is the frame). Their graphs guard on
+    each inlined module's `__dict__` having no `forward`, so an instance wrapper there would
+    make Dynamo compile again; hooks are not guarded. A compiled entry module itself may keep
+    a wrapper: Dynamo skips the wrapper's frame and enters at the class forward, unguarded."""
     try:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     except Exception:
-        return False
-    codes = set()
-    for module in model.modules():
-        if getattr(module, "_compiled_call_impl", None) is not None:
-            return True
+        return set()
+    compiled_codes: dict = {}
+
+    def entry(module) -> bool:
         code = getattr(type(module).forward, "__code__", None)
-        if code is not None and code not in codes:
-            codes.add(code)
-            if _debug_get_cache_entry_list(code):
-                return True
-    return False
+        if code is None:
+            return False
+        if code not in compiled_codes:
+            compiled_codes[code] = bool(_debug_get_cache_entry_list(code))
+        return compiled_codes[code]
+
+    inside: set[int] = set()
+
+    def visit(module, under: bool) -> None:
+        if under:
+            inside.add(id(module))
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            inside.add(id(module))
+            under = True
+        elif entry(module):
+            under = True
+        for child in module.children():
+            visit(child, under)
+
+    visit(model, False)
+    return inside
 
 
 def _push_hook(fqn: int) -> Callable:
@@ -139,7 +158,8 @@ class ModuleAttribution:
         its first name."""
         if self.mode == "off":
             return
-        wrap = self.mode == "forward" and not has_compiled_code(model)
+        wrap = self.mode == "forward"
+        inlined = compiled_inside(model) if wrap else set()
         if wrap:
             _dynamo_skips_wrapper()
         for fqn, module in model.named_modules():
@@ -147,7 +167,7 @@ class ModuleAttribution:
                 continue
             self.seen.add(id(module))
             fid = fqn_id(prefix + fqn)
-            if (wrap and "forward" not in module.__dict__
+            if (wrap and id(module) not in inlined and "forward" not in module.__dict__
                     and not isinstance(module, torch.jit.ScriptModule)):
                 module.__dict__["forward"] = _wrapper_for(module)
                 _fqn_ids[id(module)] = fid
@@ -169,4 +189,4 @@ class ModuleAttribution:
         self.seen.clear()
 
 
-__all__ = ["ModuleAttribution", "MODES", "is_wrapper"]
+__all__ = ["ModuleAttribution", "MODES", "is_wrapper", "compiled_inside"]

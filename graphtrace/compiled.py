@@ -53,6 +53,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from graphtrace.blindspots import BlindSpot
 from graphtrace.encoding import READ, REPLAY_FRESH, WRITE, pack_code
+from graphtrace.recorder import RecordingMode
 
 __all__ = ["CompiledPatch", "CompiledRegion", "pair_triton_args", "source_to_path",
            "coverage", "blind_spots", "REGION_PREFIX", "TRITON_PREFIX"]
@@ -224,8 +225,6 @@ def source_to_path(source: str | None) -> tuple[str, str] | None:
 
 def _recording_mode(trace) -> Any:
     """This thread's innermost graphtrace recording mode of `trace`, if one is recording."""
-    from graphtrace.recorder import RecordingMode
-
     for mode in reversed(_get_current_dispatch_mode_stack()):
         if isinstance(mode, RecordingMode) and mode.recorder is trace.recorder:
             return mode
