@@ -95,8 +95,13 @@ def compiled_inside(model: torch.nn.Module) -> set[int]:
         return compiled_codes[code]
 
     inside: set[int] = set()
-
-    def visit(module, under: bool) -> None:
+    seen: set[tuple[int, bool]] = set()
+    stack = [(model, False)]  # iterative, each module at most twice (outside, then under a
+    while stack:              # compiled one): module trees may be deep, shared or cyclic
+        module, under = stack.pop()
+        if (id(module), under) in seen:
+            continue
+        seen.add((id(module), under))
         if under:
             inside.add(id(module))
         if getattr(module, "_compiled_call_impl", None) is not None:
@@ -104,10 +109,7 @@ def compiled_inside(model: torch.nn.Module) -> set[int]:
             under = True
         elif entry(module):
             under = True
-        for child in module.children():
-            visit(child, under)
-
-    visit(model, False)
+        stack.extend((child, under) for child in module.children())
     return inside
 
 

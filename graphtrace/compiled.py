@@ -53,6 +53,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from graphtrace.blindspots import BlindSpot
 from graphtrace.encoding import READ, REPLAY_FRESH, WRITE, pack_code
+from graphtrace.opaque import is_opaque
 from graphtrace.recorder import RecordingMode
 
 __all__ = ["CompiledPatch", "CompiledRegion", "pair_triton_args", "source_to_path",
@@ -65,14 +66,15 @@ TRITON_PREFIX = "triton::"
 class _RegionPlan:
     """A `recorder._Plan` for an op that is no `OpOverload`: one row code per argument."""
 
-    __slots__ = ("op_id", "positional", "by_keyword", "returns", "may_alias")
+    __slots__ = ("op_id", "positional", "by_keyword", "returns", "may_alias", "opaque")
 
-    def __init__(self, op_id: int, positional: tuple, out_id: int):
+    def __init__(self, op_id: int, positional: tuple, out_id: int, opaque: bool = False):
         self.op_id = op_id
         self.positional = positional
         self.by_keyword: dict = {}
         self.returns = (pack_code(out_id, READ),)  # one slot: the output list, as a Tensor[]
         self.may_alias = False
+        self.opaque = opaque  # ScriptObject arguments: the native writer hands the op to PyWriter
 
 
 class CompiledRegion:
@@ -121,9 +123,9 @@ class CompiledRegion:
             space = getattr(getattr(runner, "call", None), "__globals__", None) or {}
         return [space.get(g) for _, g in self.constant_names]
 
-    def make_plan(self, names, n_inputs: int) -> _RegionPlan:
+    def make_plan(self, names, args: Sequence) -> _RegionPlan:
         """Row codes: inputs (mutated ones write), then constants (read); arg ids interned."""
-        self.n_inputs = n_inputs
+        n_inputs = self.n_inputs = len(args)
         if len(self.arg_names) != n_inputs:  # Dynamo's placeholders did not line up
             self.arg_names = [f"input{i}" for i in range(n_inputs)]
             self.sources = []
@@ -131,7 +133,8 @@ class CompiledRegion:
         codes = [pack_code(names(a), WRITE if i in self.mutated else READ)
                  for i, a in enumerate(self.arg_names)]
         codes += [pack_code(names(a), READ) for a, _ in self.constant_names]
-        self.plan = _RegionPlan(names(REGION_PREFIX + self.name), tuple(codes), names("out"))
+        self.plan = _RegionPlan(names(REGION_PREFIX + self.name), tuple(codes), names("out"),
+                                opaque=any(is_opaque(a) for a in args))
         return self.plan
 
 
@@ -243,7 +246,7 @@ class CompiledPatch:
     """
 
     def __init__(self, trace):
-        self.trace = trace
+        self._trace = weakref.ref(trace)  # the trace holds this patch: no cycle back
         self.saved: list[tuple[type, str, Any]] = []
         self.regions: dict[int, CompiledRegion] = {}   # id(CompiledFxGraph) -> region
         self.kernels: dict[tuple, _TritonKernel] = {}  # (name, argument codes) -> key
@@ -253,6 +256,11 @@ class CompiledPatch:
         self._lock = threading.Lock()
         self.installed = False
         self.n_triton = 0
+
+    @property
+    def trace(self):
+        """The trace this patch records into (installed wrappers hold it only while open)."""
+        return self._trace()
 
     # -- install / uninstall -----------------------------------------------------------------
     def _wrap(self, cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -387,7 +395,7 @@ class CompiledPatch:
                 region = self.regions[id(graph)] = CompiledRegion(
                     f"{region.name}_{len(args)}in", graph, None)
         if region.plan is None:
-            recorder.plans[region] = region.make_plan(recorder.names, len(args))  # both
+            recorder.plans[region] = region.make_plan(recorder.names, args)  # both
             # writers look plans up here first
         constants = region.constants(graph)
         values = args + tuple(constants) if constants else args
