@@ -49,7 +49,7 @@ import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from graphtrace.blindspots import BlindSpot
 from graphtrace.encoding import READ, REPLAY_FRESH, WRITE, pack_code
@@ -401,7 +401,8 @@ class CompiledPatch:
         values = args + tuple(constants) if constants else args
         flags = mode.writer.record(region, values, {}, out)
         if emulated is not None:
-            emulated.keep(_Replay(graph, len(args)), values, {}, out, flags | REPLAY_FRESH)
+            with _disable_current_modes():  # keep() makes aliases: ops no mode may record
+                emulated.keep(_Replay(graph, len(args)), values, {}, out, flags | REPLAY_FRESH)
         stats = self.seen.setdefault(mode.capture.graph_id, {}).get(region)
         if stats is None:
             stats = self.seen[mode.capture.graph_id][region] = {"calls": 0, "unreadable": []}
