@@ -516,7 +516,9 @@ class OwnerSnapshot:
     `update(models, table)` matches the storages a storage table (graphtrace.recorder's
     StorageTable: `handles`, `find`) registered since the last update against one owner walk
     per model, cached; `refresh` walks the models again and matches every storage (owners
-    only accumulate). A walk's weak storage handles keep the walked storages' addresses
+    only accumulate). A cached walk is checked before each use: if a path it matched to a
+    captured storage now reaches another one (a reload ran between two captures), the model
+    is walked again, so a later capture's reads of the new tensors still find their owners. A walk's weak storage handles keep the walked storages' addresses
     unique while the walk is cached, and are freed when it is dropped. Both return what
     the walks they made had to cut (depth, size) as texts, for the report's blind spots.
     """
@@ -525,7 +527,7 @@ class OwnerSnapshot:
 
     def __init__(self):
         self.owners: dict[int, set[Owner]] = {}
-        self._walks: dict[str, tuple[dict[int, list], _Handles]] = {}
+        self._walks: dict[str, tuple[dict[int, list], _Handles, dict[str, int]]] = {}
         self._checked = 0  # storages below this id were matched to owners
 
     def forget(self, model: str) -> None:
@@ -546,6 +548,8 @@ class OwnerSnapshot:
         handles = table.handles  # one read: a native table syncs on each
         n = len(handles)
         for name, model in models.items():
+            if name in self._walks and self._moved_since_walk(name, model):
+                self._walks.pop(name)
             by_storage = self._walk(name, model, cut)
             for sid in range(self._checked, n):
                 found = by_storage.get(handles[sid])
@@ -556,6 +560,22 @@ class OwnerSnapshot:
                         self.owners.setdefault(sid, set()).add((name, path, owner_kind))
         self._checked = n
         return cut
+
+    def _moved_since_walk(self, name: str, model: nn.Module) -> bool:
+        """Does a path the cached walk matched to a captured storage reach another one now?
+        Only the matched paths are resolved (as the guard does): a few ms for a large model."""
+        expected = self._walks[name][2]  # path -> the storage it reached at walk time
+        paths = sorted({path for owners in self.owners.values() for model_name, path, _ in owners
+                        if model_name == name and path in expected})
+        if not paths:
+            return False
+        for path, tensor in zip(paths, PathSet(paths).resolve(model)):
+            try:
+                if tensor is None or storage_of(tensor)._cdata != expected[path]:
+                    return True
+            except Exception:
+                return True
+        return False
 
     def _walk(self, name: str, model: nn.Module, cut: list[str]) -> dict[int, list]:
         """StorageImpl address -> [(path, owner kind)] of one model, walked once and cached."""
@@ -575,6 +595,8 @@ class OwnerSnapshot:
                     continue
                 by_storage.setdefault(storage._cdata, []).append((path, owner_kind))
                 keep.append(storage._weak_ref())
+            paths = {path: cdata for cdata, found in by_storage.items() for path, _ in found}
             cached = self._walks[name] = (by_storage,
-                                          _Handles(keep, torch.UntypedStorage._free_weak_ref))
+                                          _Handles(keep, torch.UntypedStorage._free_weak_ref),
+                                          paths)
         return cached[0]

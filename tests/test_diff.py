@@ -439,3 +439,36 @@ def test_a_new_storage_at_the_freed_captured_address_is_dangling():
     assert not report.storages.set_index("storage_id").at[edge.storage_id, "alive"]
     owner = report.owners[report.owners.path == "holder.scale"].iloc[0]
     assert owner.status == "moved" and owner.live_data_ptr == old_ptr
+
+
+class _ReboundPerm(torch.nn.Module):
+    """A kernel whose weight processing rebinds a partial-held permutation each run."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+        self.process()
+
+    def process(self):
+        perm = torch.argsort(torch.randn(4))
+        self.fn = functools.partial(torch.index_select, dim=1, index=perm)
+
+    def forward(self, x):
+        return self.fn(x) @ self.w
+
+
+def test_a_capture_after_a_reload_inside_the_trace_finds_the_new_holders():
+    """The owner walk is cached between captures; a reload between two captures must not
+    leave the second capture's reads of the rebound tensors without owners."""
+    model = _ReboundPerm()
+    with gt.trace(model) as t:
+        with gt.capture("before") as g1:
+            model(torch.randn(2, 4))
+        model.process()  # a reload between two captures
+        with gt.capture("after") as g2:
+            model(torch.randn(2, 4))
+        model.process()
+    perm_edges = t.diff().edges.query("owners == \"fn.keywords['index']\"")
+    assert sorted(perm_edges["graph"].astype(str)) == ["after", "before"]
+    assert set(perm_edges["verdict"].astype(str)) == {"stale"}
+    del g1, g2
