@@ -513,6 +513,8 @@ _Q_INT8_TOK = {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 1, "is_dyna
                "symmetric": True}
 _Q_INT4_G = {"dtype": "int4", "qscheme": "per_group", "group_size": 128, "ch_axis": 1,
              "is_dynamic": False, "symmetric": True}
+_Q_INT4_CH = {"dtype": "int4", "qscheme": "per_channel", "ch_axis": 0, "is_dynamic": False,
+              "symmetric": True}
 _Q_MXFP4 = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1,
             "is_dynamic": False, "scale_format": "e8m0"}
 _Q_MXFP4_DYN = dict(_Q_MXFP4, is_dynamic=True)
@@ -525,8 +527,11 @@ MOE_CONFIGS: dict[str, tuple[str, dict | None]] = {
     "Fp8MoEMethod": ("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic"}),
     "ModelOptFp8MoEMethod": ("modelopt", {"quantization": {"quant_algo": "FP8"}}),
     "ModelOptNvFp4FusedMoE": ("modelopt_fp4", {"quantization": {
-        "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []}}),
-    "ModelOptMxFp8FusedMoE": ("modelopt_mxfp8", {"quantization": {"quant_algo": "MXFP8"}}),
+        "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": [],
+        "kv_cache_quant_algo": None}}),
+    # the fields modelopt.py:815 / :1243 require of an hf_quant_config.json
+    "ModelOptMxFp8FusedMoE": ("modelopt_mxfp8", {"quantization": {
+        "quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": []}}),
     "Mxfp4MoEMethod": ("mxfp4", {}),
     "GptOssMxfp4MoEMethod": ("gpt_oss_mxfp4", {}),
     "AutoAWQMoEMethod": ("awq", {"quant_method": "awq", "bits": 4, "group_size": 128,
@@ -557,8 +562,11 @@ MOE_CONFIGS: dict[str, tuple[str, dict | None]] = {
     "QuarkW8A8Int8MoEMethod": ("quark", _quark(_Q_INT8_CH, _Q_INT8_TOK)),
     "QuarkW4A16Int4MoEMethod": ("quark", _quark(_Q_INT4_G, None)),
     "QuarkOCP_MX_MoEMethod": ("quark", _quark(_Q_MXFP4, _Q_MXFP4_DYN)),
-    "QuarkNvfp4MoEMethod": ("quark", _quark(_Q_NVFP4, _Q_NVFP4)),
-    "QuarkW4A8Fp8MoEMethod": ("quark", _quark(_Q_INT4_G, _Q_FP8)),
+    # two-element weight/input lists: what quark_moe.py:185-197 (`_is_fp8_w4a8`, `_is_nvfp4`,
+    # quark.py:366, :602) match; a single dict is read as another scheme
+    "QuarkNvfp4MoEMethod": ("quark", _quark([_Q_NVFP4, _Q_FP8], [dict(_Q_NVFP4, is_dynamic=True),
+                                                                  _Q_FP8])),
+    "QuarkW4A8Fp8MoEMethod": ("quark", _quark([_Q_FP8, _Q_INT4_CH], _Q_FP8)),
     "Fp8PerTensorOnlineMoEMethod": ("online", None),
     "Fp8PerBlockOnlineMoEMethod": ("online", None),
     "Fp8PtpcOnlineMoEMethod": ("online", None),
@@ -783,7 +791,7 @@ def audit_moe(k: KernelInfo) -> Outcome:
         config = VllmConfig()
         object.__setattr__(config, "model_config", SimpleNamespace(
             dtype=dt, quantization=None, is_deepseek_mla=False, hf_config=None,
-            max_model_len=128))
+            max_model_len=128, quantization_config=None))   # read by oracle/mxfp4.py:475
         with set_current_vllm_config(config), set_default_torch_dtype(dt):
             quant_config = moe_quant_config(k)
             object.__setattr__(config, "quant_config", quant_config)
@@ -1209,7 +1217,8 @@ def main(argv: list[str] | None = None) -> int:
         outcomes.append(r)
         state = "ran" if r.ran else f"not run ({r.stage})"
         print(f"{k.family:10s} {k.name:48s} {state:32s} {r.edges} "
-              f"{[f[1] for f in r.findings]}", flush=True)
+              f"{[f[1] for f in r.findings]}" + (f" {r.reason}" if not r.ran else ""),
+              flush=True)
     table = rows(outcomes)
     elapsed = time.perf_counter() - t0
     if not args.no_write:
