@@ -93,6 +93,7 @@ class StandIn:
     out: object = None               # fn(**args) -> output tensor(s); None: returns nothing
     used: int = 0
     routed: str = ""                 # the harness-only name it was registered under, if any
+    key: str = "CPU"                 # dispatch key (an op with no tensor argument has none)
 
 
 def _mm_out(a_key, n_of, dtype_of=None):
@@ -232,6 +233,26 @@ STANDINS: dict[str, StandIn] = {
         "Tensor!? maybe_scatter_idx) -> ()"),
     "_moe_C::moe_sum": StandIn(
         "(Tensor input, Tensor! output, Tensor? topk_ids, Tensor? expert_map) -> ()"),
+    # the CUTLASS FP8 MoE path (experts/cutlass_moe.py run_cutlass_moe_fp8), schemas as
+    # csrc/torch_bindings.cpp and csrc/moe/torch_bindings.cpp. `moe_permute_unpermute_
+    # supported` answers False, so moe_permute allocates its own buffers (no scratch).
+    "_moe_C::moe_permute_unpermute_supported": StandIn(
+        "() -> bool", lambda **_: False, key="CompositeExplicitAutograd"),
+    "_moe_C::moe_permute": StandIn(
+        "(Tensor input, Tensor topk_ids, Tensor token_expert_indices, Tensor? expert_map, "
+        "int n_expert, int n_local_expert, int topk, Tensor! permuted_input, "
+        "Tensor! expert_first_token_offset, Tensor! inv_permuted_idx, Tensor! permuted_idx) "
+        "-> ()"),
+    "_moe_C::moe_unpermute": StandIn(
+        "(Tensor permuted_hidden_states, Tensor topk_weights, Tensor inv_permuted_idx, "
+        "Tensor? expert_first_token_offset, int topk, Tensor! hidden_states) -> ()"),
+    "_C::get_cutlass_moe_mm_problem_sizes_from_expert_offsets": StandIn(
+        "(Tensor expert_first_token_offset, Tensor! problem_sizes1, Tensor! problem_sizes2, "
+        "int n, int k, bool swap_ab) -> ()"),
+    "_C::cutlass_moe_mm": StandIn(
+        "(Tensor! out_tensors, Tensor a_tensors, Tensor b_tensors, Tensor a_scales, "
+        "Tensor b_scales, Tensor expert_offsets, Tensor problem_sizes, Tensor a_strides, "
+        "Tensor b_strides, Tensor c_strides, bool per_act_token, bool per_out_ch) -> ()"),
     "_xpu_C::int4_gemm_w4a8": StandIn(
         # float16 output (the kernel's own warning, kernels/.../mixed_precision/xpu.py:152)
         "(Tensor input, Tensor input_scale, Tensor input_zero, Tensor weight, "
@@ -303,7 +324,7 @@ def _install_ops() -> list[str]:
             target_ns = ns
         schema = torch._C.parse_schema(f"{target_ns}::{full}{spec.schema}")
         _lib(target_ns).define(f"{full}{spec.schema}")
-        _lib(target_ns).impl(full, _make_impl(name, spec, schema), "CPU")
+        _lib(target_ns).impl(full, _make_impl(name, spec, schema), spec.key)
         if spec.routed:
             namespace = getattr(torch.ops, ns)
             _ROUTED[f"{ns}::{op}"] = namespace.__dict__.get(op)

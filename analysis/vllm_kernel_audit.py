@@ -91,6 +91,12 @@ class KernelInfo:
     cls: type
     family: str          # the selection list it is chosen from (or its base class)
     source: str          # file:line of the class, relative to the vllm package
+    backend: str = ""    # MoE only: the `moe_backend` the harness requests (Note [audit MoE backends])
+
+    @property
+    def method(self) -> str:
+        """The class name (a forced-backend row is named `Class@backend`)."""
+        return self.name.split("@")[0]
 
 
 def _vllm_root() -> Path:
@@ -567,6 +573,10 @@ MOE_CONFIGS: dict[str, tuple[str, dict | None]] = {
     "QuarkNvfp4MoEMethod": ("quark", _quark([_Q_NVFP4, _Q_FP8], [dict(_Q_NVFP4, is_dynamic=True),
                                                                   _Q_FP8])),
     "QuarkW4A8Fp8MoEMethod": ("quark", _quark([_Q_FP8, _Q_INT4_CH], _Q_FP8)),
+    # FlashInferExperts takes FP8 with static per-tensor activation scales
+    # (experts/flashinfer_cutlass_moe.py:_supports_quant_scheme)
+    "Fp8MoEMethod@flashinfer_cutlass": ("fp8", {"quant_method": "fp8",
+                                                "activation_scheme": "static"}),
     "Fp8PerTensorOnlineMoEMethod": ("online", None),
     "Fp8PerBlockOnlineMoEMethod": ("online", None),
     "Fp8PtpcOnlineMoEMethod": ("online", None),
@@ -639,7 +649,62 @@ def discover_moe() -> list[KernelInfo]:
             if name not in found:
                 MOE_IMPORT_FAILURES[name] = f"its module does not import here: {why}"
                 found[name] = KernelInfo(name, None, "moe", f"{_rel(path)}:{line}")
-    return sorted(found.values(), key=lambda k: k.name)
+    out = sorted(found.values(), key=lambda k: k.name)
+    for method, backend in MOE_FORCED_BACKENDS:
+        base = found[method]
+        out.append(KernelInfo(f"{method}@{backend}", base.cls, "moe", base.source, backend))
+    return out
+
+
+# Note [audit MoE backends]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# On this CPU vLLM's oracles pick no backend for most quantized methods (FP8: CPU experts need
+# AMX, experts/cpu_moe.py). The published MoE bugs live in the CUDA/ROCm backends, so a
+# method also runs once per backend listed in MOE_FORCED_BACKENDS, as a row `Class@backend`:
+# the backend is requested the way a user does (`kernel_config.moe_backend`, which the
+# oracle's "explicit moe_backend from user" branch honours, e.g. oracle/fp8.py select_fp8_moe_
+# backend), and inside `forced_moe_device()` every experts class answers yes to
+# `_supports_current_device()` (its quant-scheme, activation and shape checks still run as
+# shipped). The backend's CUDA ops and library calls are stand-ins (Note [audit stand-ins]).
+# vLLM's real CPU ops are never reached this way (their AMX paths would SIGILL).
+MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
+    ("CompressedTensorsW8A8Fp8MoEMethod", "cutlass"),        # vLLM #41670
+    ("Fp8MoEMethod", "flashinfer_cutlass"),                  # vLLM #50521
+    ("Fp8MoEMethod", "aiter"),                               # vLLM #40390
+    ("Fp8MoEMethod", "triton"),
+]
+
+
+@contextlib.contextmanager
+def forced_moe_device():
+    """Every loaded FusedMoEExperts class supports the current device, and the platform
+    reports a Hopper (SM 9.0) with FP8, for the experts' scheme checks; restored on exit."""
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    platform = current_platform if isinstance(current_platform, type) else type(current_platform)
+    old_platform = {a: platform.__dict__.get(a, _MISSING)
+                    for a in ("get_device_capability", "supports_fp8")}
+    platform.get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(9, 0))
+    platform.supports_fp8 = classmethod(lambda cls: True)
+    saved, todo = [], [mk.FusedMoEExperts]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if "_supports_current_device" in cls.__dict__:
+            saved.append((cls, cls.__dict__["_supports_current_device"]))
+            cls._supports_current_device = staticmethod(lambda: True)
+    try:
+        yield
+    finally:
+        for cls, old in reversed(saved):
+            setattr(cls, "_supports_current_device", old)
+        for attr, old in old_platform.items():
+            if old is _MISSING:
+                delattr(platform, attr)
+            else:
+                setattr(platform, attr, old)
 
 
 class MoEAuditModel(torch.nn.Module):
@@ -685,11 +750,11 @@ class _OnlineMoE:
 
 def moe_quant_config(k: KernelInfo):
     """The quant config a checkpoint of method `k` gives vLLM (None: unquantized)."""
-    if k.name == "UnquantizedFusedMoEMethod":
+    if k.method == "UnquantizedFusedMoEMethod":
         return None
-    if k.name not in MOE_CONFIGS:
-        raise NotImplementedError(MOE_NOT_DRIVEN.get(k.name, "no MoE driver for this method"))
-    qname, cfg = MOE_CONFIGS[k.name]
+    if k.method not in MOE_CONFIGS:
+        raise NotImplementedError(MOE_NOT_DRIVEN.get(k.method, "no MoE driver for this method"))
+    qname, cfg = MOE_CONFIGS.get(k.name, MOE_CONFIGS[k.method])
     if qname == "online":
         return _OnlineMoE(k.cls)
     from vllm.model_executor.layers.quantization import get_quantization_config
@@ -792,7 +857,10 @@ def audit_moe(k: KernelInfo) -> Outcome:
         object.__setattr__(config, "model_config", SimpleNamespace(
             dtype=dt, quantization=None, is_deepseek_mla=False, hf_config=None,
             max_model_len=128, quantization_config=None))   # read by oracle/mxfp4.py:475
-        with set_current_vllm_config(config), set_default_torch_dtype(dt):
+        if k.backend:
+            config.kernel_config.moe_backend = k.backend
+        with set_current_vllm_config(config), set_default_torch_dtype(dt), \
+                (forced_moe_device() if k.backend else contextlib.nullcontext()):
             quant_config = moe_quant_config(k)
             object.__setattr__(config, "quant_config", quant_config)
             stage = "create_weights"
@@ -802,8 +870,8 @@ def audit_moe(k: KernelInfo) -> Outcome:
             model = MoEAuditModel(layer, config)
             methods = {type(m.quant_method).__name__ for m in layer.modules()
                        if getattr(m, "quant_method", None) is not None}
-            if k.name not in methods:
-                raise RuntimeError(f"layer selected {sorted(methods)}, not {k.name}")
+            if k.method not in methods:
+                raise RuntimeError(f"layer selected {sorted(methods)}, not {k.method}")
             res.scheme = (type(quant_config).__name__ if quant_config is not None
                           else "unquantized")
             record_metadata_for_reloading(model)
