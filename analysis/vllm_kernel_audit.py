@@ -1068,6 +1068,53 @@ FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
         "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
 }
 
+_SCALE_REBUILT = (
+    "process_weights_after_loading replaces the scale parameter with the converted tensor "
+    "without `prefer_copy` ({replace}) and then builds a new `moe_quant_config` from it and a "
+    "new experts object around that config ({rebuild}); during vLLM's layerwise reload this "
+    "runs again, so the new quant config (`moe_quant_config._w1.scale`, and the experts' "
+    "`quant_config._w1.scale`) holds that run's converted tensor, while "
+    "`_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) copies the values "
+    "into the layer parameter's original storage, which the graph read. The graph reads the "
+    "refreshed parameter, eager reads the quant config's orphaned copy: diverged, vLLM #41670 "
+    "(`moe_quant_config._w1.scale` orphaned)")
+_STRIDES_REBUILT = (
+    "`CutlassExpertsFp8Base.__init__` allocates the CUTLASS stride tensors `ab_strides1` (= "
+    "`c_strides2`), `ab_strides2`, `c_strides1` with `torch.full` and holds them as plain "
+    "attributes (cutlass_moe.py:299-307); the experts object is rebuilt by every "
+    "process_weights_after_loading (compressed_tensors_moe_w8a8_fp8.py:319-327 "
+    "`self.moe_kernel = make_fp8_moe_kernel(...)`), so after vLLM's layerwise reload the live "
+    "kernel holds new stride tensors and the captured graph reads the old kernel's (same "
+    "values; freed with the old kernel): vLLM #41670 (kernel rebuilt with new ab_strides*/"
+    "c_strides*)")
+
+# (kernel row, owner-path regex) -> (vLLM line, what it does): the MoE findings, where one
+# cause covers every path of an edge (the quant config is reachable from several owners)
+FINDING_PATTERNS: list[tuple[str, str, str, str]] = [
+    ("CompressedTensorsW8A8Fp8MoEMethod@cutlass", r"(ab|c)_strides[12]$",
+     "vllm/model_executor/layers/fused_moe/experts/cutlass_moe.py:299", _STRIDES_REBUILT),
+    ("CompressedTensorsW8A8Fp8MoEMethod@cutlass", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
+     "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+     "compressed_tensors_moe_w8a8_fp8.py:319",
+     _SCALE_REBUILT.format(replace="compressed_tensors_moe_w8a8_fp8.py:313-314",
+                           rebuild="compressed_tensors_moe_w8a8_fp8.py:319-327")),
+    ("Fp8MoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
+     "vllm/model_executor/layers/quantization/fp8.py:697",
+     _SCALE_REBUILT.format(replace="fp8.py:690-691", rebuild="fp8.py:693-700 "
+                           "`_init_moe_kernel`")),
+]
+
+
+def finding_source(kernel: str, path: str) -> tuple[str, str] | None:
+    """The vLLM line read for a finding's owner path, or None (unchecked)."""
+    if (kernel, path) in FINDING_SOURCES:
+        return FINDING_SOURCES[(kernel, path)]
+    for name, pattern, src, what in FINDING_PATTERNS:
+        if name == kernel and re.search(pattern, path):
+            return src, what
+    return None
+
+
 # kernels whose run vLLM's own reload breaks, with the lines read that cause it
 RELOAD_FAILURES: dict[str, tuple[str, str]] = {
     "ZentorchWNA16LinearKernel": (
@@ -1093,11 +1140,12 @@ PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
         "`make_fp8_moe_kernel`), and `CutlassExpertsFp8Base.__init__` allocates new stride "
         "tensors each time",
         "vllm/model_executor/layers/fused_moe/experts/cutlass_moe.py:299-307",
-        "the CUTLASS backend does not run here (vLLM's oracle picks no FP8 MoE backend on a "
-        "CPU without AMX: Fp8MoEMethod row); the same rebuild, on the MXFP8 emulation "
-        "experts, is found as diverged scale edges (CompressedTensorsW8A8Mxfp8MoEMethod, "
-        "Mxfp8OnlineMoEMethod, Findings). Upstream: issue closed (stale label), no fix "
-        "cited in the thread"),
+        "found: CompressedTensorsW8A8Fp8MoEMethod@cutlass (the CUTLASS backend requested, "
+        "Note [audit MoE backends]) has stale `ab_strides1`/`ab_strides2`/`c_strides1` edges "
+        "(the old kernel's strides) and diverged `moe_quant_config._w1.scale`/`_w2.scale`; "
+        "Fp8MoEMethod@triton has the same diverged scales (fp8.py:697); the MXFP8 emulation "
+        "experts show the pattern too (Findings). Upstream: issue closed (stale label), no "
+        "fix cited in the thread"),
     "vLLM #40390 (`replace_parameter` reallocating `w13_weight`/`w2_weight` after a "
     "shuffle)": (
         "fixed in 0.32 for the unquantized method: `replace_parameter(layer, \"w13_weight\", "
@@ -1106,7 +1154,11 @@ PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
         "still call `replace_parameter` without it (fp8.py:688-691) and rely on the "
         "layerwise reload's copy-back",
         "vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py:188",
-        "UnquantizedFusedMoEMethod ran (CPUUnquantizedExperts): no stale edge"),
+        "UnquantizedFusedMoEMethod ran (CPUUnquantizedExperts): no stale edge; the quantized "
+        "path without `prefer_copy` (fp8.py:688-691) ran as Fp8MoEMethod@triton and "
+        "CompressedTensorsW8A8Fp8MoEMethod@cutlass: the weights themselves come back through "
+        "the layerwise reload's copy-back (no stale weight edge), the scales do not (diverged, "
+        "#41670 above); the AITER shuffle path (Fp8MoEMethod@aiter) did not run (see its row)"),
     "vLLM #46009 (MoE padding through `.data =`)": (
         "`.data =` rebinding remains in 0.32's MoE weight conversions (e.g. "
         "oracle/mxfp4.py:1207-1220, 1256-1275; unquantized_fused_moe_method.py:245-246; "
@@ -1138,7 +1190,7 @@ def rows(outcomes: list[Outcome]) -> list[dict]:
         for verdict, path, nbytes, impact in r.findings:
             for p in path.split("; "):
                 owners.append(f"{verdict}:{p}")
-                src = FINDING_SOURCES.get((r.kernel.name, p))
+                src = finding_source(r.kernel.name, p)
                 sources.append(f"{src[0]}" if src else f"unchecked:{p}")
         row = {"kernel": r.kernel.name, "family": r.kernel.family, "source": r.kernel.source,
                "scheme": r.scheme, "ran": "yes" if r.ran else "no",
@@ -1203,8 +1255,9 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
         lines.append("No stale, dangling or diverged edge in any kernel that ran.")
     for r in findings:
         lines.append(f"- **{r['kernel']}** ({r['family']}): {r['stale_owners']}")
-        sourced = dict.fromkeys(v for (kname, _), v in FINDING_SOURCES.items()
-                                if kname == r["kernel"])
+        sourced = dict.fromkeys(
+            src for o in r["stale_owners"].split(" | ")
+            if (src := finding_source(r["kernel"], o.split(":", 1)[1])) is not None)
         for src, what in sourced:
             lines.append(f"  - `{src}`: {what}.")
         lines.append(f"  - flip test: {r['flip']}")

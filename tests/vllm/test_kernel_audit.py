@@ -35,7 +35,10 @@ REPRESENTATIVES = ("CPUInt8ScaledMMLinearKernel", "CutlassInt8ScaledMMLinearKern
                    "AiterHipbMMPerTokenFp8ScaledMMLinearKernel", "TritonW4A16LinearKernel",
                    "CutlassFP8ScaledMMLinearKernel",
                    # fused MoE
-                   "UnquantizedFusedMoEMethod", "CompressedTensorsW8A8Mxfp8MoEMethod")
+                   "UnquantizedFusedMoEMethod", "CompressedTensorsW8A8Mxfp8MoEMethod",
+                   "ModelOptMxFp8FusedMoE",
+                   # a requested CUDA backend (Note [audit MoE backends])
+                   "CompressedTensorsW8A8Fp8MoEMethod@cutlass", "Fp8MoEMethod@triton")
 
 
 def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -111,3 +114,21 @@ def test_moe_discovery_finds_modules_nothing_imports():
     for name in ("CompressedTensorsW8A8Fp8MoEMethod", "Fp8PerTensorOnlineMoEMethod",
                  "QuarkW8A8Fp8MoEMethod", "FusedMoEModularMethod"):
         assert rows[name]["family"] == "moe"
+
+
+def test_cutlass_moe_reproduces_vllm_41670(rerun):
+    """CUTLASS FP8 MoE, requested through vLLM's own moe_backend: the rebuilt kernel's new
+    stride tensors (stale) and the new quant config's scales (diverged), each sourced."""
+    row = rerun["CompressedTensorsW8A8Fp8MoEMethod@cutlass"]
+    assert row["ran"] == "yes"
+    assert row["scheme"].endswith("-> TritonOrCutlassExperts")
+    assert int(row["stale"]) == 3 and int(row["diverged"]) == 2
+    assert "stale:" in row["stale_owners"] and "experts.ab_strides1" in row["stale_owners"]
+    assert "diverged:moe.routed_experts.quant_method.moe_quant_config._w1.scale" in \
+        row["stale_owners"]
+    assert "fused_moe/experts/cutlass_moe.py:299" in row["vllm_source"]
+    assert "unchecked" not in row["vllm_source"]
+    assert "_C::cutlass_moe_mm" in row["standins"]
+    assert "stale read confirmed" in row["flip"]
+    triton = rerun["Fp8MoEMethod@triton"]
+    assert int(triton["diverged"]) == 2 and "unchecked" not in triton["vllm_source"]
