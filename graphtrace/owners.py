@@ -527,7 +527,7 @@ class OwnerSnapshot:
 
     def __init__(self):
         self.owners: dict[int, set[Owner]] = {}
-        self._walks: dict[str, tuple[dict[int, list], _Handles, dict[str, int]]] = {}
+        self._walks: dict[str, tuple[dict[int, list], _Handles, dict[str, int], list]] = {}
         self._checked = 0  # storages below this id were matched to owners
 
     def forget(self, model: str) -> None:
@@ -550,6 +550,7 @@ class OwnerSnapshot:
         for name, model in models.items():
             if name in self._walks and self._moved_since_walk(name, model):
                 self._walks.pop(name)
+            walked = name not in self._walks
             by_storage = self._walk(name, model, cut)
             for sid in range(self._checked, n):
                 found = by_storage.get(handles[sid])
@@ -558,24 +559,38 @@ class OwnerSnapshot:
                 if found and table.find(handles[sid]) == sid:
                     for path, owner_kind in found:
                         self.owners.setdefault(sid, set()).add((name, path, owner_kind))
+            if walked:  # the next capture's check, ready with the walk (once per walk)
+                self._matched_paths(name)
         self._checked = n
         return cut
 
     def _moved_since_walk(self, name: str, model: nn.Module) -> bool:
         """Does a path the cached walk matched to a captured storage reach another one now?
         Only the matched paths are resolved (as the guard does): a few ms for a large model."""
-        expected = self._walks[name][2]  # path -> the storage it reached at walk time
-        paths = sorted({path for owners in self.owners.values() for model_name, path, _ in owners
-                        if model_name == name and path in expected})
+        paths, path_set, reached = self._matched_paths(name)
         if not paths:
             return False
-        for path, tensor in zip(paths, PathSet(paths).resolve(model)):
+        for tensor, cdata in zip(path_set.resolve(model), reached):
             try:
-                if tensor is None or storage_of(tensor)._cdata != expected[path]:
+                if tensor is None or (tensor.untyped_storage() if isinstance(tensor, torch.Tensor)
+                                      else storage_of(tensor))._cdata != cdata:
                     return True
             except Exception:
                 return True
         return False
+
+    def _matched_paths(self, name: str) -> list:
+        """[the paths of `name`'s cached walk matched to captured storages, their PathSet, the
+        storage each reached at walk time], kept with the walk while those paths stay the
+        same (building a PathSet costs as much as resolving it); made when the walk is."""
+        walk = self._walks[name]
+        expected = walk[2]  # path -> the storage it reached at walk time
+        paths = sorted({path for owners in self.owners.values() for model_name, path, _ in owners
+                        if model_name == name and path in expected})
+        check = walk[3]
+        if check[0] != paths:
+            check[:] = [paths, PathSet(paths), [expected[path] for path in paths]]
+        return check
 
     def _walk(self, name: str, model: nn.Module, cut: list[str]) -> dict[int, list]:
         """StorageImpl address -> [(path, owner kind)] of one model, walked once and cached."""
@@ -598,5 +613,5 @@ class OwnerSnapshot:
             paths = {path: cdata for cdata, found in by_storage.items() for path, _ in found}
             cached = self._walks[name] = (by_storage,
                                           _Handles(keep, torch.UntypedStorage._free_weak_ref),
-                                          paths)
+                                          paths, [None, None, None])
         return cached[0]
