@@ -403,9 +403,12 @@ class CompiledPatch:
         if emulated is not None:
             with _disable_current_modes():  # keep() makes aliases: ops no mode may record
                 emulated.keep(_Replay(graph, len(args)), values, {}, out, flags | REPLAY_FRESH)
-        stats = self.seen.setdefault(mode.capture.graph_id, {}).get(region)
+        seen = self.seen.get(mode.capture.graph_id)
+        if seen is None:
+            seen = self.seen[mode.capture.graph_id] = {}
+        stats = seen.get(region)
         if stats is None:
-            stats = self.seen[mode.capture.graph_id][region] = {"calls": 0, "unreadable": []}
+            stats = seen[region] = {"calls": 0, "unreadable": []}
             stats["unreadable"] = self._note_blind_spots(region, mode.capture.label, constants)
         stats["calls"] += 1
         if region.names_from == "dynamo" and not region.sources_checked:
