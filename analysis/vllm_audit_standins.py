@@ -647,10 +647,38 @@ def _install_fake_packages() -> None:
         "flashinfer.gemm.fp8_blockscale_gemm_sm90",
         lambda input, weight, weight_scale=None, out_dtype=torch.bfloat16, **_: torch.empty(
             *input.shape[:-1], weight.shape[0], dtype=out_dtype)))
+    # flashinfer.fused_moe: the CUTLASS fused MoE FlashInferExperts.apply calls
+    # (experts/flashinfer_cutlass_moe.py, through vllm/utils/flashinfer.py's lazy
+    # `flashinfer_cutlass_fused_moe`), and the ActivationType enum vLLM maps its activations
+    # to (quantization/utils/flashinfer_utils.py:32; values as flashinfer's fused_moe/core.py).
+    # flashinfer's `cutlass_fused_moe` writes `output` when handed one, else allocates
+    # [tokens, hidden] in `output_dtype`, and returns a one-element list.
+    import enum
+
+    def _cutlass_fused_moe(input, token_selected_experts, token_final_scales,
+                           fc1_expert_weights, fc2_expert_weights, output_dtype, quant_scales,
+                           output=None, **kwargs):
+        if output is None:
+            output = torch.empty(input.shape[0], fc2_expert_weights.shape[1],
+                                 dtype=output_dtype)
+        lib_call("flashinfer.fused_moe.cutlass_fused_moe",
+                 [input, token_selected_experts, token_final_scales, fc1_expert_weights,
+                  fc2_expert_weights, quant_scales, *kwargs.values()], [output])
+        return [output]
+    fake_module("flashinfer.fused_moe", cutlass_fused_moe=_cutlass_fused_moe)
+    fake_module("flashinfer.fused_moe.core", ActivationType=enum.IntEnum("ActivationType", [
+        ("Gelu", 0), ("Relu", 1), ("Silu", 2), ("Swiglu", 3), ("Geglu", 4),
+        ("SwigluBias", 5), ("Relu2", 6), ("Identity", 7), ("InvalidType", 8)]))
     # aiter (ROCm): the weight shuffles vLLM's aiter kernels call in process_weights
     # (vllm/_aiter_ops.py `rocm_aiter_ops.shuffle_weight`: same shape, another layout)
     fake_module("aiter")
     fake_module("aiter.ops")
+    # the stage-1 gate layout AiterExperts.apply names (experts/rocm_aiter_moe.py:381;
+    # values as aiter's ops/flydsl/moe_common.py); the MoE itself is vLLM's own
+    # `vllm::rocm_aiter_fused_moe` op, stood in with vLLM's fake (_install_vllm_ops)
+    fake_module("aiter.ops.flydsl.moe_common", GateMode=enum.Enum("GateMode", [
+        ("SEPARATED", "separated"), ("MOCK_GATE_ONLY", "mock_gate_only"),
+        ("GATE_ONLY", "gate_only"), ("INTERLEAVE", "interleave")]))
     fake_module("aiter.ops.shuffle", shuffle_weight=returning(
         "aiter.ops.shuffle.shuffle_weight", lambda x, layout=(16, 16), **_: torch.empty_like(x)))
     import vllm.utils.flashinfer as vfi

@@ -674,11 +674,23 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("Fp8MoEMethod", "triton"),
 ]
 
+# extra FusedMoE arguments for a row, as a model's MoE block passes them (layer.py
+# FusedMoEFactory): a SwiGLU clamp limit, as gpt-oss-style models set, is what FlashInfer
+# CUTLASS turns into the per-expert `gemm1_clamp_limit` tensor of vLLM #50521 (fp8.py:777
+# -> oracle/fp8.py:801 -> experts/flashinfer_cutlass_moe.py:109)
+MOE_LAYER_ARGS: dict[str, dict] = {
+    "Fp8MoEMethod@flashinfer_cutlass": {"swiglu_limit": 7.0},
+}
+
 
 @contextlib.contextmanager
-def forced_moe_device():
+def forced_moe_device(backend: str = ""):
     """Every loaded FusedMoEExperts class supports the current device, and the platform
-    reports a Hopper (SM 9.0) with FP8, for the experts' scheme checks; restored on exit."""
+    reports a Hopper (SM 9.0) with FP8, for the experts' scheme checks; for the AITER backend,
+    `rocm_aiter_ops.get_moe_dispatch_policy` (which AiterExperts passes to the MoE op) runs
+    its own body without its `@if_aiter_supported` gate (_aiter_ops.py:278, :2003), which
+    answers None off ROCm. Restored on exit."""
+    import vllm._aiter_ops as aiter_ops
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
@@ -695,9 +707,14 @@ def forced_moe_device():
         if "_supports_current_device" in cls.__dict__:
             saved.append((cls, cls.__dict__["_supports_current_device"]))
             cls._supports_current_device = staticmethod(lambda: True)
+    aiter_cls = aiter_ops.rocm_aiter_ops
+    policy = aiter_cls.__dict__["get_moe_dispatch_policy"]
+    if backend == "aiter":
+        aiter_cls.get_moe_dispatch_policy = classmethod(policy.__func__.__wrapped__)
     try:
         yield
     finally:
+        aiter_cls.get_moe_dispatch_policy = policy
         for cls, old in reversed(saved):
             setattr(cls, "_supports_current_device", old)
         for attr, old in old_platform.items():
@@ -860,13 +877,14 @@ def audit_moe(k: KernelInfo) -> Outcome:
         if k.backend:
             config.kernel_config.moe_backend = k.backend
         with set_current_vllm_config(config), set_default_torch_dtype(dt), \
-                (forced_moe_device() if k.backend else contextlib.nullcontext()):
+                (forced_moe_device(k.backend) if k.backend else contextlib.nullcontext()):
             quant_config = moe_quant_config(k)
             object.__setattr__(config, "quant_config", quant_config)
             stage = "create_weights"
             layer = FusedMoEFactory(num_experts=MOE_EXPERTS, top_k=MOE_TOPK,
                                     hidden_size=MOE_HIDDEN, intermediate_size=MOE_INTER,
-                                    params_dtype=dt, quant_config=quant_config, prefix="moe")
+                                    params_dtype=dt, quant_config=quant_config, prefix="moe",
+                                    **MOE_LAYER_ARGS.get(k.name, {}))
             model = MoEAuditModel(layer, config)
             methods = {type(m.quant_method).__name__ for m in layer.modules()
                        if getattr(m, "quant_method", None) is not None}
