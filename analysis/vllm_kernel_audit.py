@@ -1116,6 +1116,45 @@ FINDING_PATTERNS: list[tuple[str, str, str, str]] = [
      "compressed_tensors_moe_w8a8_fp8.py:319",
      _SCALE_REBUILT.format(replace="compressed_tensors_moe_w8a8_fp8.py:313-314",
                            rebuild="compressed_tensors_moe_w8a8_fp8.py:319-327")),
+    ("Fp8MoEMethod@aiter", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
+     "vllm/model_executor/layers/quantization/fp8.py:697",
+     _SCALE_REBUILT.format(replace="fp8.py:690-691, after the AITER shuffle of "
+                           "convert_to_fp8_moe_kernel_format, oracle/fp8.py:599", rebuild="fp8.py:693-700 "
+                           "`_init_moe_kernel`")),
+    ("Fp8MoEMethod@flashinfer_cutlass", r"gemm1_clamp_limit$",
+     "vllm/model_executor/layers/fused_moe/experts/flashinfer_cutlass_moe.py:109",
+     "`FlashInferExperts.__init__` turns the quant config's `gemm1_clamp_limit` float (the "
+     "layer's `swiglu_limit`, fp8.py:777 -> oracle/fp8.py:801) into a per-expert tensor with "
+     "`torch.full` (`_per_expert`, flashinfer_cutlass_moe.py:99-106) held as a plain attribute "
+     "(:109, likewise `gemm1_alpha`/`gemm1_beta`, :110-111) and handed to "
+     "`cutlass_fused_moe(swiglu_limit=...)` (:375); the experts object is rebuilt by every "
+     "process_weights_after_loading (fp8.py:700 `make_fp8_moe_kernel`), so after vLLM's "
+     "layerwise reload the captured graph reads the old kernel's tensor (same value; freed "
+     "with the old kernel): vLLM #50521"),
+    ("Fp8MoEMethod@flashinfer_cutlass", r"(g[12]_alphas|_w[12]\.alpha_or_gscale)$",
+     "vllm/model_executor/layers/fused_moe/oracle/fp8.py:782",
+     "for FlashInfer CUTLASS per-tensor FP8, `make_fp8_moe_quant_config` computes "
+     "`g1_alphas = w1_scale * a1_scale` (oracle/fp8.py:779) and registers it as a new "
+     "`nn.Parameter` on the layer (`layer.register_parameter(\"g1_alphas\", ...)`, :782, "
+     "`g2_alphas` :785) on every process_weights_after_loading (fp8.py:697 via "
+     "`get_fused_moe_quant_config`); the parameter did not exist when the reload metadata "
+     "was recorded, so vLLM's layerwise reload has no original storage to copy it back into: "
+     "the graph keeps the first run's tensor and eager reads the new one"),
+    ("Fp8MoEMethod@flashinfer_cutlass", r"_a2\.alpha_or_gscale$",
+     "vllm/model_executor/layers/fused_moe/oracle/fp8.py:798",
+     "`a2_gscale=(1.0 / a2_scale)` (oracle/fp8.py:798, likewise `a1_gscale`, :797) is a "
+     "fresh tensor held only by the quant config, rebuilt with the kernel by every "
+     "process_weights_after_loading (fp8.py:697-700): after the reload the graph reads the "
+     "old quant config's tensor (freed with it)"),
+    ("Fp8MoEMethod@flashinfer_cutlass", r"(_a1\.scale|w13_input_scale)$",
+     "vllm/model_executor/layers/quantization/fp8.py:744",
+     "per-tensor kernels take one activation scale: process_weights_after_loading reduces the "
+     "per-expert input scales to their max (`process_fp8_input_tensor_strategy_moe`, "
+     "fp8.py:739) and replaces the parameters without `prefer_copy` "
+     "(`replace_parameter(layer, \"w13_input_scale\", ...)`, :744-745); the new "
+     "`moe_quant_config` (fp8.py:697) holds that run's tensor as `_a1.scale` while the "
+     "layerwise reload copies values back into the original parameter storage: diverged, "
+     "the #41670 pattern for the activation scale"),
     ("Fp8MoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
      "vllm/model_executor/layers/quantization/fp8.py:697",
      _SCALE_REBUILT.format(replace="fp8.py:690-691", rebuild="fp8.py:693-700 "
@@ -1176,7 +1215,11 @@ PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
         "path without `prefer_copy` (fp8.py:688-691) ran as Fp8MoEMethod@triton and "
         "CompressedTensorsW8A8Fp8MoEMethod@cutlass: the weights themselves come back through "
         "the layerwise reload's copy-back (no stale weight edge), the scales do not (diverged, "
-        "#41670 above); the AITER shuffle path (Fp8MoEMethod@aiter) did not run (see its row)"),
+        "#41670 above); the AITER shuffle path ran as Fp8MoEMethod@aiter (`rocm_aiter_ops."
+        "shuffle_weights`, oracle/fp8.py:599, then fp8.py:688-691): the shuffled weights come "
+        "back through the copy-back too (no stale weight edge); the scales are diverged as "
+        "for Triton (flip: eager reads the orphaned quant-config scale, the graph the "
+        "refreshed parameter)"),
     "vLLM #46009 (MoE padding through `.data =`)": (
         "`.data =` rebinding remains in 0.32's MoE weight conversions (e.g. "
         "oracle/mxfp4.py:1207-1220, 1256-1275; unquantized_fused_moe_method.py:245-246; "
@@ -1193,7 +1236,12 @@ PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
         "(e.g. fp8.py:700), so a captured graph keeps the old kernel's tensors (same values; "
         "freed with the old kernel)",
         "vllm/model_executor/layers/fused_moe/experts/flashinfer_cutlass_moe.py:110",
-        "not exercised: FlashInfer CUTLASS MoE is not selected on this CPU"),
+        "found: Fp8MoEMethod@flashinfer_cutlass (backend requested, layer built with "
+        "`swiglu_limit=7.0`) has a stale `fused_experts.gemm1_clamp_limit` edge (the old "
+        "kernel's tensor), plus stale/diverged `g1_alphas`/`g2_alphas` (re-registered each "
+        "run, oracle/fp8.py:782), `_a2.alpha_or_gscale` (oracle/fp8.py:798) and "
+        "`w13_input_scale` (fp8.py:744); `cutlass_fused_moe` ran as a stand-in. Flip test: "
+        "this row's eager output is all zeros, so only graph-side changes are seen (Findings)"),
 }
 
 FIELDS = ["kernel", "family", "source", "scheme", "ran", "failed_at", "reason", "stable",

@@ -38,7 +38,8 @@ REPRESENTATIVES = ("CPUInt8ScaledMMLinearKernel", "CutlassInt8ScaledMMLinearKern
                    "UnquantizedFusedMoEMethod", "CompressedTensorsW8A8Mxfp8MoEMethod",
                    "ModelOptMxFp8FusedMoE",
                    # a requested CUDA backend (Note [audit MoE backends])
-                   "CompressedTensorsW8A8Fp8MoEMethod@cutlass", "Fp8MoEMethod@triton")
+                   "CompressedTensorsW8A8Fp8MoEMethod@cutlass", "Fp8MoEMethod@triton",
+                   "Fp8MoEMethod@flashinfer_cutlass", "Fp8MoEMethod@aiter")
 
 
 def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -132,3 +133,25 @@ def test_cutlass_moe_reproduces_vllm_41670(rerun):
     assert "stale read confirmed" in row["flip"]
     triton = rerun["Fp8MoEMethod@triton"]
     assert int(triton["diverged"]) == 2 and "unchecked" not in triton["vllm_source"]
+
+
+def test_flashinfer_cutlass_moe_reproduces_vllm_50521(rerun):
+    """FlashInfer CUTLASS MoE with a SwiGLU limit: the rebuilt experts' per-expert
+    `gemm1_clamp_limit` tensor is a stale edge, sourced to vLLM's line."""
+    row = rerun["Fp8MoEMethod@flashinfer_cutlass"]
+    assert row["ran"] == "yes" and row["scheme"].endswith("-> FlashInferExperts")
+    assert "stale:moe.routed_experts.quant_method.moe_kernel.impl.fused_experts." \
+        "gemm1_clamp_limit" in row["stale_owners"]
+    assert "fused_moe/experts/flashinfer_cutlass_moe.py:109" in row["vllm_source"]
+    assert "unchecked" not in row["vllm_source"]
+    assert "audit_lib::flashinfer__fused_moe__cutlass_fused_moe" in row["standins"]
+
+
+def test_aiter_moe_shuffle_path_runs(rerun):
+    """AITER FP8 MoE (shuffle + replace_parameter without prefer_copy, vLLM #40390's path):
+    the weights come back through the copy-back, the scales are diverged (#41670)."""
+    row = rerun["Fp8MoEMethod@aiter"]
+    assert row["ran"] == "yes" and "aiter__ops__shuffle__shuffle_weight" in row["standins"]
+    assert int(row["stale"]) == 0 and int(row["diverged"]) == 2
+    assert "w13_weight:" not in row["stale_owners"]
+    assert "unchecked" not in row["vllm_source"] and "stale read confirmed" in row["flip"]
