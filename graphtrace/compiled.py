@@ -369,6 +369,8 @@ class CompiledPatch:
             except Exception as exc:
                 trace.recorder.fail("compiled: before a compiled region", exc)
                 return original(graph, inputs)
+            storages = trace.recorder.storages
+            first = len(storages)
             emulated, mode.emulated = mode.emulated, None  # the region replays as one op
             try:
                 out = original(graph, inputs)
@@ -382,6 +384,10 @@ class CompiledPatch:
                                      f"{mode.capture.label!r} but its reads could not be "
                                      "recorded (see report.errors)", kind="compiled",
                                      op=REGION_PREFIX + region.name, graph=mode.capture.label)
+            try:  # the graph's buffers are dead now: Note [weak handles and the sweep]
+                storages.sweep(first)
+            except Exception as exc:
+                trace.recorder.fail("compiled: sweeping a region call's dead buffers", exc)
             return out
 
         return __call__

@@ -297,6 +297,32 @@ def test_the_boundary_is_wrapped_only_while_a_trace_is_open():
     assert CompiledFxGraph.__dict__["__call__"] is before
 
 
+def test_a_compiled_call_releases_its_dead_buffers_when_it_returns(monkeypatch):
+    """Note [weak handles and the sweep]: the graph's intermediate buffers (here the first
+    Linear's output, an extern addmm's `out=`) are released right after the region call, not
+    32 to 64 registrations later; live storages (the output) keep theirs."""
+    monkeypatch.setenv("GRAPHTRACE_NATIVE", "1")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    c = torch.compile(m.eval(), backend="inductor")
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        c(x)
+        with gt.trace(m, strict=True) as t:
+            with gt.capture("c", emulate=False):
+                storages = t.recorder.storages
+                first = len(storages)
+                out = c(x)
+                rows = [(storages.handles[s], storages.alive(s))
+                        for s in range(first, len(storages))]
+    assert t.recorder.backend == "native"
+    dead = [handle for handle, alive in rows if not alive]
+    assert dead and all(handle == 0 for handle in dead)
+    kept = [handle for handle, alive in rows if alive]  # x, the weights, the output
+    assert len(kept) >= 2 and all(handle != 0 for handle in kept)
+    assert out.shape == (4, 8)
+
+
 class FrozenNet(SmallNet):
     """Its own forward code: Dynamo's cached graphs of SmallNet (compiled without freezing)
     would otherwise serve this model too."""
