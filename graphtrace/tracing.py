@@ -41,6 +41,11 @@ def active_trace() -> "Trace | None":
     return _active
 
 
+# what ops take besides tensors, kept as they are (anything else goes through pytree)
+_PLAIN_LEAVES = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device,
+                           torch.layout, torch.memory_format, torch.Size})
+
+
 class EmulatedGraph:
     """A replayable record of a capture region with CUDA graph address semantics.
 
@@ -62,9 +67,34 @@ class EmulatedGraph:
         """Keep one recorded op for replay (`replay_flags` as the writer returned them)."""
         if not replay_flags:  # 0: a pure view, which a graph bakes in and never re-runs
             return
-        pin = self._pin
-        args, kwargs, out = tree_map_only(torch.Tensor, pin, (args, kwargs, out))
-        self._ops.append((func, args, kwargs, out, replay_flags))
+        if torch.is_inference_mode_enabled():  # aliases must be normal tensors: one exit per op
+            with torch.inference_mode(False):
+                self._keep(func, args, kwargs, out, replay_flags)
+        else:
+            self._keep(func, args, kwargs, out, replay_flags)
+
+    def _keep(self, func, args, kwargs, out, replay_flags: int) -> None:
+        pin = self._pin_value
+        args = tuple([pin(a) for a in args])
+        if kwargs:
+            kwargs = {k: pin(v) for k, v in kwargs.items()}
+        else:
+            kwargs = {}
+        self._ops.append((func, args, kwargs, pin(out), replay_flags))
+
+    def _pin_value(self, value):
+        """`value` with each tensor in it pinned: the shapes ops take and return (a tensor, a
+        scalar, a plain tuple/list of them) walked here, anything else by pytree."""
+        cls = type(value)
+        if cls is torch.Tensor or cls is torch.nn.Parameter:
+            return self._pin(value)
+        if cls in _PLAIN_LEAVES:
+            return value
+        if cls is tuple or cls is list:
+            pin = self._pin_value
+            pinned = [pin(v) for v in value]
+            return tuple(pinned) if cls is tuple else pinned
+        return tree_map_only(torch.Tensor, self._pin, value)  # subclasses, dicts, namedtuples
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
         """A plain alias of the storage, offset, size and stride `t` has now."""
@@ -78,9 +108,11 @@ class EmulatedGraph:
         key = (storage._cdata, t.dtype, t.shape, t.stride(), t.storage_offset())
         alias = self._aliases.get(key)
         if alias is None:
-            with torch.inference_mode(False):  # a normal tensor: usable in place anywhere
+            if t.is_inference():  # its detach() would be one too: not writable outside
                 alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
                     storage, t.storage_offset(), t.shape, t.stride())
+            else:  # a new TensorImpl on the same storage and view: blind to `t.data = ...`
+                alias = t.detach()
             self._aliases[key] = alias
         return alias
 
@@ -115,10 +147,15 @@ def _copy_into(dst, src) -> None:
 # a tensor's storage in place of the object). So an emulated graph keeps no tensor object
 # of the capture: `keep` replaces each plain tensor argument and output by an alias made at
 # capture time, pinned to the storage, offset, size and stride the op saw (requires_grad
-# off). Aliases are made outside inference mode: a capture under `torch.inference_mode()`
-# replays anywhere (an inference tensor cannot be written in place outside it; an alias of
-# its storage can). What an alias cannot carry is kept as is: quantized tensors (their
-# quantizer), conj/neg views, nested tensors and subclasses (their own parts).
+# off): `t.detach()`, a new TensorImpl on t's storage and view that `t.data = ...` does not
+# touch (it shares t's version counter, so a replay's writes count as writes). Aliases are
+# made outside inference mode: a capture under `torch.inference_mode()` replays anywhere. An
+# inference tensor's detach() is an inference tensor again (not writable in place outside
+# inference mode), so its alias is `empty(0).set_(storage, offset, size, stride)`, a normal
+# tensor. What an alias cannot carry is kept as is: quantized tensors (their quantizer),
+# conj/neg views, nested tensors and subclasses (their own parts). keep() runs per recorded
+# op, so it walks the shapes ops take (tensors, scalars, plain tuples and lists) itself and
+# leaves anything else to pytree.
 class _Region:
     """One open capture on one thread: the mode pushed, its records, maybe a replayable graph."""
 

@@ -79,6 +79,36 @@ def test_replay_after_model_half_float_reads_old_storage():
     assert torch.equal(out, expected)
 
 
+class OutKwarg(torch.nn.Module):
+    """A tensor passed by keyword (`out=`), then read back."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((4,), 2.0))
+        self.register_buffer("buf", torch.zeros(4))
+
+    def forward(self, x):
+        torch.mul(x, self.weight, out=self.buf)
+        return self.buf + 1
+
+
+def test_replay_writes_the_captured_storage_of_a_keyword_tensor():
+    model = OutKwarg()
+    x = torch.ones(4)
+    with gt.trace(model, strict=True), torch.no_grad():  # out= ops take no grad
+        with gt.capture("g") as g:
+            out = model(x)
+    expected = out.clone()
+    captured_buf = model.buf.detach()
+    model.weight.data = torch.full((4,), 100.0)
+    model.buf.data = torch.zeros(4)
+    captured_buf.zero_()
+    g.replay()
+    assert torch.equal(out, expected), "replay must write the `out=` storage captured, then read it"
+    assert torch.equal(captured_buf, torch.full((4,), 2.0))
+    assert torch.equal(model.buf, torch.zeros(4)), "the rebound buffer is not the graph's"
+
+
 def test_capture_under_inference_mode_replays_outside_it():
     model = Ops()
     with torch.inference_mode():
