@@ -19,6 +19,9 @@ Recorders:
   keeps a replayable graph), inside one `gt.trace(model)` per round (module attribution on);
   also with `modules="hooks"` (forward hooks instead of forward wrappers), `modules="off"`,
   the native table's sweep off (every StorageImpl header kept) and the pure-Python writer;
+- a plain forward while a trace is open, outside any capture: module attribution (forward
+  wrappers or hooks) and, by default, the provenance mode (graphtrace/provenance.py); also with
+  `provenance=False`, which is what the per-module-call attribution cost is measured on;
 - torch.cuda._sanitizer.CUDASanitizerDispatchMode: fails on CPU as shipped (the error is
   printed); it is also run with `torch.cuda.current_stream` stubbed, where it walks every
   schema argument and the Python stack per op but skips its per-tensor bookkeeping (CPU tensors
@@ -245,15 +248,18 @@ def module_calls(model: nn.Module, x: torch.Tensor) -> int:
 
 
 class TraceOpen(Recorder):
-    def __init__(self, modules: str = "forward"):
-        self.modules = modules
+    def __init__(self, modules: str = "forward", provenance: bool = True):
+        self.modules, self.provenance = modules, provenance
         self.name = "gt.trace open, outside capture" + (
-            "" if modules == "forward" else f", modules={modules}")
+            "" if modules == "forward" else f", modules={modules}") + (
+            "" if provenance else ", provenance off")
         self.note = ("a plain forward while a trace is open (its module attribution: "
-                     + ("forward wrappers)" if modules == "forward" else f"{modules})"))
+                     + ("forward wrappers" if modules == "forward" else modules)
+                     + ("; provenance mode on, the default" if provenance
+                        else "; gt.trace(provenance=False)") + ")")
 
     def begin_round(self, model):
-        self.trace = gt.trace(model, modules=self.modules)
+        self.trace = gt.trace(model, modules=self.modules, provenance=self.provenance)
         self.trace.__enter__()
 
     def end_round(self):
@@ -556,7 +562,8 @@ def main(argv=None) -> int:
                                  Graphtrace(emulate=False, modules="off"),
                                  Graphtrace(emulate=False, sweep=False),
                                  Graphtrace(emulate=False, native=False), TraceOpen(),
-                                 TraceOpen(modules="hooks")]
+                                 TraceOpen(modules="hooks"), TraceOpen(provenance=False),
+                                 TraceOpen(modules="hooks", provenance=False)]
     n_ours = len(recorders)
     skipped = []
     for make in (SanitizerStubbed, DebugModeRecorder, LivenessForced):
@@ -598,10 +605,10 @@ def main(argv=None) -> int:
         f"owner walk) {min(gt_false.fixed) * 1e3:.2f} ms, not in the table")
     calls = module_calls(model, inputs[0][1])
     per_call = {r.modules: added_per_op[r.name] * ops_per_capture / calls * 1e6
-                for r in recorders if isinstance(r, TraceOpen)}
+                for r in recorders if isinstance(r, TraceOpen) and not r.provenance}
     say(f"module attribution per module call ({calls} module calls per forward), outside "
-        f"captures: forward wrappers {per_call['forward']:+.2f} µs, forward hooks "
-        f"{per_call['hooks']:+.2f} µs")
+        f"captures, provenance off (gt.trace(provenance=False)): forward wrappers "
+        f"{per_call['forward']:+.2f} µs, forward hooks {per_call['hooks']:+.2f} µs")
     for rec in recorders:
         if isinstance(rec, LivenessForced) and getattr(rec, "tracked", None) is not None:
             say(f"liveness tracker: {rec.tracked} external inputs per capture, each with a Python "

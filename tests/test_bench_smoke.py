@@ -28,9 +28,11 @@ def test_bench_overhead_quick(tmp_path):
     out = _run("bench_overhead.py", "--out", str(out_file))
     assert "## recorder overhead per capture" in out
     for row in ("no mode (baseline)", "no-op TorchDispatchMode", "graphtrace emulate=False",
-                "graphtrace emulate=True", "DebugMode", "CUDA sanitizer", "liveness tracker"):
+                "graphtrace emulate=True", "DebugMode", "CUDA sanitizer", "liveness tracker",
+                "gt.trace open, outside capture", "gt.trace open, outside capture, provenance off"):
         assert row in out, row
     assert "added / no-op" in out
+    assert "outside captures, provenance off (gt.trace(provenance=False)): forward wrappers" in out
     assert "## memory" in out and "B/access" in out
     # recording keeps no tensor memory alive: every watched intermediate expired
     assert "-> no tensor memory kept" in out
