@@ -87,7 +87,7 @@ class EmulatedGraph:
         scalar, a plain tuple/list of them) walked here, anything else by pytree."""
         cls = type(value)
         if cls is torch.Tensor or cls is torch.nn.Parameter:
-            return self._pin(value)
+            return self._alias(value)
         if cls in _PLAIN_LEAVES:
             return value
         if cls is tuple or cls is list:
@@ -97,10 +97,15 @@ class EmulatedGraph:
         return tree_map_only(torch.Tensor, self._pin, value)  # subclasses, dicts, namedtuples
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
-        """A plain alias of the storage, offset, size and stride `t` has now."""
-        if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided
-                or t.is_quantized or t.is_conj() or t.is_neg() or t.is_nested):
-            return t  # what an alias cannot carry (a quantizer, a lazy flag, a subclass's parts)
+        """A plain alias of the storage, offset, size and stride `t` has now (`t` itself where
+        an alias cannot carry what it is: a subclass's parts)."""
+        return self._alias(t) if type(t) in (torch.Tensor, torch.nn.Parameter) else t
+
+    def _alias(self, t: torch.Tensor) -> torch.Tensor:
+        """`_pin` of a plain tensor or parameter."""
+        if (t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
+                or t.is_nested):
+            return t  # what an alias cannot carry (a quantizer, a lazy flag, nested parts)
         try:
             storage = t.untyped_storage()
         except Exception:  # no storage (a functional wrapper): nothing to pin
