@@ -574,7 +574,8 @@ def main(argv=None) -> int:
     best = interleaved(recorders, model, inputs, rounds)
 
     say(f"## {HEADER}")
-    say(f"{'recorder':<48}{'ms/round':>10}{'µs/op':>9}{'added µs/op':>13}{'added / no-op':>15}  note")
+    width = max(48, max(len(rec.name) for rec in recorders) + 2)
+    say(f"{'recorder':<{width}}{'ms/round':>10}{'µs/op':>9}{'added µs/op':>13}{'added / no-op':>15}  note")
     rows = {}
     added_per_op = {}
     for rec in recorders:
@@ -593,7 +594,7 @@ def main(argv=None) -> int:
         if n < len(inputs) or (rec.max_rounds or rounds) < rounds:
             note += f" [{n} capture(s), min of {min(rec.max_rounds or rounds, rounds)}]"
         scale = len(inputs) / n  # ms per round as if all captures ran
-        say(f"{rec.name:<48}{total * scale * 1e3:>10.1f}{total / ops * 1e6:>9.2f}"
+        say(f"{rec.name:<{width}}{total * scale * 1e3:>10.1f}{total / ops * 1e6:>9.2f}"
             f"{added / ops * 1e6:>13.2f}{ratio_s:>15}  {note}")
     for s in skipped:
         say(f"skipped {s}")
