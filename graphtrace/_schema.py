@@ -11,7 +11,7 @@ import torch
 # Accesses and return-slot kinds are ints of the record encoding (graphtrace.encoding).
 from graphtrace.encoding import OUT_ALIAS, OUT_FRESH, OUT_MUTATED, READ, VIEW, WRITE
 
-__all__ = ["OpInfo", "op_name", "parse_schema", "op_info"]
+__all__ = ["OpInfo", "op_name", "parse_schema", "op_info", "plain_tensors"]
 
 
 class OpInfo:
@@ -94,3 +94,16 @@ def op_info(func) -> OpInfo:
     if info is None:
         info = _CACHE[func] = parse_schema(func)
     return info
+
+
+def plain_tensors(t: torch.Tensor):
+    """The plain tensors inside a traceable wrapper subclass (or the tensor itself): what an
+    op really reads or writes when it is handed a subclass such as TwoTensor."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from plain_tensors(getattr(t, name))
+    else:
+        yield t

@@ -280,10 +280,9 @@ def _attribute_owners(model: nn.Module, max_depth: int,
                     step(x, f"{path}.{name}", depth)
             elif h == _PARTIAL:
                 step(v.func, f"{path}.func", depth)
-                if v.args:
-                    step(v.args, f"{path}.args", depth)
-                if v.keywords:
-                    step(v.keywords, f"{path}.keywords", depth)
+                for name in ("args", "keywords"):  # empty ones hold nothing
+                    if getattr(v, name):
+                        step(getattr(v, name), f"{path}.{name}", depth)
                 attrs(v, path, depth)
             elif h == _FUNCTION:
                 cells = v.__closure__
@@ -294,10 +293,9 @@ def _attribute_owners(model: nn.Module, max_depth: int,
                         except ValueError:  # empty cell: the variable is not bound yet
                             continue
                         step(x, f"{path}.__closure__[{name!r}]", depth)
-                if v.__defaults__:
-                    step(v.__defaults__, f"{path}.__defaults__", depth)
-                if v.__kwdefaults__:
-                    step(v.__kwdefaults__, f"{path}.__kwdefaults__", depth)
+                for name in ("__defaults__", "__kwdefaults__"):
+                    if getattr(v, name):
+                        step(getattr(v, name), f"{path}.{name}", depth)
                 attrs(v, path, depth)
             elif h == _METHOD:
                 step(v.__self__, f"{path}.__self__", depth)  # a module stops there by itself

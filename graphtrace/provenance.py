@@ -20,9 +20,10 @@ import numpy as np
 import pandas as pd
 import torch
 from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
-                                          _pop_mode, _push_mode, is_traceable_wrapper_subclass)
+                                          _pop_mode, _push_mode)
 from torch.utils._pytree import tree_iter
 
+from graphtrace._schema import plain_tensors
 from graphtrace.sites import format_site, suggest_fix
 from graphtrace.vocab import BEFORE_TRACE, FIXES, NOT_RECORDED, STALE_VERDICTS
 
@@ -109,20 +110,11 @@ def skipped_file(filename: str) -> bool:
     return False
 
 
-def _plain(t: torch.Tensor):
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        for name in names:
-            yield from _plain(getattr(t, name))
-    else:
-        yield t
-
-
 def _storages(obj) -> Iterable[torch.UntypedStorage]:
     """The storages of the plain tensors in `obj` (nested containers, subclasses)."""
     for x in tree_iter(obj):
         if isinstance(x, torch.Tensor):
-            for t in _plain(x):
+            for t in plain_tensors(x):
                 try:
                     yield t.untyped_storage()
                 except Exception:  # sparse and other storage-less layouts: nothing to note

@@ -18,10 +18,10 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 
-from graphtrace._schema import op_info
+from graphtrace._schema import op_info, plain_tensors
 from graphtrace.opaque import proxy_storage, type_name
 from graphtrace.encoding import (ACCESS_FIELDS, ACCESS_MASK, FACTORY, OUT_MUTATED, READ,
                                  REPLAY_FRESH, REPLAY_WROTE, SID_SHIFT, VIEW, WRITE, pack_code,
@@ -241,16 +241,6 @@ _OPAQUE_VIEW = (torch.uint8, torch.Size([0]), (1,), 0)  # the view of a proxy st
 _STRIDED = torch.strided
 
 
-def _plain_tensors(t: torch.Tensor):
-    """The plain tensors inside a traceable wrapper subclass (or the tensor itself)."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        for name in names:
-            yield from _plain_tensors(getattr(t, name))
-    else:
-        yield t
-
-
 class _Plan:
     """An op's schema facts with this trace's name ids filled in: one dict hit per call."""
 
@@ -413,7 +403,7 @@ class PyWriter:
         found = False
         for item in (value,) if isinstance(value, torch.Tensor) else tree_iter(value):
             if isinstance(item, torch.Tensor):
-                for t in _plain_tensors(item):
+                for t in plain_tensors(item):
                     if t.layout is not _STRIDED:
                         self._opaque(seq)
                         continue
@@ -433,7 +423,7 @@ class PyWriter:
     def _put_output(self, seq: int, name: int, value: torch.Tensor, inputs: list) -> bool:
         """Outputs sharing an input's storage are views (`_unsafe_view` claims otherwise)."""
         fresh = False
-        for t in _plain_tensors(value):
+        for t in plain_tensors(value):
             if t.layout is not _STRIDED:
                 self._opaque(seq)
                 continue
