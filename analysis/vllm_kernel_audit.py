@@ -921,7 +921,7 @@ def audit_moe(k: KernelInfo) -> Outcome:
             for row in stale.itertuples():
                 res.findings.append((row.verdict, row.owners, int(row.nbytes), row.impact))
             stage = "flip"
-            res.flip = flip_test(model, graph, out, (x, logits), stale)
+            res.flip = NO_FLIP.get(k.name) or flip_test(model, graph, out, (x, logits), stale)
             res.ran = True
             stage = ""
     except Exception as exc:
@@ -1004,6 +1004,16 @@ def _perturb(t: torch.Tensor) -> None:
     else:
         flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
         flat.bitwise_xor_(0x11)
+
+
+# Rows whose flip test says nothing reproducible: their stand-in's output is a hash of every
+# tensor it reads, uninitialized workspaces included (seen: the committed and a CI rerun of the
+# same code disagreed), so whether eager output follows a flipped value is luck.
+NO_FLIP = {
+    "Fp8MoEMethod@flashinfer_cutlass": "not run: the flashinfer cutlass_fused_moe stand-in's "
+                                       "output hashes uninitialized workspaces too, so a flip "
+                                       "proves nothing here",
+}
 
 
 def flip_test(model, graph, out, x, stale) -> str:
