@@ -106,10 +106,13 @@ def _vllm_root() -> Path:
 
 
 def _rel(path: str) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(_vllm_root().parent))
-    except ValueError:
-        return path
+    """vLLM's files relative to site-packages, the repository's relative to its root."""
+    for root in (_vllm_root().parent, Path(__file__).resolve().parents[1]):
+        try:
+            return str(Path(path).resolve().relative_to(root))
+        except ValueError:
+            continue
+    return path
 
 
 # selection list in kernels/linear/__init__.py -> family, in the order a kernel listed in
