@@ -389,17 +389,14 @@ class Outcome:
 
 
 def audit_kernel(k: KernelInfo) -> Outcome:
-    import graphtrace as gt
     from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                         initialize_layerwise_reload,
-                                                         record_metadata_for_reloading)
 
     res = Outcome(k)
     t0 = time.perf_counter()
     standins.reset_used()
-    stage = "select"
+    res.stage = "select"
     try:
         with forced(k, ACT_DTYPE[k.family]):
             # vLLM builds schemes while the model's dtype is the default (some read it)
@@ -407,7 +404,7 @@ def audit_kernel(k: KernelInfo) -> Outcome:
                 scheme, method_cls, act_dtype = make_scheme(k)
             res.scheme = type(scheme).__name__
             quant_config = _OneScheme(scheme, method_cls)
-            stage = "create_weights"
+            res.stage = "create_weights"
             with set_default_torch_dtype(act_dtype):
                 layer = ColumnParallelLinear(K_IN, N_OUT, bias=False, params_dtype=act_dtype,
                                              quant_config=quant_config, return_bias=False,
@@ -415,39 +412,50 @@ def audit_kernel(k: KernelInfo) -> Outcome:
             model = AuditModel(layer)
             with torch.device("cpu"):
                 record_metadata_for_reloading(model)
-            stage = "load"
+            res.stage = "load"
             load(layer, checkpoint_for(layer, seed=1))
-            stage = "process_weights_after_loading"
+            res.stage = "process_weights_after_loading"
             layer.quant_method.process_weights_after_loading(layer)
             _check_kernel(layer, k)
-            stage = "apply"
+            res.stage = "apply"
             x = torch.randn(BATCH, K_IN, generator=torch.Generator().manual_seed(0)).to(act_dtype)
-            with torch.no_grad():
-                model(x)                                    # warm-up, as before a capture
-                with gt.trace(model) as t:
-                    with gt.capture("apply") as graph:
-                        out = model(x)
-            stage = "reload"
-            with torch.no_grad():
-                initialize_layerwise_reload(model)
-                load(layer, _reload_checkpoint(model))
-                finalize_layerwise_reload(model, model_config=None)
-            stage = "diff"
-            report = t.diff()
-            res.edges = report.edges["verdict"].value_counts().to_dict()
-            stale = report.stale
-            for row in stale.itertuples():
-                res.findings.append((row.verdict, row.owners, int(row.nbytes), row.impact))
-            stage = "flip"
-            res.flip = flip_test(model, graph, out, x, stale)
-            res.ran = True
-            stage = ""
+            capture_reload_diff(res, model, x, lambda: load(layer, _reload_checkpoint(model)))
     except Exception as exc:  # every failure is a row: the step and the exact reason
-        res.stage = stage
         res.reason = _reason(exc)
     res.standins = standins.used()
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def capture_reload_diff(res: Outcome, model, x, load_new) -> None:
+    """The audit's common tail: capture the apply under graphtrace, reload new weights
+    through vLLM's layerwise reload (`load_new` runs the weight loaders), diff, flip test.
+    `res.stage` names the step running, so a failure is reported at the right one."""
+    import graphtrace as gt
+    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                         initialize_layerwise_reload)
+
+    inputs = x if isinstance(x, tuple) else (x,)
+    with torch.no_grad():
+        model(*inputs)                                  # warm-up, as before a capture
+        with gt.trace(model) as t:
+            with gt.capture("apply") as graph:
+                out = model(*inputs)
+    res.stage = "reload"
+    with torch.no_grad():
+        initialize_layerwise_reload(model)
+        load_new()
+        finalize_layerwise_reload(model, model_config=None)
+    res.stage = "diff"
+    report = t.diff()
+    res.edges = report.edges["verdict"].value_counts().to_dict()
+    stale = report.stale
+    for row in stale.itertuples():
+        res.findings.append((row.verdict, row.owners, int(row.nbytes), row.impact))
+    res.stage = "flip"
+    res.flip = flip_test(res.kernel.name, model, graph, out, x, stale)
+    res.ran = True
+    res.stage = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -855,20 +863,17 @@ def load_moe(layer, seed: int) -> None:
 
 
 def audit_moe(k: KernelInfo) -> Outcome:
-    import graphtrace as gt
     from types import SimpleNamespace
 
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
-    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                         initialize_layerwise_reload,
-                                                         record_metadata_for_reloading)
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     res = Outcome(k)
     t0 = time.perf_counter()
     standins.reset_used()
-    stage = "select"
+    res.stage = "select"
     try:
         if k.name in MOE_IMPORT_FAILURES:
             raise ImportError(MOE_IMPORT_FAILURES[k.name])
@@ -883,7 +888,7 @@ def audit_moe(k: KernelInfo) -> Outcome:
                 (forced_moe_device(k.backend) if k.backend else contextlib.nullcontext()):
             quant_config = moe_quant_config(k)
             object.__setattr__(config, "quant_config", quant_config)
-            stage = "create_weights"
+            res.stage = "create_weights"
             layer = FusedMoEFactory(num_experts=MOE_EXPERTS, top_k=MOE_TOPK,
                                     hidden_size=MOE_HIDDEN, intermediate_size=MOE_INTER,
                                     params_dtype=dt, quant_config=quant_config, prefix="moe",
@@ -896,39 +901,19 @@ def audit_moe(k: KernelInfo) -> Outcome:
             res.scheme = (type(quant_config).__name__ if quant_config is not None
                           else "unquantized")
             record_metadata_for_reloading(model)
-            stage = "load"
+            res.stage = "load"
             load_moe(layer, seed=1)
-            stage = "process_weights_after_loading"
+            res.stage = "process_weights_after_loading"
             for m in layer.modules():
                 if getattr(m, "quant_method", None) is not None:
                     m.quant_method.process_weights_after_loading(m)
             res.scheme += f" -> {_moe_backend(layer)}"
-            stage = "apply"
+            res.stage = "apply"
             g = torch.Generator().manual_seed(0)
             x = torch.randn(BATCH, MOE_HIDDEN, generator=g).to(dt)
             logits = torch.randn(BATCH, MOE_EXPERTS, generator=g).to(dt)
-            with torch.no_grad():
-                model(x, logits)
-                with gt.trace(model) as t:
-                    with gt.capture("apply") as graph:
-                        out = model(x, logits)
-            stage = "reload"
-            with torch.no_grad():
-                initialize_layerwise_reload(model)
-                load_moe(layer, seed=2)
-                finalize_layerwise_reload(model, model_config=None)
-            stage = "diff"
-            report = t.diff()
-            res.edges = report.edges["verdict"].value_counts().to_dict()
-            stale = report.stale
-            for row in stale.itertuples():
-                res.findings.append((row.verdict, row.owners, int(row.nbytes), row.impact))
-            stage = "flip"
-            res.flip = NO_FLIP.get(k.name) or flip_test(model, graph, out, (x, logits), stale)
-            res.ran = True
-            stage = ""
+            capture_reload_diff(res, model, (x, logits), lambda: load_moe(layer, seed=2))
     except Exception as exc:
-        res.stage = stage
         res.reason = _reason(exc)
     res.standins = standins.used()
     res.seconds = time.perf_counter() - t0
@@ -1019,13 +1004,15 @@ NO_FLIP = {
 }
 
 
-def flip_test(model, graph, out, x, stale) -> str:
+def flip_test(kernel: str, model, graph, out, x, stale) -> str:
     """For each moved owner of a stale edge: change the live tensor's values; a graph that
     reads the captured storage replays the same output while eager code changes."""
     from graphtrace.owners import resolve_path
 
     if stale.empty:
         return "n/a (no stale edge)"
+    if kernel in NO_FLIP:
+        return NO_FLIP[kernel]
     inputs = x if isinstance(x, tuple) else (x,)
     paths = sorted({p for owners in stale["owners"] for p in owners.split("; ") if p})
     if any(p.endswith("handler_tensor") for p in paths):
