@@ -516,17 +516,19 @@ class OwnerSnapshot:
     per model, cached; `refresh` walks the models again and matches every storage (owners
     only accumulate). A cached walk is checked before each use: if a path it matched to a
     captured storage now reaches another one (a reload ran between two captures), the model
-    is walked again, so a later capture's reads of the new tensors still find their owners. A walk's weak storage handles keep the walked storages' addresses
-    unique while the walk is cached, and are freed when it is dropped. Both return what
+    is walked again, so a later capture's reads of the new tensors still find their owners.
+    A walk's weak storage handles keep the walked storages' addresses unique while the walk
+    is cached, and are freed when it is dropped. Both return what
     the walks they made had to cut (depth, size) as texts, for the report's blind spots.
     """
 
-    __slots__ = ("owners", "_walks", "_checked")
+    __slots__ = ("owners", "_walks", "_checked", "_matched")
 
     def __init__(self):
         self.owners: dict[int, set[Owner]] = {}
         self._walks: dict[str, tuple[dict[int, list], _Handles, dict[str, int], list]] = {}
         self._checked = 0  # storages below this id were matched to owners
+        self._matched: dict[str, set[str]] = {}  # per model: the paths `owners` holds
 
     def forget(self, model: str) -> None:
         """Drop the cached walk of `model` (it was replaced): the next update walks it again."""
@@ -550,6 +552,7 @@ class OwnerSnapshot:
                 self._walks.pop(name)
             walked = name not in self._walks
             by_storage = self._walk(name, model, cut)
+            matched = self._matched.setdefault(name, set())
             for sid in range(self._checked, n):
                 found = by_storage.get(handles[sid])
                 # a capture on another thread may have released sid meanwhile, and its
@@ -557,6 +560,7 @@ class OwnerSnapshot:
                 if found and table.find(handles[sid]) == sid:
                     for path, owner_kind in found:
                         self.owners.setdefault(sid, set()).add((name, path, owner_kind))
+                        matched.add(path)
             if walked:  # the next capture's check, ready with the walk (once per walk)
                 self._matched_paths(name)
         self._checked = n
@@ -565,7 +569,7 @@ class OwnerSnapshot:
     def _moved_since_walk(self, name: str, model: nn.Module) -> bool:
         """Does a path the cached walk matched to a captured storage reach another one now?
         Only the matched paths are resolved (as the guard does): a few ms for a large model."""
-        paths, path_set, reached = self._matched_paths(name)
+        paths, path_set, reached, _ = self._matched_paths(name)
         if not paths:
             return False
         for tensor, cdata in zip(path_set.resolve(model), reached):
@@ -579,15 +583,16 @@ class OwnerSnapshot:
 
     def _matched_paths(self, name: str) -> list:
         """[the paths of `name`'s cached walk matched to captured storages, their PathSet, the
-        storage each reached at walk time], kept with the walk while those paths stay the
-        same (building a PathSet costs as much as resolving it); made when the walk is."""
+        storage each reached at walk time, how many paths were matched then], kept with the
+        walk until more paths are matched (building a PathSet costs as much as resolving
+        it; the matched paths only grow); made when the walk is."""
         walk = self._walks[name]
-        expected = walk[2]  # path -> the storage it reached at walk time
-        paths = sorted({path for owners in self.owners.values() for model_name, path, _ in owners
-                        if model_name == name and path in expected})
+        matched = self._matched.get(name, ())
         check = walk[3]
-        if check[0] != paths:
-            check[:] = [paths, PathSet(paths), [expected[path] for path in paths]]
+        if check[0] is None or check[3] != len(matched):
+            expected = walk[2]  # path -> the storage it reached at walk time
+            paths = sorted(path for path in matched if path in expected)
+            check[:] = [paths, PathSet(paths), [expected[path] for path in paths], len(matched)]
         return check
 
     def _walk(self, name: str, model: nn.Module, cut: list[str]) -> dict[int, list]:
@@ -611,5 +616,5 @@ class OwnerSnapshot:
             paths = {path: cdata for cdata, found in by_storage.items() for path, _ in found}
             cached = self._walks[name] = (by_storage,
                                           _Handles(keep, torch.UntypedStorage._free_weak_ref),
-                                          paths, [None, None, None])
+                                          paths, [None, None, None, 0])
         return cached[0]
