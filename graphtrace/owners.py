@@ -574,8 +574,7 @@ class OwnerSnapshot:
             return False
         for tensor, cdata in zip(path_set.resolve(model), reached):
             try:
-                if tensor is None or (tensor.untyped_storage() if isinstance(tensor, torch.Tensor)
-                                      else storage_of(tensor))._cdata != cdata:
+                if tensor is None or storage_of(tensor)._cdata != cdata:
                     return True
             except Exception:
                 return True
