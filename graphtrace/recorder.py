@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import traceback
 from array import array
+from types import MethodType
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -448,9 +449,24 @@ class RecordingMode(TorchDispatchMode):
         super().__init__()
         self.recorder = recorder
         self.capture = capture
-        self.emulated = emulated  # an EmulatedGraph that keeps (op, args, outputs) for replay
         self.writer: Writer = recorder.new_writer(capture)
         self._record = self.writer.record
+        self._native = recorder.native is not None
+        self.fast_writer = None
+        self.emulated = emulated  # an EmulatedGraph that keeps (op, args, outputs) for replay
+        if self._native:  # Note [native dispatch] in graphtrace/csrc/recorder.cpp
+            self.__torch_dispatch__ = MethodType(recorder.native.dispatch, self)
+
+    @property
+    def emulated(self):
+        """The EmulatedGraph this mode also keeps ops for, or None (records only)."""
+        return self._emulated
+
+    @emulated.setter
+    def emulated(self, graph) -> None:
+        self._emulated = graph
+        # the native dispatch records by itself only when there is nothing to keep
+        self.fast_writer = self.writer if self._native and graph is None else None
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -463,16 +479,27 @@ class RecordingMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         out = func(*args, **kwargs)
+        self.after_op(func, args, kwargs, out)
+        return out
+
+    def after_op(self, func, args, kwargs, out) -> None:
+        """Record one op that ran (and keep it for an emulated graph); fail open."""
         try:
             replay = self._record(func, args, kwargs, out)
-            if self.emulated is not None:
-                self.emulated.keep(func, args, kwargs, out, replay)
+            if self._emulated is not None:
+                self._emulated.keep(func, args, kwargs, out, replay)
         except Exception as exc:  # fail open: never break the traced program
             self.recorder.fail(f"recording {func}", exc)
-        return out
+
+    def record_failed(self, func, exc: BaseException) -> None:
+        """The native dispatch's error path: counted, or raised in strict mode."""
+        if not isinstance(exc, Exception):  # KeyboardInterrupt and the like: not ours
+            raise exc
+        self.recorder.fail(f"recording {func}", exc)
 
     def finish(self) -> None:
         """Land buffered rows in the Capture (the native writer buffers until now)."""
+        self.__dict__.pop("__torch_dispatch__", None)  # the bound method refers to the mode
         try:
             self.writer.flush()
         except Exception as exc:

@@ -272,3 +272,41 @@ def test_both_writers_follow_the_writer_protocol(use_native):
     assert len(mode.capture.ops) == (0 if use_native else 2)  # the native one buffers
     mode.finish()
     assert len(mode.capture.ops) == 2
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_a_recording_error_fails_open_in_either_dispatch_path(monkeypatch, emulate):
+    """With nothing to keep the native writer records from C (Note [native dispatch]); with an
+    emulated graph the Python path does. Both count an error and raise it in strict mode."""
+    import graphtrace.recorder as recorder
+
+    def broken(func):
+        raise RuntimeError("no plan")
+
+    monkeypatch.setattr(recorder, "op_info", broken)
+    x = torch.randn(3)
+    with gt.trace(native=True) as t:
+        with gt.capture("g", emulate=emulate):
+            y = x * 2
+    assert torch.equal(y, x * 2)
+    assert t.recorder.n_errors == 1 and "no plan" in t.errors[0]["message"]
+    assert "aten.mul" in t.errors[0]["where"]
+    with pytest.raises(RuntimeError, match="no plan"):
+        with gt.trace(native=True, strict=True):
+            with gt.capture("g", emulate=emulate):
+                x * 2
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_an_ops_own_error_reaches_the_caller_unchanged(emulate):
+    m = torch.nn.Linear(2, 2)
+    with gt.trace(m, native=True, strict=True) as t, torch.no_grad():
+        with gt.capture("g", emulate=emulate):
+            with pytest.raises(RuntimeError, match="size of tensor a"):
+                torch.randn(3) + torch.randn(4)
+            m(torch.ones(1, 2))  # the capture goes on recording
+    assert t.recorder.n_errors == 0
+    report = t.diff()
+    assert not report.accesses["op"].astype(str).str.startswith("aten::add.").any()
+    assert (report.accesses["op"].astype(str) == "aten::addmm").any()
+    assert {"weight", "bias"} <= set(report.edges["owners"].explode())

@@ -524,6 +524,8 @@ struct PyWriterObject {
   Writer* writer;
 };
 
+PyTypeObject WriterType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
 int Writer_init(PyWriterObject* self, PyObject* args, PyObject* kwds) {
   static const char* names[] = {"capture", "storages", "views", "plan", "stack",
                                 "fallback", nullptr};
@@ -606,6 +608,85 @@ PyObject* Writer_record(PyWriterObject* self, PyObject* const* args, Py_ssize_t 
   }
   return PyObject_Vectorcall(w->fallback, args, 4, nullptr);
 }
+
+// Note [native dispatch]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// RecordingMode.__torch_dispatch__ in C: torch calls a mode's `__torch_dispatch__` attribute
+// with (func, types, args, kwargs) and requires its `__self__` to be the mode, so the mode
+// binds this function to itself (types.MethodType) when it records with the native writer.
+// It runs the op exactly as the Python method does (`func(*args, **kwargs)`), then hands the
+// call to `mode.fast_writer` (a Writer, or None while the mode also keeps ops for an emulated
+// graph: then `mode.after_op`, the Python path). A recording error goes to
+// `mode.record_failed(func, exc)`, which counts it or, in strict mode, raises it. What this
+// saves is the Python frame per op, which is most of what a dispatch mode costs.
+PyObject* native_dispatch(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n < 4 || n > 5) {
+    PyErr_SetString(PyExc_TypeError, "dispatch(mode, func, types, args, kwargs=None)");
+    return nullptr;
+  }
+  static PyObject* s_fast = PyUnicode_InternFromString("fast_writer");
+  static PyObject* s_after = PyUnicode_InternFromString("after_op");
+  static PyObject* s_failed = PyUnicode_InternFromString("record_failed");
+  if (s_fast == nullptr || s_after == nullptr || s_failed == nullptr) return nullptr;
+  PyObject* mode = a[0];
+  PyObject* func = a[1];
+  PyObject* args = a[3];
+  PyObject* kwargs = n == 5 ? a[4] : Py_None;
+  if (!PyTuple_Check(args)) {
+    PyErr_SetString(PyExc_TypeError, "graphtrace: __torch_dispatch__ args must be a tuple");
+    return nullptr;
+  }
+  const bool has_kwargs = kwargs != Py_None && (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) > 0);
+  PyObject* out = PyObject_Call(func, args, has_kwargs ? kwargs : nullptr);
+  if (out == nullptr) return nullptr;  // the op's own error, as the op raised it
+  PyObject* writer = PyObject_GetAttr(mode, s_fast);
+  if (writer == nullptr) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  PyObject* done;
+  if (Py_TYPE(writer) == &WriterType) {
+    PyObject* rec[4] = {func, args, kwargs == Py_None ? Py_None : kwargs, out};
+    done = Writer_record(reinterpret_cast<PyWriterObject*>(writer), rec, 4);
+    if (done == nullptr) {  // fail open, through the mode (strict mode raises there)
+      PyObject *type, *value, *tb;
+      PyErr_Fetch(&type, &value, &tb);
+      PyErr_NormalizeException(&type, &value, &tb);
+      if (tb != nullptr && value != nullptr) PyException_SetTraceback(value, tb);
+      done = PyObject_CallMethodObjArgs(mode, s_failed, func, value ? value : Py_None, nullptr);
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(tb);
+    }
+  } else {
+    PyObject* empty = nullptr;
+    if (kwargs == Py_None) {
+      empty = PyDict_New();
+      if (empty == nullptr) {
+        Py_DECREF(writer);
+        Py_DECREF(out);
+        return nullptr;
+      }
+    }
+    done = PyObject_CallMethodObjArgs(mode, s_after, func, args, empty ? empty : kwargs, out,
+                                      nullptr);
+    Py_XDECREF(empty);
+  }
+  Py_DECREF(writer);
+  if (done == nullptr) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  Py_DECREF(done);
+  return out;
+}
+
+PyMethodDef module_methods[] = {
+    {"dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(native_dispatch)),
+     METH_FASTCALL,
+     "dispatch(mode, func, types, args, kwargs=None): RecordingMode.__torch_dispatch__ in C "
+     "(Note [native dispatch] in graphtrace/csrc/recorder.cpp)"},
+    {nullptr, nullptr, 0, nullptr}};
 
 PyObject* Writer_flush(PyWriterObject* self, PyObject*) {
   Writer* w = writer_of(self);
@@ -776,11 +857,9 @@ PyMethodDef storages_methods[] = {
 
 PySequenceMethods storages_sequence = {reinterpret_cast<lenfunc>(Storages_len)};
 
-PyTypeObject WriterType = {PyVarObject_HEAD_INIT(nullptr, 0)};
-
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "graphtrace native recorder",
                           "The recorder's per-op path in C++ (graphtrace/csrc/recorder.cpp).", -1,
-                          nullptr};
+                          module_methods};
 
 }  // namespace
 
