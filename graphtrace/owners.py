@@ -417,6 +417,16 @@ def _attr(obj: object, name: str) -> object:
     return getattr(obj, name, _MISSING)
 
 
+def _registry_of(module: nn.Module, name: str) -> str | None:
+    """Which of `module`'s registries holds `name` (what `_attr` looks in first), if any."""
+    d = module.__dict__
+    for registry in ("_parameters", "_buffers", "_modules"):
+        reg = d.get(registry)
+        if reg and name in reg:
+            return registry
+    return None
+
+
 def resolve_path(model: nn.Module, path: str) -> torch.Tensor | None:
     """The tensor that `path` (as `walk_owners` spells it) reaches on `model` now, else None.
 
@@ -453,7 +463,7 @@ class PathSet:
     `resolve_path` gives for each path, for less than half the steps on a model's
     parameter names (`layers.3.mlp.up_proj.weight` and `.bias` share five steps)."""
 
-    __slots__ = ("paths", "_nodes", "_leaves")
+    __slots__ = ("paths", "_nodes", "_leaves", "_registry")
 
     def __init__(self, paths: Iterable[str]):
         self.paths = list(paths)
@@ -472,6 +482,8 @@ class PathSet:
             leaves.append(parent)
         self._nodes = nodes  # a parent always comes before its children
         self._leaves = leaves
+        # per node: the nn.Module registry (`_parameters`, ...) its step was last found in
+        self._registry: list[str | None] = [None] * len(nodes)
 
     def resolve(self, model: nn.Module) -> list[torch.Tensor | None]:
         """`[resolve_path(model, p) for p in self.paths]`."""
@@ -480,9 +492,24 @@ class PathSet:
                             f"{type(model).__qualname__}")
         objs: list[object] = []
         append = objs.append
-        for parent, is_key, step in self._nodes:
+        registry = self._registry
+        for i, (parent, is_key, step) in enumerate(self._nodes):
             obj = model if parent < 0 else objs[parent]
-            append(_MISSING if obj is _MISSING else _step(obj, is_key, step))
+            if obj is _MISSING:
+                append(_MISSING)
+                continue
+            reg = registry[i]
+            if reg is not None and isinstance(obj, nn.Module):
+                # the registry that held the name last time first: a module's `_parameters`,
+                # `_buffers` and `_modules` never share a name, so a hit there is `_attr`'s
+                found = obj.__dict__.get(reg)
+                if found is not None and step in found:
+                    append(found[step])
+                    continue
+            got = _step(obj, is_key, step)
+            if not is_key and isinstance(obj, nn.Module):
+                registry[i] = _registry_of(obj, step)
+            append(got)
         kinds = (torch.Tensor, torch.ScriptObject)  # what resolve_path returns
         return [o if isinstance(o, kinds) else None for o in map(objs.__getitem__, self._leaves)]
 
@@ -512,7 +539,7 @@ class OwnerSnapshot:
     (model, path, owner kind) that reached that storage when it was captured.
 
     `update(models, table)` matches the storages a storage table (graphtrace.recorder's
-    StorageTable: `handles`, `find`) registered since the last update against one owner walk
+    StorageTable: `handles_since`, `find`) registered since the last update against one owner walk
     per model, cached; `refresh` walks the models again and matches every storage (owners
     only accumulate). A cached walk is checked before each use: if a path it matched to a
     captured storage now reaches another one (a reload ran between two captures), the model
@@ -545,24 +572,26 @@ class OwnerSnapshot:
         cut: list[str] = []
         if not models:
             return cut
-        handles = table.handles  # one read: a native table syncs on each
-        n = len(handles)
+        first = self._checked
+        new = table.handles_since(first)  # 0 for storages released already
+        n = first + len(new)
         for name, model in models.items():
             if name in self._walks and self._moved_since_walk(name, model):
                 self._walks.pop(name)
             walked = name not in self._walks
             by_storage = self._walk(name, model, cut)
             matched = self._matched.setdefault(name, set())
-            for sid in range(self._checked, n):
-                found = by_storage.get(handles[sid])
+            for handle in by_storage.keys() & set(new):  # few owned among many intermediates
                 # a capture on another thread may have released sid meanwhile, and its
                 # address gone to a new storage: the table's index says whose it is now
-                if found and table.find(handles[sid]) == sid:
-                    for path, owner_kind in found:
-                        self.owners.setdefault(sid, set()).add((name, path, owner_kind))
-                        matched.add(path)
-            if walked:  # the next capture's check, ready with the walk (once per walk)
-                self._matched_paths(name)
+                sid = table.find(handle)
+                if sid is None or not first <= sid < n:
+                    continue
+                for path, owner_kind in by_storage[handle]:
+                    self.owners.setdefault(sid, set()).add((name, path, owner_kind))
+                    matched.add(path)
+            if walked:  # the next capture's check, ready with the walk (once per walk), and
+                self._matched_paths(name)[1].resolve(model)  # its registry steps learned
         self._checked = n
         return cut
 

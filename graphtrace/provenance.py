@@ -375,15 +375,14 @@ class Provenance:
         """Read the site of each storage `storages` (the recorder's StorageTable) registered
         since the last call, while it is alive (after each capture)."""
         with self._lock:
-            handles = storages.handles
-            n = len(handles)
-            find = self.table.find
-            for sid in range(self._matched, n):
-                handle = handles[sid]
-                if handle:
-                    site = find(handle)
-                    if site is not None and storages.find(handle) == sid:
-                        self.captured[sid] = site
+            first = self._matched
+            new = storages.handles_since(first)  # 0 for storages released already
+            n = first + len(new)
+            index = self.table.index
+            for handle in index.keys() & set(new):  # storages made outside any capture
+                sid = storages.find(handle)
+                if sid is not None and first <= sid < n:
+                    self.captured[sid] = index[handle][1]
             self._matched = n
 
     def text(self, site: int | None) -> str:

@@ -154,6 +154,13 @@ class StorageTable:
         self._sync()
         return self._handles
 
+    def handles_since(self, first: int) -> array:
+        """The weak handles of storages `first`.. (0: released): what a capture close reads,
+        without syncing the whole table."""
+        if self._native is not None:
+            return array("q", self._native.handles_from(first))
+        return self._handles[first:]
+
     @property
     def data_ptrs(self) -> array:
         self._sync()

@@ -19,6 +19,7 @@
 #include <Python.h>
 
 #include <c10/core/StorageImpl.h>
+#include <c10/util/flat_hash_map.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Storage.h>
@@ -83,7 +84,7 @@ struct KeyHash {
   }
 };
 
-using KeyMap = std::unordered_map<std::vector<int64_t>, int64_t, KeyHash>;
+using KeyMap = ska::flat_hash_map<std::vector<int64_t>, int64_t, KeyHash>;
 
 struct Plan {
   int64_t op_id = 0;
@@ -172,16 +173,17 @@ class Table {
         c10::raw::weak_intrusive_ptr::use_count(reinterpret_cast<c10::StorageImpl*>(h)) != 0;
   }
 
-  // Heap bytes of the containers (malloc's 16 B per node counted; tracemalloc can't see them).
+  // Heap bytes of the containers (malloc's 16 B per block counted; tracemalloc can't see
+  // them). The maps are open-addressing (ska::flat_hash_map): a slot per bucket, a distance
+  // byte and the entry padded to 8 bytes.
   size_t memory() const {
     constexpr size_t kMalloc = 16;
     size_t n = (handles_.capacity() + data_ptrs_.capacity() + nbytes_.capacity()) * 8 +
         devices_.capacity() * 4;
-    n += index_.bucket_count() * sizeof(void*) + index_.size() * (3 * sizeof(void*) + kMalloc);
-    n += views.bucket_count() * sizeof(void*);
-    for (const auto& kv : views) {
-      n += sizeof(kv) + sizeof(void*) + sizeof(size_t) + kMalloc + kv.first.capacity() * 8 + kMalloc;
-    }
+    n += (index_.bucket_count() + 1) * (8 + sizeof(std::pair<const void*, int64_t>)) + kMalloc;
+    n += (views.bucket_count() + 1) * (8 + sizeof(std::pair<std::vector<int64_t>, int64_t>)) +
+        kMalloc;
+    for (const auto& kv : views) n += kv.first.capacity() * 8 + kMalloc;
     return n;
   }
 
@@ -206,6 +208,11 @@ class Table {
 
   PyObject* all_handles() const { return bytes_of(handles_.data(), handles_.size()); }
 
+  PyObject* handles_from(size_t n) const {
+    n = std::min(n, handles_.size());
+    return bytes_of(handles_.data() + n, handles_.size() - n);
+  }
+
   void release() {
     for (int64_t h : handles_) {
       if (h != 0) c10::raw::weak_intrusive_ptr::decref(reinterpret_cast<c10::StorageImpl*>(h));
@@ -226,7 +233,7 @@ class Table {
   static constexpr size_t kSweepLag = 32, kSweepBatch = 32;
   size_t swept_ = 0;        // storages below this id had their first check
   uint64_t released_ = 0;   // handles released by sweeps: Python rereads its copy on a change
-  std::unordered_map<const void*, int64_t> index_;  // live address -> storage id
+  ska::flat_hash_map<const void*, int64_t> index_;  // live address -> storage id
   std::vector<int64_t> handles_, data_ptrs_, nbytes_;
   std::vector<int32_t> devices_;
   std::unordered_map<int64_t, int32_t> device_ids_;
@@ -354,7 +361,7 @@ class Writer {
   }
 
  private:
-  std::unordered_map<PyObject*, Plan> plans_;
+  ska::flat_hash_map<PyObject*, Plan> plans_;
   std::vector<int64_t> key_;  // the view being looked up: (dtype, offset, ndim, sizes, strides)
   std::vector<int64_t> inputs_;
   std::vector<int32_t> ops_, modules_;
@@ -637,7 +644,24 @@ PyObject* native_dispatch(PyObject*, PyObject* const* a, Py_ssize_t n) {
     return nullptr;
   }
   const bool has_kwargs = kwargs != Py_None && (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) > 0);
-  PyObject* out = PyObject_Call(func, args, has_kwargs ? kwargs : nullptr);
+  // An exact OpOverload's __call__ is `self._op(*args, **kwargs)`: call `_op` directly (one
+  // Python frame less per op); subclasses (TorchBindOpOverload) and other callables as given.
+  static PyObject* s_op = PyUnicode_InternFromString("_op");
+  static PyObject* op_overload = nullptr;
+  if (op_overload == nullptr) {
+    PyObject* ops = PyImport_ImportModule("torch._ops");
+    if (ops == nullptr) return nullptr;
+    op_overload = PyObject_GetAttrString(ops, "OpOverload");  // kept for the process
+    Py_DECREF(ops);
+    if (op_overload == nullptr) return nullptr;
+  }
+  PyObject* target = nullptr;
+  if (s_op != nullptr && Py_TYPE(func) == reinterpret_cast<PyTypeObject*>(op_overload)) {
+    target = PyObject_GetAttr(func, s_op);
+    if (target == nullptr) PyErr_Clear();
+  }
+  PyObject* out = PyObject_Call(target ? target : func, args, has_kwargs ? kwargs : nullptr);
+  Py_XDECREF(target);
   if (out == nullptr) return nullptr;  // the op's own error, as the op raised it
   PyObject* writer = PyObject_GetAttr(mode, s_fast);
   if (writer == nullptr) {
@@ -797,6 +821,16 @@ PyObject* Storages_handles(StoragesObject* self, PyObject*) {
   }
 }
 
+PyObject* Storages_handles_from(StoragesObject* self, PyObject* arg) {
+  int64_t n;
+  if (!sid_arg(arg, &n)) return nullptr;
+  try {
+    return self->table->handles_from(n < 0 ? 0 : static_cast<size_t>(n));
+  } catch (const PythonError&) {
+    return nullptr;
+  }
+}
+
 PyObject* Storages_alive(StoragesObject* self, PyObject* arg) {
   int64_t sid;
   if (!sid_arg(arg, &sid)) return nullptr;
@@ -847,6 +881,8 @@ PyMethodDef storages_methods[] = {
      "how many handles sweeps released so far"},
     {"handles", reinterpret_cast<PyCFunction>(Storages_handles), METH_NOARGS,
      "every weak handle as int64 bytes (0: released)"},
+    {"handles_from", reinterpret_cast<PyCFunction>(Storages_handles_from), METH_O,
+     "handles_from(n) -> the weak handles of storages n.. as int64 bytes (0: released)"},
     {"alive", reinterpret_cast<PyCFunction>(Storages_alive), METH_O,
      "alive(sid) -> whether storage sid is still alive"},
     {"alive_mask", reinterpret_cast<PyCFunction>(Storages_alive_mask), METH_NOARGS,
