@@ -49,7 +49,8 @@ import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+from torch._C import _get_dispatch_stack_at, _len_torch_dispatch_stack
+from torch.utils._python_dispatch import _disable_current_modes
 
 from graphtrace.blindspots import BlindSpot
 from graphtrace.encoding import READ, REPLAY_FRESH, WRITE, pack_code
@@ -227,9 +228,12 @@ def source_to_path(source: str | None) -> tuple[str, str] | None:
 
 
 def _recording_mode(trace) -> Any:
-    """This thread's innermost graphtrace recording mode of `trace`, if one is recording."""
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, RecordingMode) and mode.recorder is trace.recorder:
+    """This thread's innermost graphtrace recording mode of `trace`, if one is recording
+    (looked at from the top of the stack, where it usually is: once per compiled call)."""
+    recorder = trace.recorder
+    for i in range(_len_torch_dispatch_stack() - 1, -1, -1):
+        mode = _get_dispatch_stack_at(i)
+        if isinstance(mode, RecordingMode) and mode.recorder is recorder:
             return mode
     return None
 
