@@ -47,7 +47,7 @@ import functools
 import sys
 import types
 import warnings
-from typing import Iterable, Iterator, Literal, Mapping
+from typing import Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -463,7 +463,7 @@ class PathSet:
     `resolve_path` gives for each path, for less than half the steps on a model's
     parameter names (`layers.3.mlp.up_proj.weight` and `.bias` share five steps)."""
 
-    __slots__ = ("paths", "_nodes", "_leaves", "_registry")
+    __slots__ = ("paths", "_nodes", "_leaves", "_registry", "_native_nodes")
 
     def __init__(self, paths: Iterable[str]):
         self.paths = list(paths)
@@ -484,6 +484,7 @@ class PathSet:
         self._leaves = leaves
         # per node: the nn.Module registry (`_parameters`, ...) its step was last found in
         self._registry: list[str | None] = [None] * len(nodes)
+        self._native_nodes: list | None = None  # the nodes as native `paths_moved` reads them
 
     def resolve(self, model: nn.Module) -> list[torch.Tensor | None]:
         """`[resolve_path(model, p) for p in self.paths]`."""
@@ -512,6 +513,36 @@ class PathSet:
             append(got)
         kinds = (torch.Tensor, torch.ScriptObject)  # what resolve_path returns
         return [o if isinstance(o, kinds) else None for o in map(objs.__getitem__, self._leaves)]
+
+    def moved(self, model: nn.Module, expected: Sequence[int], native=None) -> bool:
+        """Does any path now reach a storage other than `expected` (the StorageImpl address
+        each reached before), or none? With the native module (`graphtrace.native`), the
+        common steps (registries, `__dict__`, getattr, dict keys, list indices) are followed
+        in C++, and the paths it leaves undecided here."""
+        undecided: Sequence[int] = range(len(self.paths))
+        if native is not None:
+            if self._native_nodes is None:
+                self._native_nodes = [(parent, step, is_key)
+                                      for parent, is_key, step in self._nodes]
+            got = native.paths_moved(model, nn.Module, nn.Parameter, self._native_nodes,
+                                     self._leaves, list(expected))
+            if got is True:
+                return True
+            undecided = got
+        if not undecided:
+            return False
+        if 4 * len(undecided) < len(self.paths):
+            tensors = [resolve_path(model, self.paths[i]) for i in undecided]
+        else:  # most paths: all together, learning their registry steps
+            every = self.resolve(model)
+            tensors = [every[i] for i in undecided]
+        for i, tensor in zip(undecided, tensors):
+            try:
+                if tensor is None or storage_of(tensor)._cdata != expected[i]:
+                    return True
+            except Exception:
+                return True
+        return False
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -549,9 +580,10 @@ class OwnerSnapshot:
     the walks they made had to cut (depth, size) as texts, for the report's blind spots.
     """
 
-    __slots__ = ("owners", "_walks", "_checked", "_matched")
+    __slots__ = ("owners", "native", "_walks", "_checked", "_matched")
 
-    def __init__(self):
+    def __init__(self, native=None):
+        self.native = native  # graphtrace.native's module: the moved check's fast path
         self.owners: dict[int, set[Owner]] = {}
         self._walks: dict[str, tuple[dict[int, list], _Handles, dict[str, int], list]] = {}
         self._checked = 0  # storages below this id were matched to owners
@@ -601,13 +633,7 @@ class OwnerSnapshot:
         paths, path_set, reached, _ = self._matched_paths(name)
         if not paths:
             return False
-        for tensor, cdata in zip(path_set.resolve(model), reached):
-            try:
-                if tensor is None or storage_of(tensor)._cdata != cdata:
-                    return True
-            except Exception:
-                return True
-        return False
+        return path_set.moved(model, reached, self.native)
 
     def _matched_paths(self, name: str) -> list:
         """[the paths of `name`'s cached walk matched to captured storages, their PathSet, the

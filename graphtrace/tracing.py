@@ -372,7 +372,7 @@ class Trace:
         self._cuda_regions: dict[int, _Region] = {}
         self._cuda_labels: dict[tuple[int, int], list] = {}  # (thread, id(graph)) -> [label, captured]
         # capture-time owners of the captured storages, matched after each capture
-        self.owner_snapshot = OwnerSnapshot()
+        self.owner_snapshot = OwnerSnapshot(self.recorder.native)
         # creation sites of storages made outside capture regions (Note [provenance])
         self.provenance = (Provenance(self.recorder.fail)
                            if (enabled_by_default() if provenance is None else provenance)

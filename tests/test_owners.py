@@ -353,3 +353,52 @@ def test_path_set_resolves_as_resolve_path_does():
         paths_set.resolve({"not": "a module"})
     with pytest.raises(ValueError):
         PathSet(["a..b"])
+
+
+MUTATIONS = {
+    "nothing": lambda m: None,
+    "copy_ in place": lambda m: m.block.linear.weight.data.copy_(torch.randn(4, 4)),
+    "parameter rebound": lambda m: setattr(m.block.linear, "weight",
+                                           nn.Parameter(torch.randn(4, 4))),
+    ".data swapped": lambda m: setattr(m.block.linear.weight, "data", torch.randn(4, 4)),
+    "buffer rebound": lambda m: setattr(m.block, "running", torch.ones(4)),
+    "module replaced": lambda m: setattr(m, "head", nn.Linear(4, 8, bias=False)),
+    "parameter set to None": lambda m: setattr(m.block.linear, "bias", None),
+    "partial rebound": lambda m: setattr(m.block.kernel, "act_perm",
+                                         functools.partial(_permute, perm=torch.arange(4))),
+    "dict entry rebound": lambda m: m.block.t.__setitem__("table", torch.zeros(4)),
+    "same tensor, now a plain attribute": lambda m: _unregister_keep(m.block.linear, "bias"),
+}
+
+
+def _unregister_keep(module, name):
+    tensor = module._parameters.pop(name)
+    module.__dict__[name] = tensor  # no longer in the registry, same storage: not moved
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_moved_agrees_with_resolving_every_path(mutation):
+    """PathSet.moved (the capture-end check: registry and dict-key steps in C++, the rest in
+    Python) says what comparing each resolved path's storage says, with and without native."""
+    from graphtrace import native
+
+    lib = native.load(required=False)
+    model = Model()
+    model.block.t = dict(model.block.t)  # a dict of tensors as a plain attribute of a module
+    paths = [p for p, _, _ in owners(model)]
+    before = [resolve_path(model, p).untyped_storage()._cdata for p in paths]
+    python_set, native_set = PathSet(paths), PathSet(paths)
+    python_set.resolve(model)  # registries learned, as the snapshot does after a walk
+    native_set.resolve(model)
+    assert not python_set.moved(model, before) and not native_set.moved(model, before, lib)
+    MUTATIONS[mutation](model)
+    now = [resolve_path(model, p) for p in paths]
+    want = any(t is None or t.untyped_storage()._cdata != c for t, c in zip(now, before))
+    assert want == (mutation not in ("nothing", "copy_ in place",
+                                     "same tensor, now a plain attribute"))
+    assert python_set.moved(model, before) == want
+    if lib is not None:
+        assert native_set.moved(model, before, lib) == want
+        assert lib.paths_moved(model, nn.Module, nn.Parameter, [], [], []) == []
+        with pytest.raises(TypeError, match="paths_moved"):
+            lib.paths_moved(model, nn.Module, nn.Parameter, [], [0], [])

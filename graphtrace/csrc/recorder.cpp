@@ -705,7 +705,127 @@ PyObject* native_dispatch(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return out;
 }
 
+// Owner paths still reaching the storages they reached (graphtrace.owners.PathSet.moved),
+// followed as graphtrace.owners._step does: an attribute of an nn.Module from its registries
+// (`_parameters`, `_buffers`, `_modules`), then its `__dict__`; of another object from its
+// `__dict__`, then getattr; a key of a dict or an index of a list or tuple. Anything else
+// (closures, dict subclasses, a getattr that raises, ...) is left undecided, for Python, as are
+// leaves that are not plain tensors or Parameters. `nodes` is a list of (parent node or -1,
+// step, is_key), parents first; `leaves` the node of each path; `expected` the StorageImpl
+// address each reached. Returns True when a decided leaf now reaches another storage (or
+// none), else the list of undecided path positions.
+PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 6 || !PyType_Check(a[1]) || !PyType_Check(a[2]) || !PyList_Check(a[3]) ||
+      !PyList_Check(a[4]) || !PyList_Check(a[5]) ||
+      PyList_GET_SIZE(a[4]) != PyList_GET_SIZE(a[5])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "paths_moved(model, module_type, parameter_type, nodes, leaves, expected)");
+    return nullptr;
+  }
+  static PyObject* registries[3] = {PyUnicode_InternFromString("_parameters"),
+                                    PyUnicode_InternFromString("_buffers"),
+                                    PyUnicode_InternFromString("_modules")};
+  static PyObject* s_closure = PyUnicode_InternFromString("__closure__");
+  PyObject *model = a[0], *nodes = a[3], *leaves = a[4], *expected = a[5];
+  auto* module_type = reinterpret_cast<PyTypeObject*>(a[1]);
+  auto* parameter_type = reinterpret_cast<PyTypeObject*>(a[2]);
+  const Py_ssize_t m = PyList_GET_SIZE(nodes);
+  std::vector<PyObject*> objs(static_cast<size_t>(m), nullptr);  // borrowed; nullptr: undecided
+  std::vector<PyObject*> held;  // new references taken on the way
+  struct Release {
+    std::vector<PyObject*>& refs;
+    ~Release() { for (PyObject* r : refs) Py_DECREF(r); }
+  } release{held};
+  auto own = [&held](PyObject* obj) {
+    if (obj != nullptr) held.push_back(obj);
+    return obj;
+  };
+  for (Py_ssize_t i = 0; i < m; ++i) {
+    PyObject* node = PyList_GET_ITEM(nodes, i);
+    if (!PyTuple_Check(node) || PyTuple_GET_SIZE(node) != 3) {
+      PyErr_SetString(PyExc_TypeError, "paths_moved: a node is (parent, step, is_key)");
+      return nullptr;
+    }
+    const Py_ssize_t parent = PyLong_AsSsize_t(PyTuple_GET_ITEM(node, 0));
+    if (parent == -1 && PyErr_Occurred()) return nullptr;
+    PyObject* obj = parent < 0 ? model : (parent < i ? objs[parent] : nullptr);
+    if (obj == nullptr) continue;
+    PyObject* step = PyTuple_GET_ITEM(node, 1);
+    PyObject* found = nullptr;
+    if (PyTuple_GET_ITEM(node, 2) == Py_True) {  // a key or an index
+      if (PyDict_CheckExact(obj)) {
+        found = PyDict_GetItemWithError(obj, step);
+      } else if ((PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) && PyLong_CheckExact(step)) {
+        const Py_ssize_t len = PySequence_Fast_GET_SIZE(obj);
+        Py_ssize_t k = PyLong_AsSsize_t(step);
+        if (k == -1 && PyErr_Occurred()) PyErr_Clear();
+        else if (-len <= k && k < len) found = PySequence_Fast_GET_ITEM(obj, k < 0 ? k + len : k);
+      }
+    } else if (PyUnicode_CheckExact(step) && PyUnicode_Compare(step, s_closure) != 0) {
+      const bool is_module = PyObject_TypeCheck(obj, module_type);
+      PyObject* d = own(PyObject_GenericGetDict(obj, nullptr));
+      if (d == nullptr) PyErr_Clear();  // no __dict__: getattr below
+      if (d != nullptr && PyDict_Check(d)) {
+        if (is_module) {
+          for (PyObject* name : registries) {
+            PyObject* reg = PyDict_GetItemWithError(d, name);
+            if (reg != nullptr && PyDict_Check(reg) && PyDict_GET_SIZE(reg) > 0) {
+              found = PyDict_GetItemWithError(reg, step);
+              if (found != nullptr || PyErr_Occurred()) break;
+            } else if (PyErr_Occurred()) {
+              break;
+            }
+          }
+        }
+        if (found == nullptr && !PyErr_Occurred()) found = PyDict_GetItemWithError(d, step);
+      }
+      if (found == nullptr && !PyErr_Occurred() && !is_module) {
+        found = own(PyObject_GetAttr(obj, step));  // properties, members (partial.keywords)
+        if (found == nullptr) PyErr_Clear();        // raised: undecided, Python says how
+      }
+    }
+    if (found == nullptr && PyErr_Occurred()) return nullptr;
+    objs[i] = found;  // a miss stays undecided: Python follows that path the general way
+  }
+  PyObject* undecided = PyList_New(0);
+  if (undecided == nullptr) return nullptr;
+  for (Py_ssize_t j = 0; j < PyList_GET_SIZE(leaves); ++j) {
+    const Py_ssize_t leaf = PyLong_AsSsize_t(PyList_GET_ITEM(leaves, j));
+    if (leaf == -1 && PyErr_Occurred()) {
+      Py_DECREF(undecided);
+      return nullptr;
+    }
+    PyObject* obj = leaf >= 0 && leaf < m ? objs[leaf] : nullptr;
+    if (obj == nullptr || !(is_exact_tensor(obj) || Py_TYPE(obj) == parameter_type)) {
+      PyObject* index = PyLong_FromSsize_t(j);
+      if (index == nullptr || PyList_Append(undecided, index) < 0) {
+        Py_XDECREF(index);
+        Py_DECREF(undecided);
+        return nullptr;
+      }
+      Py_DECREF(index);
+      continue;
+    }
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    void* want = PyLong_AsVoidPtr(PyList_GET_ITEM(expected, j));
+    if (want == nullptr && PyErr_Occurred()) {
+      Py_DECREF(undecided);
+      return nullptr;
+    }
+    if (!t.has_storage() || t.storage().unsafeGetStorageImpl() != want) {
+      Py_DECREF(undecided);
+      Py_RETURN_TRUE;
+    }
+  }
+  return undecided;
+}
+
 PyMethodDef module_methods[] = {
+    {"paths_moved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(paths_moved)),
+     METH_FASTCALL,
+     "paths_moved(model, module_type, parameter_type, nodes, leaves, expected) -> True, or the "
+     "undecided "
+     "paths' positions (graphtrace.owners.PathSet.moved)"},
     {"dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(native_dispatch)),
      METH_FASTCALL,
      "dispatch(mode, func, types, args, kwargs=None): RecordingMode.__torch_dispatch__ in C "
