@@ -88,8 +88,7 @@ class CompiledRegion:
 
     __slots__ = ("name", "arg_names", "sources", "mutated", "constant_names", "plan",
                  "n_inputs", "graph_ref", "names_from", "opaque", "cpp_wrapper", "device_types",
-                 "sources_checked",
-                 "__weakref__")
+                 "sources_checked", "stats_capture", "stats", "__weakref__")
 
     def __init__(self, name: str, graph: Any, names: Sequence[tuple] | None):
         self.name = name
@@ -101,6 +100,8 @@ class CompiledRegion:
         self.arg_names: list[str] = [n[1] or n[0] for n in names] if names else []
         self.names_from = "dynamo" if names else "position"
         self.sources_checked = False
+        self.stats_capture = None  # the capture `stats` (its calls, unreadable names) is for
+        self.stats: dict = {}
         # (argument name, global name in the generated module) per constant compiled in
         self.constant_names: list[tuple[str, str]] = []
         for cname in (getattr(graph, "constants", None) or {}):
@@ -362,42 +363,52 @@ class CompiledPatch:
     def _make_call(self, original):
         patch = self
         trace = self.trace
+        recorder = trace.recorder
+        regions = self.regions
+        storages = recorder.storages
+        native = storages.native_table
+        sweep = storages.sweep if native is None else native.sweep
+        count = len if native is None else type(native).__len__
 
         def __call__(graph, inputs):
             mode = _recording_mode(trace)
             if mode is None:
                 return original(graph, inputs)
             try:
-                region = patch.region_of(graph)
+                region = regions.get(id(graph))
+                if region is None or region.graph_ref() is not graph:
+                    region = patch.region_of(graph)
                 args = tuple(inputs)  # the compiled code clears `inputs` (boxed convention)
             except Exception as exc:
-                trace.recorder.fail("compiled: before a compiled region", exc)
+                recorder.fail("compiled: before a compiled region", exc)
                 return original(graph, inputs)
-            storages = trace.recorder.storages
-            first = len(storages)
-            emulated, mode.emulated = mode.emulated, None  # the region replays as one op
-            try:
+            first = count(native if native is not None else storages)
+            emulated = mode.emulated
+            if emulated is None:
                 out = original(graph, inputs)
-            finally:
-                mode.emulated = emulated
+            else:
+                mode.emulated = None  # the region replays as one op
+                try:
+                    out = original(graph, inputs)
+                finally:
+                    mode.emulated = emulated
             try:
                 patch._record(mode, region, graph, args, out, emulated)
             except Exception as exc:
-                trace.recorder.fail(f"compiled: recording {REGION_PREFIX}{region.name}", exc)
+                recorder.fail(f"compiled: recording {REGION_PREFIX}{region.name}", exc)
                 trace.add_blind_spot(f"compiled: region {region.name!r} ran in capture "
                                      f"{mode.capture.label!r} but its reads could not be "
                                      "recorded (see report.errors)", kind="compiled",
                                      op=REGION_PREFIX + region.name, graph=mode.capture.label)
             try:  # the graph's buffers are dead now: Note [weak handles and the sweep]
-                storages.sweep(first)
+                sweep(first)
             except Exception as exc:
-                trace.recorder.fail("compiled: sweeping a region call's dead buffers", exc)
+                recorder.fail("compiled: sweeping a region call's dead buffers", exc)
             return out
 
         return __call__
 
     def _record(self, mode, region: CompiledRegion, graph, args: tuple, out, emulated) -> None:
-        recorder = self.trace.recorder
         if region.plan is not None and region.n_inputs != len(args):
             # a plan is never changed under its key (the native writer caches plans by key):
             # another input count gets a region object of its own
@@ -405,22 +416,28 @@ class CompiledPatch:
                 region = self.regions[id(graph)] = CompiledRegion(
                     f"{region.name}_{len(args)}in", graph, None)
         if region.plan is None:
+            recorder = self.trace.recorder
             recorder.plans[region] = region.make_plan(recorder.names, args)  # both
             # writers look plans up here first
-        constants = region.constants(graph)
+        constants = region.constants(graph) if region.constant_names else None
         values = args + tuple(constants) if constants else args
-        flags = mode.writer.record(region, values, {}, out)
+        flags = mode.writer.record(region, values, None, out)
         if emulated is not None:
             with _disable_current_modes():  # keep() makes aliases: ops no mode may record
                 emulated.keep(_Replay(graph, len(args)), values, {}, out, flags | REPLAY_FRESH)
-        seen = self.seen.get(mode.capture.graph_id)
+        capture = mode.capture
+        if region.stats_capture is capture:  # this capture's stats, kept on the region
+            region.stats["calls"] += 1
+            return
+        seen = self.seen.get(capture.graph_id)
         if seen is None:
-            seen = self.seen[mode.capture.graph_id] = {}
+            seen = self.seen[capture.graph_id] = {}
         stats = seen.get(region)
         if stats is None:
             stats = seen[region] = {"calls": 0, "unreadable": []}
-            stats["unreadable"] = self._note_blind_spots(region, mode.capture.label, constants)
+            stats["unreadable"] = self._note_blind_spots(region, capture.label, constants or [])
         stats["calls"] += 1
+        region.stats_capture, region.stats = capture, stats
         if region.names_from == "dynamo" and not region.sources_checked:
             region.sources_checked = True
             _source_owners(self.trace, region, args)
