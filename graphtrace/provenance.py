@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 import pandas as pd
 import torch
+from torch._C import _get_dispatch_stack_at, _len_torch_dispatch_stack
 from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
                                           _pop_mode, _push_mode)
 from torch.utils._pytree import tree_iter
@@ -292,8 +293,8 @@ class Provenance:
         under the capture). Returns what `resume` undoes."""
         if self.thread != threading.get_ident():
             return None
-        stack = _get_current_dispatch_mode_stack()
-        if stack and stack[-1] is self.mode:
+        top = _len_torch_dispatch_stack() - 1
+        if top >= 0 and _get_dispatch_stack_at(top) is self.mode:
             _pop_mode()
             return "popped"
         if not self.mode.paused:

@@ -643,7 +643,11 @@ PyObject* native_dispatch(PyObject*, PyObject* const* a, Py_ssize_t n) {
     PyErr_SetString(PyExc_TypeError, "graphtrace: __torch_dispatch__ args must be a tuple");
     return nullptr;
   }
-  const bool has_kwargs = kwargs != Py_None && (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) > 0);
+  if (kwargs != Py_None && !PyDict_Check(kwargs)) {
+    PyErr_SetString(PyExc_TypeError, "graphtrace: __torch_dispatch__ kwargs must be a dict");
+    return nullptr;
+  }
+  const bool has_kwargs = kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0;
   // An exact OpOverload's __call__ is `self._op(*args, **kwargs)`: call `_op` directly (one
   // Python frame less per op); subclasses (TorchBindOpOverload) and other callables as given.
   static PyObject* s_op = PyUnicode_InternFromString("_op");
