@@ -16,7 +16,9 @@ Listeners are plain callables ``fn(worker)``:
   place for an emulated capture, the KV cache exists);
 * ``shutdown``: before ``Worker.shutdown`` runs;
 * ``before_update`` / ``after_update``: around every weight update, once per outermost update
-  (Note [weight updates]).
+  (Note [weight updates]);
+* ``engine_loop``: the engine core's busy loop starts (``EngineCoreProc.run_busy_loop``, in
+  the engine-core process's main thread; the listener gets the engine core, not a worker).
 
 A listener's exception is logged and swallowed (fail open): tracing never breaks the engine,
 unless ``GRAPHTRACE_STRICT=1``, and except `graphtrace.StaleGraphError`, which a guard
@@ -47,14 +49,14 @@ import threading
 from typing import Callable
 
 __all__ = [
-    "EVENTS", "add_listener", "remove_listener", "install", "uninstall", "worker_model",
-    "worker_rank", "wrap_model_updates",
+    "EVENTS", "add_listener", "remove_listener", "install", "uninstall", "wake_on_signals",
+    "worker_model", "worker_rank", "wrap_model_updates",
 ]
 
 logger = logging.getLogger("graphtrace.vllm")
 
 EVENTS = ("before_load", "after_load", "after_warmup", "shutdown", "before_update",
-          "after_update")
+          "after_update", "engine_loop")
 _listeners: dict[str, list[Callable]] = {e: [] for e in EVENTS}
 _lock = threading.RLock()
 _patched: set[str] = set()
@@ -72,6 +74,11 @@ _TARGETS = {
     "vllm.v1.worker.cpu_worker": [
         # CPUWorker overrides compile_or_warm_up_model (and not the other two)
         ("CPUWorker", "compile_or_warm_up_model", None, "after_warmup"),
+    ],
+    "vllm.v1.engine.core": [
+        # DPEngineCoreProc has its own busy loop
+        ("EngineCoreProc", "run_busy_loop", "engine_loop", None),
+        ("DPEngineCoreProc", "run_busy_loop", "engine_loop", None),
     ],
 }
 
@@ -289,11 +296,103 @@ def uninstall() -> None:
             if fn is not None and getattr(fn, "__graphtrace_wrapped__", False):
                 setattr(cls, "load_weights", fn.__graphtrace_original__)
         _model_classes.clear()
+        _signal_wakes.clear()
         if _finder is not None and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
         _finder = None
         for lst in _listeners.values():
             lst.clear()
+
+
+# Note [lost SIGTERM]
+# ~~~~~~~~~~~~~~~~~~~
+# With multiprocessing on, the client stops the engine by SIGTERMing the engine-core process
+# and SIGKILLs its whole process tree 5 s later if it is still alive (vllm/v1/utils.py
+# `shutdown`, `kill_process_tree`). The engine core's SIGTERM handler (v1/engine/core.py,
+# `run_engine_core`) only records the request and wakes the busy loop; the worker then writes
+# its shutdown report in `Worker.shutdown` once the executor closes its death pipe. But the
+# handler is Python code, and CPython runs Python handlers in the main thread only, when it
+# next checks for them between bytecodes; the C-level handler that takes the signal does not
+# wake a main thread that is asleep in a lock. The idle engine core's main thread sleeps in
+# `input_queue.get()` (a lock acquire, no timeout). A SIGTERM taken after its last check but
+# before it falls asleep (or taken by another thread) is never acted on: the engine core
+# sleeps until the SIGKILL, and the worker dies with it before it hears of any shutdown. The
+# window is wide in practice: the client sends SIGTERM as soon as it has the last reply, and
+# that reply is sent by the engine's output thread, which gets the GIL exactly when the main
+# thread drops it to go to sleep. On a busy 2-core machine 1 in 4 runs lost the report.
+# CPython's C handler does write each signal's number to the wakeup fd
+# (`signal.set_wakeup_fd`) at once, from whichever thread takes it; `wake_on_signals` reads it
+# in a helper thread and calls `wake` (for the engine core: put vLLM's own WAKEUP request on
+# its input queue, as its handler does), so the main thread returns to the bytecode loop and
+# runs the pending handler.
+
+_signal_wakes: list[tuple[Callable[[], None], frozenset[int]]] = []
+_wakeup_sockets: tuple | None = None  # (reader, writer): the writer is the process's wakeup fd
+
+
+def wake_on_signals(wake: Callable[[], None], signals=None) -> bool:
+    """Call ``wake()`` from a helper thread each time one of ``signals`` (default SIGTERM and
+    SIGINT, which must have Python handlers) reaches this process, even while the main thread
+    cannot run its handler (Note [lost SIGTERM]). Call it from the main thread; returns False
+    (nothing installed) elsewhere, or when another wakeup fd (an asyncio loop's) is set."""
+    global _wakeup_sockets
+    import signal
+    import socket
+
+    wanted = frozenset(int(s) for s in (signals or (signal.SIGTERM, signal.SIGINT)))
+    with _lock:
+        if _wakeup_sockets is None:
+            if threading.current_thread() is not threading.main_thread():
+                return False
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)  # the C handler must never block
+            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            if previous != -1:
+                signal.set_wakeup_fd(previous)
+                reader.close()
+                writer.close()
+                return False
+            _wakeup_sockets = (reader, writer)  # kept open: the fd number must not be reused
+            os.register_at_fork(after_in_child=_forget_wakeup_fd)
+            threading.Thread(target=_relay_signals, args=(reader,), daemon=True,
+                             name="graphtrace-signal-wake").start()
+        _signal_wakes.append((wake, wanted))
+    return True
+
+
+def _relay_signals(reader) -> None:
+    while True:
+        try:
+            data = reader.recv(512)
+        except OSError:
+            return
+        if not data:
+            return
+        received = set(data)
+        for wake, wanted in list(_signal_wakes):
+            if received & wanted:
+                try:
+                    wake()
+                except Exception:  # a helper thread: nowhere to raise to
+                    logger.exception("graphtrace: waking on signal %s failed", sorted(received))
+
+
+def _forget_wakeup_fd() -> None:
+    """In a forked child: its signals must not wake the parent's engine through the shared
+    socket (no lock taken: another thread may have held it at the fork)."""
+    global _wakeup_sockets
+    import signal
+
+    _signal_wakes.clear()
+    if _wakeup_sockets is None:
+        return
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:
+        return  # not the main thread: leave the fd set (and open)
+    for sock in _wakeup_sockets:
+        sock.close()
+    _wakeup_sockets = None
 
 
 def worker_model(worker):

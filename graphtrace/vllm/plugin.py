@@ -118,6 +118,7 @@ def register() -> None:
     hooks.add_listener("before_load", _before_load)
     hooks.add_listener("after_warmup", _after_warmup)
     hooks.add_listener("shutdown", _on_shutdown)
+    hooks.add_listener("engine_loop", _engine_loop)
     if guard_mode():
         hooks.add_listener("after_load", _guard_after_load)
         hooks.add_listener("before_update", _guard_before_update)
@@ -437,6 +438,20 @@ def _after_warmup(worker) -> None:
         return
     n = int(value) if value.isdigit() and int(value) > 1 else None
     _session.capture_dummy("dummy_decode", n)
+
+
+def _engine_loop(engine_core) -> None:
+    """The engine core's busy loop starts: make a SIGTERM always wake it, so that its workers
+    are shut down (and write their reports) instead of killed (Note [lost SIGTERM] in
+    graphtrace/vllm/hooks.py)."""
+    from vllm.v1.engine import EngineCoreRequestType
+
+    from graphtrace.vllm import hooks
+
+    inputs = engine_core.input_queue
+    if not hooks.wake_on_signals(lambda: inputs.put_nowait((EngineCoreRequestType.WAKEUP, None))):
+        logger.warning("graphtrace: could not watch SIGTERM in the engine core (pid %d); a "
+                       "shutdown may lose the workers' shutdown reports", os.getpid())
 
 
 def _on_shutdown(worker) -> None:

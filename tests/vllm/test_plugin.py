@@ -33,6 +33,34 @@ def test_register_is_a_no_op_unless_enabled(monkeypatch):
     assert plugin.session() is None
 
 
+ENGINE_LOOP_CHILD = """
+import os, queue, signal, types
+from vllm.v1.engine import EngineCoreRequestType
+from vllm.v1.engine.core import EngineCoreProc
+from graphtrace.vllm import plugin
+
+plugin.register()
+engine = types.SimpleNamespace(input_queue=queue.Queue())  # stands in for an EngineCoreProc
+try:
+    EngineCoreProc.run_busy_loop(engine)  # the plugin's listener runs, then vLLM's loop fails
+except AttributeError:
+    pass
+signal.signal(signal.SIGTERM, lambda signum, frame: None)  # vLLM's handler sets its own
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # another thread takes it
+os.kill(os.getpid(), signal.SIGTERM)
+print("GOT", engine.input_queue.get(timeout=30) == (EngineCoreRequestType.WAKEUP, None))
+"""
+
+
+def test_a_sigterm_wakes_the_engine_core_loop():
+    """The plugin hooks the engine core's busy loop: a SIGTERM puts vLLM's WAKEUP on its
+    input queue even when the main thread does not take it (Note [lost SIGTERM])."""
+    env = dict(os.environ, GRAPHTRACE_VLLM="1", GRAPHTRACE_STRICT="1")
+    proc = subprocess.run([sys.executable, "-c", ENGINE_LOOP_CHILD], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "GOT True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def plugin_run(tiny_llama_dir, tmp_path_factory):
     from graphtrace.vllm import tiny
