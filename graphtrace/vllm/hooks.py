@@ -5,7 +5,8 @@ CPU worker inherits it), captures CUDA graphs in ``compile_or_warm_up_model`` an
 everything in ``shutdown``. This module wraps those three methods once per process, lazily:
 the wrapping happens when ``vllm.v1.worker.gpu_worker`` (and ``cpu_worker``) are imported,
 so a process that never hosts a worker (the API server, process 0 with multiprocessing on)
-never imports the worker modules because of us.
+never imports the worker modules because of us. The engine core's busy loop
+(``vllm.v1.engine.core``) is wrapped the same way, for Note [lost SIGTERM].
 
 Listeners are plain callables ``fn(worker)``:
 
