@@ -310,3 +310,39 @@ def test_an_ops_own_error_reaches_the_caller_unchanged(emulate):
     assert not report.accesses["op"].astype(str).str.startswith("aten::add.").any()
     assert (report.accesses["op"].astype(str) == "aten::addmm").any()
     assert {"weight", "bias"} <= set(report.edges["owners"].explode())
+
+
+def _mul_rows(native_flag: bool):
+    """One op called again and again at the same argument position: the same tensor, the
+    same tensor after in-place metadata and storage changes, then fresh tensors at the freed
+    storages' addresses (the native writer's per-argument memo must tell each apart)."""
+    x = torch.randn(4, 4)
+    m = torch.nn.Linear(2, 2)
+    with gt.trace(m, native=native_flag, strict=True) as t:
+        with gt.capture("g", emulate=False):
+            for _ in range(3):
+                torch.mul(x, 2)
+            x.t_()                                     # same TensorImpl and storage, new strides
+            torch.mul(x, 2)
+            x.set_(torch.randn(16).untyped_storage(), 0, (4, 4), (4, 1))  # a new storage
+            torch.mul(x, 2)
+            x.as_strided_((2, 2), (1, 2), 3)           # new view of the same storage
+            torch.mul(x, 2)
+            for _ in range(100):  # each freed and its handle released at once (as a compiled
+                torch.mul(torch.randn(4, 4), 2)  # region's return does): addresses come back
+                t.recorder.storages.sweep(0)
+    rows = t.diff().accesses
+    return rows[(rows["op"].astype(str) == "aten::mul.Tensor") & (rows["arg"] == "self")]
+
+
+def test_repeated_arguments_get_the_python_writers_ids():
+    native_rows, python_rows = _mul_rows(True), _mul_rows(False)
+    cols = ["storage_id", "dtype", "shape", "stride", "offset"]
+    assert native_rows[cols].astype(str).values.tolist() == \
+        python_rows[cols].astype(str).values.tolist()
+    sids = native_rows["storage_id"].tolist()
+    assert sids[0] == sids[1] == sids[2] == sids[3]    # same storage, transposed view
+    assert sids[4] != sids[3] and sids[5] == sids[4]  # set_: a new storage, then a new view
+    assert native_rows["stride"].astype(str).tolist()[:6] == [
+        "(4, 1)", "(4, 1)", "(4, 1)", "(1, 4)", "(4, 1)", "(1, 2)"]
+    assert len(set(sids[6:])) == 100                   # every fresh tensor its own storage

@@ -26,6 +26,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <unordered_map>
@@ -86,6 +87,19 @@ struct KeyHash {
 
 using KeyMap = ska::flat_hash_map<std::vector<int64_t>, int64_t, KeyHash>;
 
+// The tensor one argument position of one op got last, and its slot. Repeated calls of one
+// op with the same tensors (a compiled region's inputs: parameters, call after call) skip both
+// hash lookups: the memo holds when the tensor has the same StorageImpl and view key, and the
+// table still holds that storage under the memo's id (`handle(sid)` is the StorageImpl's
+// address until the sweep releases it, and a held handle keeps the address from being reused).
+struct ArgMemo {
+  static constexpr size_t kMaxKey = 3 + 2 * 6;  // views of up to 6 dimensions
+  const void* impl = nullptr;
+  int64_t slot = 0;
+  size_t n = 0;  // key length; 0: empty
+  int64_t key[kMaxKey];
+};
+
 struct Plan {
   int64_t op_id = 0;
   std::vector<int64_t> positional;  // row code per positional argument, -1: no tensor
@@ -93,6 +107,7 @@ struct Plan {
   std::vector<int64_t> returns;     // code with access 0 per return slot, -1: a mutated argument
   bool may_alias = false;
   bool opaque = false;     // ScriptObject arguments: the whole op goes to the Python writer
+  std::vector<ArgMemo> memo;  // per positional argument (this writer's: one capture)
 };
 
 bool is_scalar(PyObject* v) {
@@ -275,7 +290,7 @@ class Writer {
   // One op: rows appended; returns kReplayWrote if it wrote an input, | kReplayFresh if it
   // made a fresh output.
   int record(PyObject* func, PyObject* args, PyObject* kwargs, PyObject* out) {
-    const Plan& plan = plan_for(func);
+    Plan& plan = plan_for(func);
     if (plan.opaque) throw Fallback();  // ScriptObject arguments: recorded by the Python writer
     if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs))) throw Fallback();
     Py_ssize_t flushed = PyObject_Length(ops_arr);
@@ -294,7 +309,7 @@ class Writer {
       if (code < 0) continue;
       PyObject* v = PyTuple_GET_ITEM(args, i);
       if (is_scalar(v)) continue;
-      wrote |= put(seq, code, v) && code_access(code) == kWrite;
+      wrote |= put(seq, code, v, &plan.memo[i]) && code_access(code) == kWrite;
     }
     if (kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0) {
       Py_ssize_t pos = 0;
@@ -372,7 +387,7 @@ class Writer {
     Ref r(PyObject_CallMethod(arr, "frombytes", "O", bytes.p));
   }
 
-  const Plan& plan_for(PyObject* func) {
+  Plan& plan_for(PyObject* func) {
     auto it = plans_.find(func);
     if (it != plans_.end()) return it->second;
     Ref py(PyObject_CallOneArg(plan_fn, func));
@@ -402,6 +417,7 @@ class Writer {
       PyErr_SetString(PyExc_TypeError, "graphtrace: a plan's by_keyword must be a dict");
       throw PythonError();
     }
+    plan.memo.resize(plan.positional.size());
     Py_INCREF(func);
     return plans_.emplace(func, std::move(plan)).first->second;
   }
@@ -423,9 +439,9 @@ class Writer {
   }
 
   // An input argument: a tensor or a (nested) list/tuple of them. True when a tensor was found.
-  bool put(int64_t seq, int64_t code, PyObject* v) {
+  bool put(int64_t seq, int64_t code, PyObject* v, ArgMemo* memo = nullptr) {
     if (THPVariable_CheckExact(v)) {
-      const int64_t slot = slot_of(v);
+      const int64_t slot = slot_of(v, memo);
       push(seq, code, slot);
       inputs_.push_back(slot_storage(slot));
       return true;
@@ -465,7 +481,7 @@ class Writer {
   }
 
   // The tensor's slot (pack_slot): two hash hits for any storage and view seen before.
-  int64_t slot_of(PyObject* v) {
+  int64_t slot_of(PyObject* v, ArgMemo* memo = nullptr) {
     const at::Tensor& t = THPVariable_Unpack(v);
     c10::StorageImpl* impl = storage_impl(t);
     auto sizes = t.sizes();  // throws for symbolic shapes: the Python writer reports those
@@ -476,9 +492,22 @@ class Writer {
     key_.push_back(static_cast<int64_t>(sizes.size()));
     key_.insert(key_.end(), sizes.begin(), sizes.end());
     key_.insert(key_.end(), strides.begin(), strides.end());
+    const size_t n = key_.size();
+    if (memo != nullptr && memo->impl == impl && memo->n == n &&
+        std::memcmp(memo->key, key_.data(), n * sizeof(int64_t)) == 0 &&
+        table->handle(slot_storage(memo->slot)) == reinterpret_cast<int64_t>(impl)) {
+      return memo->slot;
+    }
     const int64_t sid = table->add(impl);
     auto it = table->views.find(key_);
-    return pack_slot(sid, it != table->views.end() ? it->second : view_id(t));
+    const int64_t slot = pack_slot(sid, it != table->views.end() ? it->second : view_id(t));
+    if (memo != nullptr && n <= ArgMemo::kMaxKey) {
+      memo->impl = impl;
+      memo->slot = slot;
+      memo->n = n;
+      std::memcpy(memo->key, key_.data(), n * sizeof(int64_t));
+    }
+    return slot;
   }
 
   static PyObject* int_tuple(const int64_t* values, int64_t n) {
