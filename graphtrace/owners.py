@@ -484,7 +484,8 @@ class PathSet:
         self._leaves = leaves
         # per node: the nn.Module registry (`_parameters`, ...) its step was last found in
         self._registry: list[str | None] = [None] * len(nodes)
-        self._native_nodes: list | None = None  # the nodes as native `paths_moved` reads them
+        # the nodes as native `paths_moved` reads them
+        self._native_nodes = [(parent, step, is_key) for parent, is_key, step in nodes]
 
     def resolve(self, model: nn.Module) -> list[torch.Tensor | None]:
         """`[resolve_path(model, p) for p in self.paths]`."""
@@ -521,11 +522,9 @@ class PathSet:
         in C++, and the paths it leaves undecided here."""
         undecided: Sequence[int] = range(len(self.paths))
         if native is not None:
-            if self._native_nodes is None:
-                self._native_nodes = [(parent, step, is_key)
-                                      for parent, is_key, step in self._nodes]
             got = native.paths_moved(model, nn.Module, nn.Parameter, self._native_nodes,
-                                     self._leaves, list(expected))
+                                     self._leaves, expected if type(expected) is list
+                                     else list(expected))
             if got is True:
                 return True
             undecided = got
