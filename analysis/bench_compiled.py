@@ -186,9 +186,12 @@ def main(argv=None) -> int:
         f"(the no-op mode's enter+exit {(t_noop - inner[0]) * 1e6:.0f} us)")
     spent.sort()
     ops = report.accesses.groupby("op", observed=True)["seq"].nunique()
-    say(f"  of which the boundary record: median {spent[len(spent) // 2] * 1e6:.1f} us/call; "
-        f"the rest: the capture mode's dispatch and record of the extern kernels the graph calls "
-        f"({', '.join(f'{op} x{n // calls}' for op, n in ops.items() if not op.startswith('compiled::'))} per call)")
+    externs = ", ".join(f"{op} x{n // calls}" for op, n in ops.items()
+                        if not op.startswith("compiled::"))
+    say(f"  of which the boundary record (the region's one op): median "
+        f"{spent[len(spent) // 2] * 1e6:.1f} us/call; the rest: the boundary wrapper and the "
+        f"record of the extern kernels the graph calls ({externs} per call), which both "
+        f"modes dispatch")
     _, _, t_emulated, _ = rounds(model, compiled, ids, calls, repeat, emulate=True)
     say(f"graphtrace, emulated graph {t_emulated * per:9.1f} us/call  "
         f"(+{(t_emulated - t_base) * per:.1f}: keeping each call's tensors)")
