@@ -430,23 +430,36 @@ def edge_columns(provenance: Provenance | None, storages, sids: np.ndarray, verd
     verdicts = np.asarray(verdict, dtype=object)
     _, first = np.unique(sids, return_index=True)
     verdict_of = dict(zip(np.asarray(sids)[first].tolist(), verdicts[first].tolist()))
+    owned_list = owned.tolist()
+    of_owned = [verdict_of.get(sid, "") for sid in owned_list]
+    # only stale-like storages get a fix or a live site: their owner rows alone are read
+    stale_like = {sid for sid, v in zip(owned_list, of_owned) if v in STALE_VERDICTS}
     rows: dict[int, list] = {}
-    for r in owners.itertuples(index=False):
-        rows.setdefault(int(r.storage_id), []).append((str(r.path), str(r.kind), str(r.status)))
+    if stale_like:
+        few = owners[owners["storage_id"].isin(list(stale_like))]
+        for r in few.itertuples(index=False):
+            rows.setdefault(int(r.storage_id), []).append((str(r.path), str(r.kind),
+                                                           str(r.status)))
     if provenance is not None:
         provenance.match(storages)  # storages registered since the last capture ended
-    created, live, fixes = [], [], []
-    for sid in owned.tolist():
-        v = verdict_of.get(sid, "")
-        stale_like = v in STALE_VERDICTS
-        if provenance is None:
-            created.append("")
-            live.append("")
-        else:
-            created.append(provenance.text(provenance.captured.get(sid)))
-            live.append(provenance.text(provenance.site_of(moved_to.get(sid)))
-                        if stale_like and sid in moved_to else "")
-        key = suggest_fix(v, rows.get(sid, ()))
+        texts: dict = {}  # site id -> text: many storages share a site
+
+        def text(site):
+            found = texts.get(site)
+            if found is None:
+                found = texts[site] = provenance.text(site)
+            return found
+
+        captured = provenance.captured
+        created = [text(captured.get(sid)) for sid in owned_list]
+        live = [text(provenance.site_of(moved_to.get(sid)))
+                if sid in stale_like and sid in moved_to else "" for sid in owned_list]
+    else:
+        created = [""] * len(owned_list)
+        live = [""] * len(owned_list)
+    fixes = []
+    for sid, v in zip(owned_list, of_owned):
+        key = suggest_fix(v, rows.get(sid, ())) if sid in stale_like else ""
         fixes.append(FIXES[key] if key else "")
     at = np.searchsorted(owned, sids) if len(owned) else np.zeros(n, dtype=np.int64)
     hit = (at < len(owned)) & (owned[np.minimum(at, max(len(owned) - 1, 0))] == sids) \
