@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
-import warnings
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
@@ -34,7 +33,7 @@ from graphtrace.blindspots import BlindSpot
 from graphtrace.encoding import FACTORY, READ, VIEW, WRITE
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
 from graphtrace.opaque import is_opaque, storage_of
-from graphtrace.owners import OwnerSnapshot, resolve_path, walk_owners
+from graphtrace.owners import OwnerSnapshot, resolve_path
 from graphtrace.provenance import edge_columns
 from graphtrace.vocab import (ACCESS_KINDS, COLUMNS, EDGE_ACCESSES, HOLDS, IMPACTS, MOVED,
                               ORIGINS, ORPHANED, OWNER_KINDS, VERDICTS)
@@ -89,21 +88,21 @@ class _Resolved(dict):
         return self[path]
 
 
-def _live_paths(models: dict, fail) -> dict[str, dict[str, torch.Tensor]]:
-    """Per watched model: every owner path on the live model -> the tensor it reaches now.
-    A walk that fails is counted (`fail(where, exc)`) and its model's paths resolved one
-    by one instead: diff() reports, it does not raise."""
+def _live_paths(models: dict, snapshot: OwnerSnapshot, fail) -> dict[str, Mapping]:
+    """Per watched model: each capture-time owner path -> what it reaches on the live model
+    now. The snapshot resolves the paths it matched (its cached walk's PathSet: only those
+    paths, not a whole new walk); any other path is resolved on its own when asked
+    (`_Resolved`). A failure is counted (`fail(where, exc)`) and every path then resolved
+    on its own: diff() reports, it does not raise."""
+    try:
+        found = snapshot.live_owners(models)
+    except Exception as exc:
+        fail("resolving owner paths on the live models", exc)
+        found = {}
     live = {}
     for name, model in models.items():
-        paths: dict[str, torch.Tensor] = {}
-        try:
-            with warnings.catch_warnings():  # bounds were already reported at capture time
-                warnings.simplefilter("ignore", RuntimeWarning)
-                for path, _, tensor in walk_owners(model):
-                    paths.setdefault(path, tensor)
-        except Exception as exc:
-            fail(f"owner walk of model {name!r}", exc)
-            paths = _Resolved(model)
+        paths = _Resolved(model)
+        paths.update(found.get(name, {}))
         live[name] = paths
     return live
 
@@ -569,7 +568,7 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     edge_sids = np.flatnonzero(np.bincount(sids, minlength=n_storages))  # sorted, no hashing
     with _gc_paused():
         owners, moved_to = _resolve_owners(table.handles, snapshot.owners, edge_sids,
-                                           _live_paths(models, rec.fail), models)
+                                           _live_paths(models, snapshot, rec.fail), models)
     edges.update(_owner_columns(_per_storage(owners, alive, internal_storage), sids))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(np.where(internal, 1, 0), list(ORIGINS))

@@ -626,6 +626,20 @@ class OwnerSnapshot:
         self._checked = n
         return cut
 
+    def live_owners(self, models: Mapping[str, nn.Module]) -> dict[str, dict[str, object]]:
+        """Per model: each owner path matched to a captured storage -> what it reaches on the
+        live model now (`resolve_path`'s answer: a tensor, an opaque handle or None), through
+        the cached walk's PathSet. A path the current walk does not list is left out: the
+        caller resolves it on its own. What the diff needs instead of a whole new walk."""
+        out: dict[str, dict[str, object]] = {}
+        for name, model in models.items():
+            if name not in self._walks:
+                out[name] = {}
+                continue
+            paths, path_set, _, _ = self._matched_paths(name)
+            out[name] = dict(zip(paths, path_set.resolve(model))) if paths else {}
+        return out
+
     def _moved_since_walk(self, name: str, model: nn.Module) -> bool:
         """Does a path the cached walk matched to a captured storage reach another one now?
         Only the matched paths are resolved (as the guard does): a few ms for a large model."""

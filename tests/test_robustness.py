@@ -288,14 +288,34 @@ def test_a_walk_that_fails_in_diff_is_a_counted_error_not_an_exception():
     with gt.trace(model) as t:
         with gt.capture("g"):
             model(torch.rand(4))
+    old = model.weight
+    model.weight = torch.nn.Parameter(torch.rand(4))  # rebound: the diff must walk again
     model.broken = True
-    model.__dict__["_modules"] = None  # named_modules now raises inside the walk
+    model.__dict__["_modules"] = None  # named_modules now raises inside that walk
     del model.__dict__["_modules"]
     report = t.diff()
     assert report.meta["n_errors"] >= 1
-    assert any("owner walk of model" in e["where"] for e in report.meta["errors"])
+    assert any("owner" in e["where"] for e in report.meta["errors"])
     e = report.edges.set_index("owners")
-    assert e.loc["weight", "verdict"] == "stable"  # resolved path by path instead
+    assert e.loc["weight", "verdict"] == "stale"  # resolved path by path instead
+    assert old is not model.weight
+
+
+def test_a_diff_resolves_only_the_captured_owner_paths():
+    """A registry that breaks after the capture, away from every captured owner's path:
+    nothing moved, so the diff does not walk the model again (it resolves the paths it
+    matched at capture time) and reports no error."""
+    model = Hostile()
+    with gt.trace(model) as t:
+        with gt.capture("g"):
+            model(torch.rand(4))
+    model.broken = True
+    model.__dict__["_modules"] = None
+    del model.__dict__["_modules"]
+    report = t.diff()
+    assert report.meta["n_errors"] == 0
+    e = report.edges.set_index("owners")
+    assert e.loc["weight", "verdict"] == "stable"
 
 
 # -- 2. storages a graph writes before it reads -------------------------------------------------
