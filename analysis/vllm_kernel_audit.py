@@ -385,6 +385,7 @@ class Outcome:
     findings: list = field(default_factory=list)     # (verdict, owner path, nbytes, impact)
     flip: str = ""
     standins: list = field(default_factory=list)
+    dropped: list = field(default_factory=list)      # loads vLLM's reload dropped (Note [audit reload drops])
     seconds: float = 0.0
 
 
@@ -453,7 +454,11 @@ def capture_reload_diff(res: Outcome, model, x, load_new) -> None:
     for row in stale.itertuples():
         res.findings.append((row.verdict, row.owners, int(row.nbytes), row.impact))
     res.stage = "flip"
-    res.flip = flip_test(res.kernel.name, model, graph, out, x, stale)
+    if res.dropped:
+        res.flip = ("not run: vLLM's reload dropped loads (Note [audit reload drops]), so the "
+                    "layer holds uninitialized values that the stand-ins read")
+    else:
+        res.flip = flip_test(res.kernel.name, model, graph, out, x, stale)
     res.ran = True
     res.stage = ""
 
@@ -683,6 +688,35 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("Fp8MoEMethod", "flashinfer_cutlass"),                  # vLLM #50521
     ("Fp8MoEMethod", "aiter"),                               # vLLM #40390
     ("Fp8MoEMethod", "triton"),
+    # the FP8 checkpoint formats on the Triton experts (oracle/fp8.py map_fp8_backend)
+    ("ModelOptFp8MoEMethod", "triton"),
+    ("QuarkW8A8Fp8MoEMethod", "triton"),
+    ("CompressedTensorsW8A8Fp8MoEMethod", "triton"),
+    # weight-only FP8 through Marlin MoE (oracle/fp8.py: "marlin" -> MarlinExperts)
+    ("Fp8MoEMethod", "marlin"),
+    # WNA16 through Marlin MoE (oracle/int_wna16.py map_wna16_backend: "marlin")
+    ("AutoGPTQMoEMethod", "marlin"),
+    ("AutoAWQMoEMethod", "marlin"),
+    ("CompressedTensorsWNA16MoEMethod", "marlin"),
+    ("MoeWNA16Method", "marlin"),
+    ("QuarkW4A16Int4MoEMethod", "marlin"),
+    # Int8 on the Triton experts (oracle/int8.py map_int8_backend: "triton")
+    ("CompressedTensorsW8A8Int8MoEMethod", "triton"),
+    ("QuarkW8A8Int8MoEMethod", "triton"),
+    ("Int8OnlineMoEMethod", "triton"),
+    # MXFP4 (oracle/mxfp4.py map_mxfp4_backend: "marlin", "emulation")
+    ("Mxfp4MoEMethod", "marlin"),
+    ("GptOssMxfp4MoEMethod", "marlin"),
+    ("QuarkOCP_MX_MoEMethod", "marlin"),
+    ("CompressedTensorsW4A4Mxfp4MoEMethod", "marlin"),
+    ("Mxfp4MoEMethod", "emulation"),
+    # NVFP4 (oracle/nvfp4.py map_nvfp4_backend: "emulation", "marlin")
+    ("ModelOptNvFp4FusedMoE", "emulation"),
+    ("ModelOptNvFp4FusedMoE", "marlin"),
+    ("CompressedTensorsW4A4Nvfp4MoEMethod", "emulation"),
+    ("CompressedTensorsW4A4Nvfp4MoEMethod", "marlin"),
+    ("QuarkNvfp4MoEMethod", "emulation"),
+    ("QuarkNvfp4MoEMethod", "marlin"),
 ]
 
 # extra FusedMoE arguments for a row, as a model's MoE block passes them (layer.py
@@ -837,11 +871,15 @@ def _moe_value(name: str, shape, dt: torch.dtype, g: torch.Generator) -> torch.T
     return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dt)
 
 
-def load_moe(layer, seed: int) -> None:
+def load_moe(layer, seed: int, dropped: list | None = None) -> None:
     """vLLM's per-expert loading: every experts parameter with a weight_loader, per expert
-    and shard (w1, w3 into w13_*; w2 into w2_*)."""
+    and shard (w1, w3 into w13_*; w2 into w2_*). During a reload, `dropped` collects the
+    loads vLLM's layerwise reload discards (Note [audit reload drops])."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
     g = torch.Generator().manual_seed(seed)
     experts = _experts(layer)
+    info = get_layerwise_info(experts) if dropped is not None else None
     combined = experts.quant_config is not None and \
         experts.quant_config.get_name() == "gpt_oss_mxfp4"
     for name, param in list(experts.named_parameters(recurse=False)):
@@ -859,6 +897,8 @@ def load_moe(layer, seed: int) -> None:
                 value = _moe_value(name, shape, param.dtype, g)
                 if "input_scale" in name:
                     value = torch.ones(shape, dtype=param.dtype)   # equal for w1 and w3
+                if info is not None and not info.can_load():
+                    dropped.append(f"{name}[{e}].{shard}")
                 loader(param, value, name, shard_id=shard, expert_id=e)
 
 
@@ -912,7 +952,8 @@ def audit_moe(k: KernelInfo) -> Outcome:
             g = torch.Generator().manual_seed(0)
             x = torch.randn(BATCH, MOE_HIDDEN, generator=g).to(dt)
             logits = torch.randn(BATCH, MOE_EXPERTS, generator=g).to(dt)
-            capture_reload_diff(res, model, (x, logits), lambda: load_moe(layer, seed=2))
+            capture_reload_diff(res, model, (x, logits),
+                                lambda: load_moe(layer, seed=2, dropped=res.dropped))
     except Exception as exc:
         res.reason = _reason(exc)
     res.standins = standins.used()
@@ -988,7 +1029,11 @@ def _perturb(t: torch.Tensor) -> None:
     if t.dtype == torch.bool:
         t.logical_not_()
     elif t.is_floating_point() and t.dtype.itemsize >= 2:
+        before = t.clone()
         t.add_(1.0)
+        # a value too large for +1 to change in its dtype (Marlin's exponent-biased scales
+        # in bf16) is doubled instead
+        t.copy_(torch.where(t == before, before * 2, t))
     else:
         flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
         flat.bitwise_xor_(0x11)
@@ -1246,7 +1291,7 @@ PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
 
 FIELDS = ["kernel", "family", "source", "scheme", "ran", "failed_at", "reason", "stable",
           "stale", "dangling", "diverged", "orphaned", "unowned", "stale_owners",
-          "vllm_source", "flip", "standins", "seconds"]
+          "vllm_source", "flip", "standins", "reload_dropped", "seconds"]
 
 
 def rows(outcomes: list[Outcome]) -> list[dict]:
@@ -1266,6 +1311,7 @@ def rows(outcomes: list[Outcome]) -> list[dict]:
                "stale_owners": " | ".join(dict.fromkeys(owners)),
                "vllm_source": " | ".join(dict.fromkeys(sources)),
                "flip": r.flip, "standins": " ".join(r.standins),
+               "reload_dropped": " ".join(r.dropped),
                "seconds": f"{r.seconds:.1f}"}
         out.append(row)
     return out
