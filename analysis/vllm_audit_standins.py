@@ -58,7 +58,10 @@ def _reads_value(values) -> torch.Tensor:
                 flat = flat.view(torch.uint8).to(torch.int64)
             elif flat.dtype == getattr(torch, "float4_e2m1fn_x2", None):
                 flat = flat.view(torch.uint8).to(torch.int64)
-            total = total + flat.to(torch.float64).nan_to_num().sum()
+            # each tensor's sum folded to a bounded residue, so a change in a small tensor is
+            # not lost in the rounding of a large one (Marlin's exponent-biased scales)
+            part = flat.to(torch.float64).nan_to_num().sum().nan_to_num()
+            total = total + torch.fmod(part, 65521.0)
     return total
 
 
@@ -69,10 +72,11 @@ def _fill(t: torch.Tensor, value: torch.Tensor) -> None:
     if t.dtype == torch.bool:
         t.fill_(bool(int(value.abs().item()) % 2))
     elif t.dtype.is_floating_point and t.dtype.itemsize >= 2:
-        t.fill_((value % 7.0).item() / 7.0)
+        # 127 levels, each distinct in bf16: a changed read rarely collides downstream
+        t.fill_((value % 127.0).item() / 127.0)
     elif t.dtype.itemsize == 1:           # int8/uint8, fp8, e8m0, packed fp4: the bytes
-        t.view(torch.uint8).fill_(int(value.abs().item()) % 7)
-    else:
+        t.view(torch.uint8).fill_(int(value.abs().item()) % 127)   # below every NaN code
+    else:                                 # int32/int64: ids, offsets, sizes: kept small
         t.fill_(int(value.abs().item()) % 7)
 
 
@@ -253,6 +257,22 @@ STANDINS: dict[str, StandIn] = {
         "(Tensor! out_tensors, Tensor a_tensors, Tensor b_tensors, Tensor a_scales, "
         "Tensor b_scales, Tensor expert_offsets, Tensor problem_sizes, Tensor a_strides, "
         "Tensor b_strides, Tensor c_strides, bool per_act_token, bool per_out_ch) -> ()"),
+    # Marlin MoE (experts/marlin_moe.py fused_marlin_moe), arguments as vllm/_custom_ops.py's
+    # `moe_wna16_marlin_gemm` wrapper of 0.32 passes them (csrc's schema of this release drops
+    # g_idx/perm/is_full_k). csrc declares a, b_q_weight, b_scales, expert_ids, ... `Tensor!`
+    # though the kernel only reads them; the stand-in declares the buffers it is handed to
+    # write (`c_or_none`, the `workspace` locks) and reads the rest, so its fill never
+    # overwrites a weight. Output: [size_m * top_k, size_n], as vLLM's fake (_custom_ops.py).
+    "_moe_C::moe_wna16_marlin_gemm": StandIn(
+        "(Tensor a, Tensor(a!)? c_or_none, Tensor b_q_weight, Tensor? b_bias_or_none, "
+        "Tensor b_scales, Tensor? a_scales, Tensor? global_scale, Tensor? b_zeros_or_none, "
+        "Tensor(b!) workspace, Tensor sorted_token_ids, Tensor expert_ids, "
+        "Tensor num_tokens_past_padded, Tensor topk_weights, int moe_block_size, int top_k, "
+        "bool mul_topk_weights, int b_type_id, int size_m, int size_n, int size_k, "
+        "bool use_atomic_add, bool use_fp32_reduce, bool is_zp_float, int thread_k, "
+        "int thread_n, int blocks_per_sm) -> Tensor",
+        lambda a, b_scales, size_m, size_n, top_k, **_: torch.empty(
+            size_m * top_k, size_n, dtype=_act_dtype(a, b_scales))),
     "_xpu_C::int4_gemm_w4a8": StandIn(
         # float16 output (the kernel's own warning, kernels/.../mixed_precision/xpu.py:152)
         "(Tensor input, Tensor input_scale, Tensor input_zero, Tensor weight, "
@@ -700,6 +720,8 @@ TRITON_KERNELS = (
      "triton_w4a16_gemm_kernel"),
     ("vllm.model_executor.layers.fused_moe.fused_moe", "fused_moe_kernel"),
     ("vllm.model_executor.layers.fused_moe.fused_moe", "fused_moe_kernel_gptq_awq"),
+    ("vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe",
+     "fused_moe_nvfp4_emulation_kernel"),
 )
 
 

@@ -385,6 +385,7 @@ class Outcome:
     findings: list = field(default_factory=list)     # (verdict, owner path, nbytes, impact)
     flip: str = ""
     standins: list = field(default_factory=list)
+    dropped: list = field(default_factory=list)      # loads vLLM's reload dropped (Note [audit reload drops])
     seconds: float = 0.0
 
 
@@ -453,7 +454,11 @@ def capture_reload_diff(res: Outcome, model, x, load_new) -> None:
     for row in stale.itertuples():
         res.findings.append((row.verdict, row.owners, int(row.nbytes), row.impact))
     res.stage = "flip"
-    res.flip = flip_test(res.kernel.name, model, graph, out, x, stale)
+    if res.dropped:
+        res.flip = ("not run: vLLM's reload dropped loads (Note [audit reload drops]), so the "
+                    "layer holds uninitialized values that the stand-ins read")
+    else:
+        res.flip = flip_test(res.kernel.name, model, graph, out, x, stale)
     res.ran = True
     res.stage = ""
 
@@ -683,6 +688,35 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("Fp8MoEMethod", "flashinfer_cutlass"),                  # vLLM #50521
     ("Fp8MoEMethod", "aiter"),                               # vLLM #40390
     ("Fp8MoEMethod", "triton"),
+    # the FP8 checkpoint formats on the Triton experts (oracle/fp8.py map_fp8_backend)
+    ("ModelOptFp8MoEMethod", "triton"),
+    ("QuarkW8A8Fp8MoEMethod", "triton"),
+    ("CompressedTensorsW8A8Fp8MoEMethod", "triton"),
+    # weight-only FP8 through Marlin MoE (oracle/fp8.py: "marlin" -> MarlinExperts)
+    ("Fp8MoEMethod", "marlin"),
+    # WNA16 through Marlin MoE (oracle/int_wna16.py map_wna16_backend: "marlin")
+    ("AutoGPTQMoEMethod", "marlin"),
+    ("AutoAWQMoEMethod", "marlin"),
+    ("CompressedTensorsWNA16MoEMethod", "marlin"),
+    ("MoeWNA16Method", "marlin"),
+    ("QuarkW4A16Int4MoEMethod", "marlin"),
+    # Int8 on the Triton experts (oracle/int8.py map_int8_backend: "triton")
+    ("CompressedTensorsW8A8Int8MoEMethod", "triton"),
+    ("QuarkW8A8Int8MoEMethod", "triton"),
+    ("Int8OnlineMoEMethod", "triton"),
+    # MXFP4 (oracle/mxfp4.py map_mxfp4_backend: "marlin", "emulation")
+    ("Mxfp4MoEMethod", "marlin"),
+    ("GptOssMxfp4MoEMethod", "marlin"),
+    ("QuarkOCP_MX_MoEMethod", "marlin"),
+    ("CompressedTensorsW4A4Mxfp4MoEMethod", "marlin"),
+    ("Mxfp4MoEMethod", "emulation"),
+    # NVFP4 (oracle/nvfp4.py map_nvfp4_backend: "emulation", "marlin")
+    ("ModelOptNvFp4FusedMoE", "emulation"),
+    ("ModelOptNvFp4FusedMoE", "marlin"),
+    ("CompressedTensorsW4A4Nvfp4MoEMethod", "emulation"),
+    ("CompressedTensorsW4A4Nvfp4MoEMethod", "marlin"),
+    ("QuarkNvfp4MoEMethod", "emulation"),
+    ("QuarkNvfp4MoEMethod", "marlin"),
 ]
 
 # extra FusedMoE arguments for a row, as a model's MoE block passes them (layer.py
@@ -837,11 +871,15 @@ def _moe_value(name: str, shape, dt: torch.dtype, g: torch.Generator) -> torch.T
     return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dt)
 
 
-def load_moe(layer, seed: int) -> None:
+def load_moe(layer, seed: int, dropped: list | None = None) -> None:
     """vLLM's per-expert loading: every experts parameter with a weight_loader, per expert
-    and shard (w1, w3 into w13_*; w2 into w2_*)."""
+    and shard (w1, w3 into w13_*; w2 into w2_*). During a reload, `dropped` collects the
+    loads vLLM's layerwise reload discards (Note [audit reload drops])."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
     g = torch.Generator().manual_seed(seed)
     experts = _experts(layer)
+    info = get_layerwise_info(experts) if dropped is not None else None
     combined = experts.quant_config is not None and \
         experts.quant_config.get_name() == "gpt_oss_mxfp4"
     for name, param in list(experts.named_parameters(recurse=False)):
@@ -859,6 +897,8 @@ def load_moe(layer, seed: int) -> None:
                 value = _moe_value(name, shape, param.dtype, g)
                 if "input_scale" in name:
                     value = torch.ones(shape, dtype=param.dtype)   # equal for w1 and w3
+                if info is not None and not info.can_load():
+                    dropped.append(f"{name}[{e}].{shard}")
                 loader(param, value, name, shard_id=shard, expert_id=e)
 
 
@@ -912,7 +952,8 @@ def audit_moe(k: KernelInfo) -> Outcome:
             g = torch.Generator().manual_seed(0)
             x = torch.randn(BATCH, MOE_HIDDEN, generator=g).to(dt)
             logits = torch.randn(BATCH, MOE_EXPERTS, generator=g).to(dt)
-            capture_reload_diff(res, model, (x, logits), lambda: load_moe(layer, seed=2))
+            capture_reload_diff(res, model, (x, logits),
+                                lambda: load_moe(layer, seed=2, dropped=res.dropped))
     except Exception as exc:
         res.reason = _reason(exc)
     res.standins = standins.used()
@@ -988,7 +1029,11 @@ def _perturb(t: torch.Tensor) -> None:
     if t.dtype == torch.bool:
         t.logical_not_()
     elif t.is_floating_point() and t.dtype.itemsize >= 2:
+        before = t.clone()
         t.add_(1.0)
+        # a value too large for +1 to change in its dtype (Marlin's exponent-biased scales
+        # in bf16) is doubled instead
+        t.copy_(torch.where(t == before, before * 2, t))
     else:
         flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
         flat.bitwise_xor_(0x11)
@@ -1096,6 +1141,15 @@ _SCALE_REBUILT = (
     "into the layer parameter's original storage, which the graph read. The graph reads the "
     "refreshed parameter, eager reads the quant config's orphaned copy: diverged, vLLM #41670 "
     "(`moe_quant_config._w1.scale` orphaned)")
+_TENSORS_REBUILT = (
+    "process_weights_after_loading replaces the {what} with converted tensors without "
+    "`prefer_copy` and then builds a new `moe_quant_config` from them and a new experts object "
+    "around that config ({rebuild}); during vLLM's layerwise reload this runs again, so the "
+    "new quant config (`moe_quant_config._w1.*`, and the experts' `quant_config`) holds that "
+    "run's tensors, while `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) "
+    "copies their values into the layer parameters' original storage, which the graph read. "
+    "The graph reads the refreshed parameter, eager reads the quant config's orphaned copy: "
+    "diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` orphaned)")
 _STRIDES_REBUILT = (
     "`CutlassExpertsFp8Base.__init__` allocates the CUTLASS stride tensors `ab_strides1` (= "
     "`c_strides2`), `ab_strides2`, `c_strides1` with `torch.full` and holds them as plain "
@@ -1159,7 +1213,106 @@ FINDING_PATTERNS: list[tuple[str, str, str, str]] = [
      "vllm/model_executor/layers/quantization/fp8.py:697",
      _SCALE_REBUILT.format(replace="fp8.py:690-691", rebuild="fp8.py:693-700 "
                            "`_init_moe_kernel`")),
+    ("Fp8MoEMethod@marlin", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
+     "vllm/model_executor/layers/quantization/fp8.py:697",
+     _SCALE_REBUILT.format(replace="fp8.py:690-691, after the Marlin repack of "
+                           "convert_to_fp8_moe_kernel_format", rebuild="fp8.py:693-700 "
+                           "`_init_moe_kernel`")),
+    ("CompressedTensorsW8A8Fp8MoEMethod@triton",
+     r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
+     "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+     "compressed_tensors_moe_w8a8_fp8.py:319",
+     _SCALE_REBUILT.format(replace="compressed_tensors_moe_w8a8_fp8.py:313-314",
+                           rebuild="compressed_tensors_moe_w8a8_fp8.py:319-327")),
+    ("ModelOptFp8MoEMethod@triton", r"(quant_config\._[wa][12]\.scale|w(13|2)_(weight|input)_scale)$",
+     "vllm/model_executor/layers/quantization/modelopt.py:611",
+     _TENSORS_REBUILT.format(
+         what="weight scales (modelopt.py:607-608) and the per-tensor input scales reduced "
+              "to their max (:635-636)", rebuild="modelopt.py:611 `get_fused_moe_quant_config`, "
+              ":613 `make_fp8_moe_kernel`")),
+    ("QuarkW8A8Fp8MoEMethod@triton", r"(quant_config\._[wa][12]\.scale|w(13|2)_(weight|input)_scale)$",
+     "vllm/model_executor/layers/quantization/quark/quark_moe.py:945",
+     _TENSORS_REBUILT.format(
+         what="weight scales (quark_moe.py:942-943) and rebinds the input scales to new "
+              "`nn.Parameter`s of their max (:841-845)",
+         rebuild="quark_moe.py:945 `get_fused_moe_quant_config`, :948 `make_fp8_moe_kernel`")),
+    ("AutoGPTQMoEMethod@marlin", r"(quant_config\._w[12]\.(scale|bias)|w(13|2)_(scales|bias))$",
+     "vllm/model_executor/layers/quantization/auto_gptq.py:693",
+     _TENSORS_REBUILT.format(
+         what="scales (auto_gptq.py:676-677) and biases (`replace_or_register`, :680-681)",
+         rebuild="auto_gptq.py:693 `get_fused_moe_quant_config`, :694 "
+                 "`make_wna16_moe_kernel`")),
+    ("AutoAWQMoEMethod@marlin", r"(quant_config\._w[12]\.(scale|zp)|w(13|2)_(scales|qzeros))$",
+     "vllm/model_executor/layers/quantization/auto_awq.py:705",
+     _TENSORS_REBUILT.format(
+         what="scales (auto_awq.py:688-689) and zero points (`_replace_or_register_parameter`, "
+              ":690-691)",
+         rebuild="auto_awq.py:705 `get_fused_moe_quant_config`, :706 `make_wna16_moe_kernel`")),
+    ("CompressedTensorsWNA16MoEMethod@marlin", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
+     "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+     "compressed_tensors_moe_wna16.py:363",
+     _TENSORS_REBUILT.format(
+         what="weight scales (compressed_tensors_moe_wna16.py:445-446)",
+         rebuild="compressed_tensors_moe_wna16.py:481 -> :363 `get_fused_moe_quant_config`, "
+                 ":366 `make_wna16_moe_kernel`")),
+    ("Mxfp4MoEMethod@marlin", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
+     "vllm/model_executor/layers/quantization/mxfp4.py:866",
+     _TENSORS_REBUILT.format(
+         what="weight scales (mxfp4.py:849-850)",
+         rebuild="mxfp4.py:862 `_build_moe_kernel` -> :866 `get_fused_moe_quant_config`, :868 "
+                 "`make_mxfp4_moe_kernel`")),
 ]
+# NVFP4: the three checkpoint formats share make_nvfp4_moe_kernel; where each replaces its
+# tensors and rebuilds the kernel, read per method
+_NVFP4_REBUILD = {
+    "ModelOptNvFp4FusedMoE": (
+        "vllm/model_executor/layers/quantization/modelopt.py:1075",
+        "weight scales, global scales and input scales (modelopt.py:1063-1065, :1067-1069)",
+        "modelopt.py:1071 `_build_moe_kernel` -> :1075 `get_fused_moe_quant_config`, :1077 "
+        "`make_nvfp4_moe_kernel`"),
+    "CompressedTensorsW4A4Nvfp4MoEMethod": (
+        "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+        "compressed_tensors_moe_w4a4_nvfp4.py:249",
+        "weight scales and global scales (compressed_tensors_moe_w4a4_nvfp4.py:240, :242-244)",
+        "compressed_tensors_moe_w4a4_nvfp4.py:249 `get_fused_moe_quant_config`, :251 "
+        "`make_nvfp4_moe_kernel`"),
+    "QuarkNvfp4MoEMethod": (
+        "vllm/model_executor/layers/quantization/quark/quark_moe.py:2162",
+        "weight scales, global scales and input scales (quark_moe.py:2152-2154, :2157-2159)",
+        "quark_moe.py:2162 `get_fused_moe_quant_config`, :2165 `make_nvfp4_moe_kernel`"),
+}
+for _method, (_src, _what, _rebuild) in _NVFP4_REBUILD.items():
+    for _backend in ("emulation", "marlin"):
+        FINDING_PATTERNS.append((
+            f"{_method}@{_backend}",
+            r"(quant_config\._[wa][12]\.(scale|alpha_or_gscale)|"
+            r"w(13|2)_(weight_scale|weight_scale_2|input_scale|input_scale_2))$",
+            _src, _TENSORS_REBUILT.format(what=_what, rebuild=_rebuild)))
+    FINDING_PATTERNS.insert(0, (
+        f"{_method}@emulation", r"fused_experts\.w[12]_scale_val$",
+        "vllm/model_executor/layers/fused_moe/experts/nvfp4_emulation_moe.py:356",
+        "`Nvfp4QuantizationEmulationTritonExperts.__init__` stashes `self.w1_scale_val = "
+        "self.quant_config.w1_scale` (and `w2_scale_val`, :357) and clears the quant config's "
+        "scales (:359-360); the experts object is rebuilt by every "
+        f"process_weights_after_loading ({_rebuild}), so during vLLM's layerwise reload the "
+        "new kernel stashes that run's processed block-scale tensor while "
+        "`_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) copies its "
+        "values into the layer's original `w13_weight_scale` / `w2_weight_scale` storage, "
+        "which the graph read: diverged, as for the MXFP8 emulation experts "
+        "(mxfp8_emulation_moe.py:40)"))
+# compressed-tensors NVFP4 keeps its activation scales as plain attributes: stale, not diverged
+FINDING_PATTERNS.insert(0, (
+    "CompressedTensorsW4A4Nvfp4MoEMethod@emulation",
+    r"(quant_config\._a[12]\.alpha_or_gscale|w(13|2)_input_scale)$",
+    "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+    "compressed_tensors_moe_w4a4_nvfp4.py:245",
+    "process_weights_after_loading computes the activation scales as new tensors "
+    "(`a13_scale=(1.0 / layer.w13_input_global_scale)`, compressed_tensors_moe_w4a4_nvfp4.py:"
+    "230, `a2_scale`, :234) and binds them as plain attributes (`layer.w13_input_scale = "
+    "a13_scale`, :245, `w2_input_scale`, :246), not parameters, so vLLM's layerwise reload "
+    "has no original storage to copy them back into; the new quant config (:249) holds the "
+    "new tensors and the captured graph keeps reading the old ones (freed with the old "
+    "kernel): stale"))
 
 
 def finding_source(kernel: str, path: str) -> tuple[str, str] | None:
@@ -1171,6 +1324,36 @@ def finding_source(kernel: str, path: str) -> tuple[str, str] | None:
             return src, what
     return None
 
+
+# Note [audit reload drops]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# vLLM's layerwise reload counts the elements each weight-loader call copies and processes a
+# layer as soon as the count reaches the layer's size (`if info.load_numel >=
+# info.load_numel_total: _layerwise_process(...)`, model_loader/reload/layerwise.py:217);
+# every later call for that layer is dropped (`if not info.can_load(): ... return`, :156-171,
+# "Excessive loading"). The count is capped per call (model_loader/reload/meta.py:206-209,
+# the fix of vLLM #44814) but not across calls, and FusedMoE loads a per-expert per-tensor
+# `input_scale` (and compressed-tensors' `weight_shape`) once for w1 and once for w3 into the
+# same element (`_load_single_value`: `param_data[expert_id] = loaded_weight`,
+# fused_moe/routed_experts.py:633, reached from :804-839 for input_scale, :960-965 for
+# weight_shape). A checkpoint has both (`gate_proj.input_scale`,
+# `up_proj.input_scale`), so the count reaches the total one element per expert early and
+# the layer's last loads are dropped: what they would have filled stays as the reload
+# materialized it (uninitialized). The harness loads in a fixed order (parameter by
+# parameter, experts in order, w1 before w3) and records, during the reload, each load that
+# vLLM's own `can_load()` says will be dropped (column reload_dropped). Which tensors lose
+# their values depends on the order a trainer sends weights in. The stand-ins then read
+# uninitialized memory, so the flip test is not run for such a row.
+RELOAD_DROP_SOURCE = (
+    "vllm/model_executor/model_loader/reload/layerwise.py:217",
+    "vLLM's layerwise reload processed the layer before these loads and dropped them "
+    "(Note [audit reload drops]): the per-expert input scale (or `weight_shape`) is loaded "
+    "twice per expert, for w1 and w3, into one element (fused_moe/routed_experts.py:804-839 "
+    "and :960-965, `_load_single_value` :633), and each copy is counted toward `load_numel_total` "
+    "(layerwise.py:186-187; the per-call cap of model_loader/reload/meta.py:206-209 does not "
+    "see across calls), so `load_numel >= load_numel_total` (:217) fires one element per "
+    "expert early; later calls return at `if not info.can_load()` (:156). The dropped "
+    "tensors keep the uninitialized memory the reload materialized")
 
 # kernels whose run vLLM's own reload breaks, with the lines read that cause it
 RELOAD_FAILURES: dict[str, tuple[str, str]] = {
@@ -1240,13 +1423,13 @@ PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
         "`swiglu_limit=7.0`) has a stale `fused_experts.gemm1_clamp_limit` edge (the old "
         "kernel's tensor), plus stale/diverged `g1_alphas`/`g2_alphas` (re-registered each "
         "run, oracle/fp8.py:782), `_a2.alpha_or_gscale` (oracle/fp8.py:798) and "
-        "`w13_input_scale` (fp8.py:744); `cutlass_fused_moe` ran as a stand-in. Flip test: "
-        "this row's eager output is all zeros, so only graph-side changes are seen (Findings)"),
+        "`w13_input_scale` (fp8.py:744); `cutlass_fused_moe` ran as a stand-in. Flip test: not "
+        "run, the reload dropped this row's `w2_input_scale` loads (Note [audit reload drops])"),
 }
 
 FIELDS = ["kernel", "family", "source", "scheme", "ran", "failed_at", "reason", "stable",
           "stale", "dangling", "diverged", "orphaned", "unowned", "stale_owners",
-          "vllm_source", "flip", "standins", "seconds"]
+          "vllm_source", "flip", "standins", "reload_dropped", "seconds"]
 
 
 def rows(outcomes: list[Outcome]) -> list[dict]:
@@ -1266,6 +1449,7 @@ def rows(outcomes: list[Outcome]) -> list[dict]:
                "stale_owners": " | ".join(dict.fromkeys(owners)),
                "vllm_source": " | ".join(dict.fromkeys(sources)),
                "flip": r.flip, "standins": " ".join(r.standins),
+               "reload_dropped": " ".join(r.dropped),
                "seconds": f"{r.seconds:.1f}"}
         out.append(row)
     return out
@@ -1319,8 +1503,12 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
             lines.append(f"  - `{src}`: {what}.")
     if not findings and not RELOAD_FAILURES:
         lines.append("No stale, dangling or diverged edge in any kernel that ran.")
+    findings = [r for r in table if r["stale_owners"] or r["reload_dropped"]]
     for r in findings:
-        lines.append(f"- **{r['kernel']}** ({r['family']}): {r['stale_owners']}")
+        lines.append(f"- **{r['kernel']}** ({r['family']}): {r['stale_owners'] or 'no stale edge'}")
+        if r["reload_dropped"]:
+            lines.append(f"  - `{RELOAD_DROP_SOURCE[0]}`: reload dropped "
+                         f"`{r['reload_dropped']}`: {RELOAD_DROP_SOURCE[1]}.")
         sourced = dict.fromkeys(
             src for o in r["stale_owners"].split(" | ")
             if (src := finding_source(r["kernel"], o.split(":", 1)[1])) is not None)

@@ -21,7 +21,7 @@ SCRIPT = ROOT / "analysis" / "vllm_kernel_audit.py"
 COMMITTED = ROOT / "analysis" / "results" / "vllm_kernel_audit.csv"
 COMPARED = ("kernel", "family", "scheme", "ran", "failed_at", "stable", "stale", "dangling",
             "diverged", "orphaned", "unowned", "stale_owners", "vllm_source", "flip",
-            "standins")
+            "standins", "reload_dropped")
 # a representative per family that runs, plus the kernel with a finding
 REPRESENTATIVES = ("CPUInt8ScaledMMLinearKernel", "CutlassInt8ScaledMMLinearKernel",
                    "MacheteLinearKernel", "MarlinLinearKernel", "CPUFp8BlockScaledMMKernel",
@@ -39,7 +39,11 @@ REPRESENTATIVES = ("CPUInt8ScaledMMLinearKernel", "CutlassInt8ScaledMMLinearKern
                    "ModelOptMxFp8FusedMoE",
                    # a requested CUDA backend (Note [audit MoE backends])
                    "CompressedTensorsW8A8Fp8MoEMethod@cutlass", "Fp8MoEMethod@triton",
-                   "Fp8MoEMethod@flashinfer_cutlass", "Fp8MoEMethod@aiter")
+                   "Fp8MoEMethod@flashinfer_cutlass", "Fp8MoEMethod@aiter",
+                   # Marlin MoE (`_moe_C::moe_wna16_marlin_gemm` stand-in), NVFP4 emulation
+                   # (its Triton kernel), and a reload that drops loads
+                   "AutoGPTQMoEMethod@marlin", "Mxfp4MoEMethod@marlin",
+                   "CompressedTensorsW4A4Nvfp4MoEMethod@emulation", "ModelOptFp8MoEMethod@triton")
 
 
 def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -155,3 +159,42 @@ def test_aiter_moe_shuffle_path_runs(rerun):
     assert int(row["stale"]) == 0 and int(row["diverged"]) == 2
     assert "w13_weight:" not in row["stale_owners"]
     assert "unchecked" not in row["vllm_source"] and "stale read confirmed" in row["flip"]
+
+
+def test_marlin_moe_rows_run_and_are_sourced(rerun):
+    """WNA16 and MXFP4 through Marlin MoE, requested as `moe_backend="marlin"`: the rebuilt
+    quant config's scales (and GPTQ's biases) diverge from the refreshed parameters; each
+    edge is sourced to the method's line and the flip test confirms the eager side."""
+    gptq = rerun["AutoGPTQMoEMethod@marlin"]
+    assert gptq["scheme"].endswith("-> MarlinExperts")
+    assert "_moe_C::moe_wna16_marlin_gemm" in gptq["standins"]
+    assert "diverged:moe.routed_experts.quant_method.moe_quant_config._w1.bias" in \
+        gptq["stale_owners"]
+    assert gptq["vllm_source"] == "vllm/model_executor/layers/quantization/auto_gptq.py:693"
+    assert "moe_quant_config._w1.scale: stale read confirmed" in gptq["flip"]
+    mxfp4 = rerun["Mxfp4MoEMethod@marlin"]
+    assert int(mxfp4["diverged"]) == 2 and "unchecked" not in mxfp4["vllm_source"]
+
+
+def test_nvfp4_emulation_plain_attribute_scales_are_stale(rerun):
+    """compressed-tensors NVFP4 binds its activation scales as plain attributes: after the
+    reload the graph reads the old tensors (stale, not diverged), confirmed by the flip."""
+    row = rerun["CompressedTensorsW4A4Nvfp4MoEMethod@emulation"]
+    assert int(row["stale"]) == 2
+    assert "stale:moe.routed_experts.quant_method.moe_quant_config._a2.alpha_or_gscale" in \
+        row["stale_owners"]
+    assert "compressed_tensors_moe_w4a4_nvfp4.py:245" in row["vllm_source"]
+    assert "experts/nvfp4_emulation_moe.py:356" in row["vllm_source"]
+    assert "audit_lib::triton__fused_moe_nvfp4_emulation_kernel" in row["standins"]
+    assert "moe.routed_experts.w2_input_scale: stale read confirmed" in row["flip"]
+
+
+def test_reload_dropped_loads_are_reported(rerun):
+    """ModelOpt FP8 loads each expert's input scale for w1 and for w3 into one element; vLLM's
+    layerwise reload counts both and processes the layer early, dropping the last loads."""
+    row = rerun["ModelOptFp8MoEMethod@triton"]
+    assert row["reload_dropped"] == ("w2_input_scale[0].w2 w2_input_scale[1].w2 "
+                                     "w2_input_scale[2].w2 w2_input_scale[3].w2")
+    assert row["flip"].startswith("not run: vLLM's reload dropped loads")
+    # a method without per-expert input scales loses nothing
+    assert rerun["AutoGPTQMoEMethod@marlin"]["reload_dropped"] == ""
