@@ -70,7 +70,8 @@ def _gc_paused():
 
 
 class _Resolved(dict):
-    """Owner paths of a model whose walk failed: each resolved on its own, on first use."""
+    """A model's owner path -> what it reaches now: the paths it is given, and any other
+    resolved on its own on first use (`resolve_path`; None where it no longer resolves)."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -119,10 +120,13 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
             continue
         handle = handles[sid]
         for model, path, owner_kind in (sorted(owners) if len(owners) > 1 else owners):
-            tensor = live[model].get(path) if model in live else None
-            if tensor is None and models is not None and model in models:
-                tensor = _resolve(models[model], path)  # a path the walk does not list (an
-                # owner only Dynamo's source named, graphtrace.compiled)
+            paths = live.get(model)
+            if paths is not None:
+                tensor = paths[path]  # resolved on its own when not among the matched paths
+            elif models is not None and model in models:
+                tensor = _resolve(models[model], path)
+            else:
+                tensor = None
             status, ptr = _status(tensor, handle)
             if status == MOVED:
                 moved_to.setdefault(sid, tensor)
@@ -144,6 +148,12 @@ def _status(tensor: torch.Tensor | None, handle: int) -> tuple[str, object]:
     """An owner's status (holds, moved, orphaned) and the data_ptr it reaches now."""
     if tensor is None:
         return ORPHANED, pd.NA
+    if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:  # most owners
+        try:
+            return (HOLDS if tensor.untyped_storage()._cdata == handle else MOVED), \
+                tensor.data_ptr()
+        except Exception:  # no storage (meta, functional wrappers)
+            return MOVED, pd.NA
     try:
         same = storage_of(tensor)._cdata == handle
         ptr = 0 if is_opaque(tensor) else tensor.data_ptr()
