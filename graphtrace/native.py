@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import os
 import sys
 import threading
@@ -26,7 +27,8 @@ from pathlib import Path
 from types import ModuleType
 
 __all__ = [
-    "SOURCE", "ENV", "STALE_LOCK_S", "NativeUnavailable", "mode", "load", "resolve", "main"
+    "SOURCE", "ENV", "STALE_LOCK_S", "NativeUnavailable", "mode", "load", "resolve", "main",
+    "calls_op_directly", "configure_dispatch",
 ]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "recorder.cpp"
@@ -107,6 +109,33 @@ def _build() -> ModuleType:
     return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
 
 
+def calls_op_directly(cls: type) -> bool:
+    """Is `cls.__call__` exactly `return self._op(*args, **kwargs)` (torch's OpOverload)? Then
+    the native dispatch may call `_op` itself (Note [native dispatch]); a torch whose
+    `__call__` does more keeps its own."""
+    def reference(self, /, *args, **kwargs):
+        return self._op(*args, **kwargs)
+
+    code = getattr(getattr(cls, "__call__", None), "__code__", None)
+    want = reference.__code__
+    signature = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS  # (not CO_NESTED: where defined)
+    return (code is not None and code.co_code == want.co_code and code.co_names == want.co_names
+            and code.co_posonlyargcount == want.co_posonlyargcount
+            and code.co_argcount == want.co_argcount
+            and code.co_flags & signature == want.co_flags & signature)
+
+
+def configure_dispatch(module: ModuleType) -> ModuleType:
+    """Tell the loaded extension whether it may call an OpOverload's `_op` itself (as this
+    torch's OpOverload.__call__ does; `calls_op_directly`). Done at load."""
+    from torch._ops import OpOverload
+
+    setter = getattr(module, "configure", None)
+    if setter is not None:
+        setter(OpOverload if calls_op_directly(OpOverload) else None)
+    return module
+
+
 def _gist(exc: BaseException) -> str:
     """A build error's gist: its first compiler error, else its last line."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -120,7 +149,7 @@ def load(required: bool = False) -> ModuleType | None:
     with _lock:
         if _module is None and _error is None:
             try:
-                _module = _build()
+                _module = configure_dispatch(_build())
             except Exception as exc:  # no compiler, no headers, a failed build: say why
                 _error = _gist(exc)
                 if not required:

@@ -346,3 +346,35 @@ def test_repeated_arguments_get_the_python_writers_ids():
     assert native_rows["stride"].astype(str).tolist()[:6] == [
         "(4, 1)", "(4, 1)", "(4, 1)", "(1, 4)", "(4, 1)", "(1, 2)"]
     assert len(set(sids[6:])) == 100                   # every fresh tensor its own storage
+
+
+def test_the_native_dispatch_calls_op_directly_only_as_torchs_call_would(monkeypatch):
+    """An exact OpOverload runs through `_op` from C only while OpOverload.__call__ is
+    `return self._op(*args, **kwargs)`; a torch whose __call__ does more keeps it."""
+    from torch._ops import OpOverload
+
+    lib = native.load(required=True)
+    assert native.calls_op_directly(OpOverload)
+    calls = []
+    original = OpOverload.__call__
+
+    def counted(self, /, *args, **kwargs):
+        calls.append(str(self))
+        return original(self, *args, **kwargs)
+
+    def run():
+        with gt.trace(native=True, strict=True):
+            with gt.capture("g", emulate=False):
+                return torch.ones(2) * 3
+
+    assert torch.equal(run(), torch.full((2,), 3.0)) and calls == []  # called directly
+    monkeypatch.setattr(OpOverload, "__call__", counted)
+    assert not native.calls_op_directly(OpOverload)
+    try:
+        native.configure_dispatch(lib)  # what loading the extension under this torch does
+        assert torch.equal(run(), torch.full((2,), 3.0))
+        assert "aten.mul.Tensor" in calls
+    finally:
+        monkeypatch.undo()
+        native.configure_dispatch(lib)
+    assert native.calls_op_directly(OpOverload)

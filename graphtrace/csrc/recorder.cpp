@@ -645,6 +645,20 @@ PyObject* Writer_record(PyWriterObject* self, PyObject* const* args, Py_ssize_t 
   return PyObject_Vectorcall(w->fallback, args, 4, nullptr);
 }
 
+// The class whose exact instances native_dispatch calls through `_op` (configure()); null: none.
+PyObject* op_overload_type = nullptr;
+
+PyObject* configure(PyObject*, PyObject* arg) {
+  if (arg != Py_None && !PyType_Check(arg)) {
+    PyErr_SetString(PyExc_TypeError, "configure(OpOverload class or None)");
+    return nullptr;
+  }
+  Py_XDECREF(op_overload_type);
+  op_overload_type = arg == Py_None ? nullptr : arg;
+  Py_XINCREF(op_overload_type);
+  Py_RETURN_NONE;
+}
+
 // Note [native dispatch]
 // ~~~~~~~~~~~~~~~~~~~~~~
 // RecordingMode.__torch_dispatch__ in C: torch calls a mode's `__torch_dispatch__` attribute
@@ -677,19 +691,13 @@ PyObject* native_dispatch(PyObject*, PyObject* const* a, Py_ssize_t n) {
     return nullptr;
   }
   const bool has_kwargs = kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0;
-  // An exact OpOverload's __call__ is `self._op(*args, **kwargs)`: call `_op` directly (one
-  // Python frame less per op); subclasses (TorchBindOpOverload) and other callables as given.
+  // An exact OpOverload whose __call__ is `self._op(*args, **kwargs)` (graphtrace.native checks
+  // that and hands the class to configure()): call `_op` directly, one Python frame less per
+  // op; subclasses (TorchBindOpOverload) and other callables as given.
   static PyObject* s_op = PyUnicode_InternFromString("_op");
-  static PyObject* op_overload = nullptr;
-  if (op_overload == nullptr) {
-    PyObject* ops = PyImport_ImportModule("torch._ops");
-    if (ops == nullptr) return nullptr;
-    op_overload = PyObject_GetAttrString(ops, "OpOverload");  // kept for the process
-    Py_DECREF(ops);
-    if (op_overload == nullptr) return nullptr;
-  }
   PyObject* target = nullptr;
-  if (s_op != nullptr && Py_TYPE(func) == reinterpret_cast<PyTypeObject*>(op_overload)) {
+  if (s_op != nullptr && op_overload_type != nullptr &&
+      Py_TYPE(func) == reinterpret_cast<PyTypeObject*>(op_overload_type)) {
     target = PyObject_GetAttr(func, s_op);
     if (target == nullptr) PyErr_Clear();
   }
@@ -854,6 +862,8 @@ PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
 }
 
 PyMethodDef module_methods[] = {
+    {"configure", reinterpret_cast<PyCFunction>(configure), METH_O,
+     "configure(cls): the class whose exact instances dispatch() calls through `_op` (None: none)"},
     {"paths_moved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(paths_moved)),
      METH_FASTCALL,
      "paths_moved(model, module_type, parameter_type, nodes, leaves, expected) -> True, or the "
