@@ -823,10 +823,14 @@ PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
       if (found == nullptr && !PyErr_Occurred() && !is_module) {
         found = own(PyObject_GetAttr(obj, step));  // properties, members (partial.keywords)
         if (found == nullptr) PyErr_Clear();        // raised: undecided, Python says how
+        objs[i] = found;
+        continue;
       }
     }
     if (found == nullptr && PyErr_Occurred()) return nullptr;
-    objs[i] = found;  // a miss stays undecided: Python follows that path the general way
+    // a miss stays undecided: Python follows that path the general way. A hit is held: a
+    // getattr further on may run code that drops it from the container it was borrowed from
+    objs[i] = found == nullptr ? nullptr : own(Py_NewRef(found));
   }
   PyObject* undecided = PyList_New(0);
   if (undecided == nullptr) return nullptr;
