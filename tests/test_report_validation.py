@@ -161,6 +161,35 @@ def test_duplicate_keys(tmp_path, frame, row, columns):
                               f"(line {dup + 2}): duplicate key (")
 
 
+def test_duplicate_keys_next_to_each_other(tmp_path):
+    """A duplicate right after its row keeps the frame sorted (the neighbour check finds it),
+    in a folder's storages and in a diff's own (sorted) edges."""
+    folder = copy_fixture(tmp_path)
+    rows = read_rows(folder / "storages.csv")
+    rows.insert(7, list(rows[6]))
+    write_rows(folder / "storages.csv", rows)
+    message = one_line_error(folder, "duplicate key")
+    assert message.startswith(f"{folder / 'storages.csv'}: column storage_id, row 6 (line 8): "
+                              "duplicate key (")
+
+    import torch
+    import graphtrace as gt
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with gt.trace(model) as t, torch.no_grad():
+        with gt.capture("g"):
+            model(torch.rand(2, 4))
+    report = t.diff()
+    edges = report.edges
+    keys = list(zip(edges["graph_id"], edges["storage_id"]))
+    assert keys == sorted(keys) and len(edges) > 3
+    doubled = pd.concat([edges.iloc[:3], edges.iloc[2:3], edges.iloc[3:]], ignore_index=True)
+    with pytest.raises(gt.ReportError, match=r"edges \(graph_id, storage_id\), row 3: "
+                                             r"duplicate key"):
+        gt.Report(accesses=report.accesses, storages=report.storages, owners=report.owners,
+                  edges=doubled, meta=report.meta)
+
+
 def test_duplicate_storage_id_with_other_values(tmp_path):
     folder = copy_fixture(tmp_path)
     set_cell(folder, "storages", 7, "storage_id", "2")

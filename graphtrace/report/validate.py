@@ -68,6 +68,21 @@ def _bad_words(s: pd.Series, words: tuple[str, ...], na_ok: bool) -> np.ndarray:
     return bad | na if not na_ok else bad
 
 
+def _duplicates(df: pd.DataFrame, key: tuple[str, ...]) -> np.ndarray:
+    """`df.duplicated(key)`; for integer keys in sorted order (as the diff and a folder give
+    them) by comparing neighbours, where hashing every row costs ~10x more."""
+    cols = [df[c].to_numpy() for c in key]
+    if all(c.dtype == np.int64 for c in cols):
+        before = np.zeros(len(df) - 1, dtype=bool)  # row i's key < row i+1's
+        equal = np.ones(len(df) - 1, dtype=bool)    # row i's key == row i+1's
+        for c in cols:
+            before |= equal & (c[:-1] < c[1:])
+            equal &= c[:-1] == c[1:]
+        if (before | equal).all():  # sorted: duplicates sit next to each other
+            return np.concatenate(([False], equal))
+    return df.duplicated(list(key)).to_numpy()
+
+
 def _plain(value: Any) -> Any:
     """A numpy scalar as the Python value it holds (for messages)."""
     return value.item() if isinstance(value, np.generic) else value
@@ -99,7 +114,7 @@ def check_frames(frames: Mapping[str, pd.DataFrame]) -> None:
         df = frames[name]
         if len(df) < 2:
             continue
-        dup = df.duplicated(list(key)).to_numpy()
+        dup = _duplicates(df, key)
         if dup.any():
             row = _first(dup)
             values = ", ".join(f"{c}={_plain(df[c].iloc[row])!r}" for c in key)
