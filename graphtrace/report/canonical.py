@@ -147,7 +147,12 @@ def _canonical_categories(codes: np.ndarray, categories, kind: str, has_na: bool
         return False
     if not (cats.is_monotonic_increasing and pd.api.types.infer_dtype(cats) == "string"):
         return False
-    return bool(np.bincount(codes[codes >= 0] if has_na else codes, minlength=len(cats)).all())
+    used = codes[codes >= 0] if has_na else codes
+    seen = np.zeros(len(cats), dtype=bool)
+    seen[used[:8192]] = True  # every category used in the first rows already (the common
+    if seen.all():            # case for verdicts, ops, dtypes): no pass over them all
+        return True
+    return bool(np.bincount(used, minlength=len(cats)).all())
 
 
 def _canon_column(s: pd.Series, kind: str, categorical: bool, frame: str,
