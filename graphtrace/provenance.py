@@ -111,8 +111,32 @@ def skipped_file(filename: str) -> bool:
     return False
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+            torch.memory_format)
+
+
 def _storages(obj) -> Iterable[torch.UntypedStorage]:
-    """The storages of the plain tensors in `obj` (nested containers, subclasses)."""
+    """The storages of the plain tensors in `obj` (nested containers, subclasses). Tensors,
+    scalars and plain tuples, lists and dicts of them (what ops take and return) are walked
+    here; anything else by pytree."""
+    tp = type(obj)
+    if tp in _PLAIN_TENSORS:
+        try:
+            yield obj.untyped_storage()
+        except Exception:  # sparse and other storage-less layouts: nothing to note
+            pass
+        return
+    if tp in _SCALARS:
+        return
+    if tp is tuple or tp is list:
+        for item in obj:
+            yield from _storages(item)
+        return
+    if tp is dict:
+        for item in obj.values():
+            yield from _storages(item)
+        return
     for x in tree_iter(obj):
         if isinstance(x, torch.Tensor):
             for t in plain_tensors(x):

@@ -238,3 +238,42 @@ def test_suggest_fix_from_holders_and_verdict():
     assert suggest_fix("diverged", [("l.p", "parameter", "holds"),
                                     ("k.f.args[0]", "attribute", moved)]) == "read-through-layer"
     assert suggest_fix("stable", [("l.w", "parameter", "holds")]) == ""
+
+
+class _Made(torch.nn.Module):
+    """Attributes made by ops that return a tuple of views, a named tuple (torch.return_types)
+    and a list, and one view of another attribute (a view is not a creation)."""
+
+    def __init__(self):
+        super().__init__()
+        base = torch.arange(12.0).reshape(3, 4)
+        self.base = base
+        self.parts = torch.unbind(base.clone(), 0)                    # tuple output
+        self.top = torch.max(base.clone(), dim=0).values              # torch.return_types.max
+        self.summed = torch._foreach_add([base.clone(), base.clone()], 1.0)  # list output
+        self.row = base[1]                                            # a view of base
+
+    def forward(self, x):
+        return (x + self.parts[0] + self.top + self.summed[1] + self.row).sum()
+
+
+def test_sites_of_tensors_made_by_ops_returning_containers():
+    with gt.trace() as t, torch.no_grad():
+        made = _Made()
+        t.watch(made)
+        with gt.capture("g", emulate=False):
+            made(torch.zeros(4))
+    edges = t.diff().edges
+    site = {str(o): parse_site(s) for o, s in zip(edges["owners"], edges["created_at"])
+            if str(o)}
+    expect = {
+        "parts[0]; parts[1]; parts[2]": ("aten::clone", "self.parts"),  # unbind's are views
+        "top": ("aten::max.dim", "self.top"),
+        "summed[1]": ("aten::_foreach_add.Scalar", "self.summed"),
+        "base; row": ("aten::arange", "base = torch.arange"),  # row, a view: base's site
+    }
+    assert set(expect) <= set(site), sorted(site)
+    for owners, (op, line) in expect.items():
+        assert site[owners].op == op, (owners, site[owners])
+        assert (site[owners].frames[0].file, site[owners].frames[0].line) == \
+            _line_of(_Made.__init__, line), (owners, site[owners])
