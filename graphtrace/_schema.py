@@ -11,7 +11,7 @@ import torch
 # Accesses and return-slot kinds are ints of the record encoding (graphtrace.encoding).
 from graphtrace.encoding import OUT_ALIAS, OUT_FRESH, OUT_MUTATED, READ, VIEW, WRITE
 
-__all__ = ["OpInfo", "op_name", "parse_schema", "op_info", "plain_tensors"]
+__all__ = ["OpInfo", "op_name", "parse_schema", "op_info", "plain_tensors", "NO_TENSORS"]
 
 
 class OpInfo:
@@ -94,6 +94,13 @@ def op_info(func) -> OpInfo:
     if info is None:
         info = _CACHE[func] = parse_schema(func)
     return info
+
+
+# The types of what ops take and return besides tensors and containers: values that hold no
+# tensor, kept as they are where a walk over an op's arguments looks for tensors (anything
+# else it hands to pytree).
+NO_TENSORS = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device,
+                        torch.layout, torch.memory_format, torch.Size})
 
 
 def plain_tensors(t: torch.Tensor):

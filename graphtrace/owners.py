@@ -395,13 +395,21 @@ def _parse(path: str) -> tuple[tuple[bool, object], ...]:
 _MISSING = object()
 
 
+def _registry_of(module: nn.Module, name: str) -> str | None:
+    """Which of `module`'s registries holds `name` (what `_attr` looks in first), if any."""
+    d = module.__dict__
+    for registry in ("_parameters", "_buffers", "_modules"):
+        reg = d.get(registry)
+        if reg and name in reg:
+            return registry
+    return None
+
+
 def _attr(obj: object, name: str) -> object:
     if isinstance(obj, nn.Module):
-        d = obj.__dict__
-        for registry in ("_parameters", "_buffers", "_modules"):
-            reg = d.get(registry)
-            if reg and name in reg:
-                return reg[name]
+        registry = _registry_of(obj, name)
+        if registry is not None:
+            return obj.__dict__[registry][name]
     if name == "__closure__" and isinstance(obj, types.FunctionType):
         # cells by free-variable name, empty cells left out (see the path grammar)
         closure: dict[str, object] = {}
@@ -415,16 +423,6 @@ def _attr(obj: object, name: str) -> object:
     if isinstance(d, dict) and name in d:
         return d[name]
     return getattr(obj, name, _MISSING)
-
-
-def _registry_of(module: nn.Module, name: str) -> str | None:
-    """Which of `module`'s registries holds `name` (what `_attr` looks in first), if any."""
-    d = module.__dict__
-    for registry in ("_parameters", "_buffers", "_modules"):
-        reg = d.get(registry)
-        if reg and name in reg:
-            return registry
-    return None
 
 
 def resolve_path(model: nn.Module, path: str) -> torch.Tensor | None:
@@ -569,7 +567,7 @@ class OwnerSnapshot:
     (model, path, owner kind) that reached that storage when it was captured.
 
     `update(models, table)` matches the storages a storage table (graphtrace.recorder's
-    StorageTable: `handles_since`, `find`) registered since the last update against one owner walk
+    StorageTable: `registered_since`) registered since the last update against one owner walk
     per model, cached; `refresh` walks the models again and matches every storage (owners
     only accumulate). A cached walk is checked before each use: if a path it matched to a
     captured storage now reaches another one (a reload ran between two captures), the model
@@ -603,27 +601,20 @@ class OwnerSnapshot:
         cut: list[str] = []
         if not models:
             return cut
-        first = self._checked
-        new = table.handles_since(first)  # 0 for storages released already
-        n = first + len(new)
+        new = table.registered_since(self._checked)
         for name, model in models.items():
             if name in self._walks and self._moved_since_walk(name, model):
                 self._walks.pop(name)
             walked = name not in self._walks
             by_storage = self._walk(name, model, cut)
             matched = self._matched.setdefault(name, set())
-            for handle in by_storage.keys() & set(new):  # few owned among many intermediates
-                # a capture on another thread may have released sid meanwhile, and its
-                # address gone to a new storage: the table's index says whose it is now
-                sid = table.find(handle)
-                if sid is None or not first <= sid < n:
-                    continue
+            for sid, handle in new.matching(by_storage):
                 for path, owner_kind in by_storage[handle]:
                     self.owners.setdefault(sid, set()).add((name, path, owner_kind))
                     matched.add(path)
             if walked:  # the next capture's check, ready with the walk (once per walk), and
                 self._matched_paths(name)[1].resolve(model)  # its registry steps learned
-        self._checked = n
+        self._checked = new.end
         return cut
 
     def live_owners(self, models: Mapping[str, nn.Module]) -> dict[str, dict[str, object]]:

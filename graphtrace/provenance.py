@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispat
                                           _pop_mode, _push_mode)
 from torch.utils._pytree import tree_iter
 
-from graphtrace._schema import plain_tensors
+from graphtrace._schema import NO_TENSORS, plain_tensors
 from graphtrace.sites import format_site, suggest_fix
 from graphtrace.vocab import BEFORE_TRACE, FIXES, NOT_RECORDED, STALE_VERDICTS
 
@@ -112,8 +112,6 @@ def skipped_file(filename: str) -> bool:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-            torch.memory_format)
 
 
 def _storages(obj) -> Iterable[torch.UntypedStorage]:
@@ -127,7 +125,7 @@ def _storages(obj) -> Iterable[torch.UntypedStorage]:
         except Exception:  # sparse and other storage-less layouts: nothing to note
             pass
         return
-    if tp in _SCALARS:
+    if tp in NO_TENSORS:
         return
     if tp is tuple or tp is list:
         for item in obj:
@@ -400,15 +398,11 @@ class Provenance:
         """Read the site of each storage `storages` (the recorder's StorageTable) registered
         since the last call, while it is alive (after each capture)."""
         with self._lock:
-            first = self._matched
-            new = storages.handles_since(first)  # 0 for storages released already
-            n = first + len(new)
+            new = storages.registered_since(self._matched)
             index = self.table.index
-            for handle in index.keys() & set(new):  # storages made outside any capture
-                sid = storages.find(handle)
-                if sid is not None and first <= sid < n:
-                    self.captured[sid] = index[handle][1]
-            self._matched = n
+            for sid, handle in new.matching(index):  # storages made outside any capture
+                self.captured[sid] = index[handle][1]
+            self._matched = new.end
 
     def text(self, site: int | None) -> str:
         """A site id as report text: the site, `before trace`, or `not recorded` (None)."""

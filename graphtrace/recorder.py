@@ -15,7 +15,7 @@ import threading
 import traceback
 from array import array
 from types import MethodType
-from typing import Protocol, runtime_checkable
+from typing import Iterator, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from graphtrace.encoding import (ACCESS_FIELDS, ACCESS_MASK, FACTORY, OUT_MUTATE
                                  pack_slot, with_access)
 
 __all__ = ["RecordingMode", "Writer", "PyWriter", "Recorder", "Capture", "StorageTable",
-           "Interner", "module_stack"]
+           "Registered", "Interner", "module_stack"]
 
 
 class _ModuleStack(threading.local):
@@ -63,6 +63,28 @@ class Interner:
                     self.items.append(item)
                     i = self.ids[item] = len(self.items) - 1
         return i
+
+
+class Registered:
+    """Storage ids `first` .. `end` - 1 of a StorageTable, by weak handle (0: released)."""
+
+    __slots__ = ("table", "first", "end", "handles")
+
+    def __init__(self, table: "StorageTable", first: int, handles: array):
+        self.table = table
+        self.first = first
+        self.end = first + len(handles)
+        self.handles = handles
+
+    def matching(self, by_address: Mapping[int, object]) -> Iterator[tuple[int, int]]:
+        """(storage id, address) of each of these storages whose StorageImpl address is a
+        key of `by_address`: a set intersection, for the few such among many. A capture on
+        another thread may have released one meanwhile and its address gone to a new
+        storage: the table's index says whose the address is now."""
+        for handle in by_address.keys() & set(self.handles):
+            sid = self.table.find(handle)
+            if sid is not None and self.first <= sid < self.end:
+                yield sid, handle
 
 
 class StorageTable:
@@ -154,12 +176,14 @@ class StorageTable:
         self._sync()
         return self._handles
 
-    def handles_since(self, first: int) -> array:
-        """The weak handles of storages `first`.. (0: released): what a capture close reads,
+    def registered_since(self, first: int) -> "Registered":
+        """The storages registered from id `first` on: what a capture close matches, read
         without syncing the whole table."""
         if self._native is not None:
-            return array("q", self._native.handles_from(first))
-        return self._handles[first:]
+            handles = array("q", self._native.handles_from(first))
+        else:
+            handles = self._handles[first:]
+        return Registered(self, first, handles)
 
     @property
     def data_ptrs(self) -> array:

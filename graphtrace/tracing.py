@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
+from graphtrace._schema import NO_TENSORS
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
 from graphtrace.derived import DerivedCopies
@@ -40,10 +41,6 @@ _active: "Trace | None" = None
 def active_trace() -> "Trace | None":
     return _active
 
-
-# what ops take besides tensors, kept as they are (anything else goes through pytree)
-_PLAIN_LEAVES = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device,
-                           torch.layout, torch.memory_format, torch.Size})
 
 
 class EmulatedGraph:
@@ -88,7 +85,7 @@ class EmulatedGraph:
         cls = type(value)
         if cls is torch.Tensor or cls is torch.nn.Parameter:
             return self._alias(value)
-        if cls in _PLAIN_LEAVES:
+        if cls in NO_TENSORS:
             return value
         if cls is tuple or cls is list:
             pin = self._pin_value
