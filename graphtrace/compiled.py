@@ -367,8 +367,7 @@ class CompiledPatch:
         regions = self.regions
         storages = recorder.storages
         native = storages.native_table
-        sweep = storages.sweep if native is None else native.sweep
-        count = len if native is None else type(native).__len__
+        table = storages if native is None else native  # native: len and sweep without a frame
 
         def __call__(graph, inputs):
             mode = _recording_mode(trace)
@@ -382,7 +381,7 @@ class CompiledPatch:
             except Exception as exc:
                 recorder.fail("compiled: before a compiled region", exc)
                 return original(graph, inputs)
-            first = count(native if native is not None else storages)
+            first = len(table)
             emulated = mode.emulated
             if emulated is None:
                 out = original(graph, inputs)
@@ -401,7 +400,7 @@ class CompiledPatch:
                                      "recorded (see report.errors)", kind="compiled",
                                      op=REGION_PREFIX + region.name, graph=mode.capture.label)
             try:  # the graph's buffers are dead now: Note [weak handles and the sweep]
-                sweep(first)
+                table.sweep(first)
             except Exception as exc:
                 recorder.fail("compiled: sweeping a region call's dead buffers", exc)
             return out

@@ -85,9 +85,6 @@ class _Resolved(dict):
         self[path] = found
         return found
 
-    def get(self, path, default=None):
-        return self[path]
-
 
 def _live_paths(models: dict, snapshot: OwnerSnapshot, fail) -> dict[str, Mapping]:
     """Per watched model: each capture-time owner path -> what it reaches on the live model
@@ -109,9 +106,10 @@ def _live_paths(models: dict, snapshot: OwnerSnapshot, fail) -> dict[str, Mappin
 
 
 def _resolve_owners(handles, captured: dict, sids: np.ndarray,
-                    live, models: Mapping | None = None) -> tuple[pd.DataFrame, dict]:
-    """One row per (storage, capture-time owner), with its status on the live model; rows
-    in the order of `sids` (ascending), then model, path and owner kind."""
+                    live: Mapping[str, Mapping]) -> tuple[pd.DataFrame, dict]:
+    """One row per (storage, capture-time owner), with its status on the live model (`live`:
+    `_live_paths`; an owner of a model no longer watched is orphaned); rows in the order of
+    `sids` (ascending), then model, path and owner kind."""
     rows = []
     moved_to: dict[int, torch.Tensor] = {}  # storage id -> a live tensor an owner moved to
     for sid in sids.tolist():
@@ -120,13 +118,8 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
             continue
         handle = handles[sid]
         for model, path, owner_kind in (sorted(owners) if len(owners) > 1 else owners):
-            paths = live.get(model)
-            if paths is not None:
-                tensor = paths[path]  # resolved on its own when not among the matched paths
-            elif models is not None and model in models:
-                tensor = _resolve(models[model], path)
-            else:
-                tensor = None
+            paths = live.get(model)  # a path not among the matched: resolved on its own
+            tensor = paths[path] if paths is not None else None
             status, ptr = _status(tensor, handle)
             if status == MOVED:
                 moved_to.setdefault(sid, tensor)
@@ -134,14 +127,6 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
     frame = pd.DataFrame(rows, columns=OWNER_COLUMNS)
     frame["live_data_ptr"] = frame["live_data_ptr"].astype("Int64")
     return frame, moved_to
-
-
-def _resolve(model, path: str) -> torch.Tensor | None:
-    try:
-        found = resolve_path(model, path)
-    except Exception:
-        return None
-    return found if isinstance(found, torch.Tensor) or is_opaque(found) else None
 
 
 def _status(tensor: torch.Tensor | None, handle: int) -> tuple[str, object]:
@@ -578,7 +563,7 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     edge_sids = np.flatnonzero(np.bincount(sids, minlength=n_storages))  # sorted, no hashing
     with _gc_paused():
         owners, moved_to = _resolve_owners(table.handles, snapshot.owners, edge_sids,
-                                           _live_paths(models, snapshot, rec.fail), models)
+                                           _live_paths(models, snapshot, rec.fail))
     edges.update(_owner_columns(_per_storage(owners, alive, internal_storage), sids))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(np.where(internal, 1, 0), list(ORIGINS))

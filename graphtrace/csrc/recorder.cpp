@@ -221,8 +221,6 @@ class Table {
     return PyTuple_Pack(4, handles.p, data_ptrs.p, nbytes.p, names.p);
   }
 
-  PyObject* all_handles() const { return bytes_of(handles_.data(), handles_.size()); }
-
   PyObject* handles_from(size_t n) const {
     n = std::min(n, handles_.size());
     return bytes_of(handles_.data() + n, handles_.size() - n);
@@ -982,7 +980,7 @@ PyObject* Storages_released(StoragesObject* self, PyObject*) {
 
 PyObject* Storages_handles(StoragesObject* self, PyObject*) {
   try {
-    return self->table->all_handles();
+    return self->table->handles_from(0);
   } catch (const PythonError&) {
     return nullptr;
   }
