@@ -368,6 +368,7 @@ class CompiledPatch:
         storages = recorder.storages
         native = storages.native_table
         table = storages if native is None else native  # native: len and sweep without a frame
+        sweep = table.sweep
 
         def __call__(graph, inputs):
             mode = _recording_mode(trace)
@@ -400,7 +401,7 @@ class CompiledPatch:
                                      "recorded (see report.errors)", kind="compiled",
                                      op=REGION_PREFIX + region.name, graph=mode.capture.label)
             try:  # the graph's buffers are dead now: Note [weak handles and the sweep]
-                table.sweep(first)
+                sweep(first)
             except Exception as exc:
                 recorder.fail("compiled: sweeping a region call's dead buffers", exc)
             return out
