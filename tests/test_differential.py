@@ -382,3 +382,59 @@ def test_there_are_at_least_thirty_scenarios_and_every_verdict_is_reached():
     reached = set().union(*(s.problems for s in SCENARIOS.values()))
     assert reached == set(GUARD_PROBLEMS)
     assert {"latent", "manifest", "unknown"} <= set().union(*(s.impacts for s in SCENARIOS.values()))
+
+
+# -- a transformers Llama (tiny config, random init): the most common read, weight.t() -------
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (1, 8))
+    keep = []
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        with gt.capture("prefill") as g:
+            model(ids)
+        keep.append(g)
+    return model, t, keep
+
+
+def _weights(report):
+    e = report.edges
+    return e[e["owner_kinds"].astype(str).str.contains("parameter")]
+
+
+@pytest.mark.slow
+def test_llama_same_weights_assign_is_stale_latent_with_no_shape_note(tmp_path):
+    model, t, keep = _llama()
+    guard = t.guard()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(sd, assign=True)
+    report = t.diff()
+    w = _weights(report)
+    assert len(w) >= 2 * 7 + 3  # every linear of both layers, the norms, embedding and head
+    assert set(w["verdict"].astype(str)) == {"stale"}
+    assert set(w["impact"].astype(str)) == {"latent"}
+    assert [b for b in report.meta["blind_spots"] if b["kind"] == "dtype/shape change"] == []
+    problems, impacts = assert_agree(t, [guard], report)
+    assert set(guard.check()["impact"]) == {"latent"}
+
+
+@pytest.mark.slow
+def test_llama_moved_to_float64_notes_the_dtype_and_no_shape(tmp_path):
+    model, t, keep = _llama()
+    guard = t.guard()
+    model.to(torch.float64)  # new storages; the graph keeps the old float32 ones alive
+    report = t.diff()
+    w = _weights(report)
+    assert set(w["verdict"].astype(str)) == {"stale"}
+    assert set(w["impact"].astype(str)) == {"latent"}
+    notes = [b["text"] for b in report.meta["blind_spots"] if b["kind"] == "dtype/shape change"]
+    moved = report.stale["storage_id"].nunique()  # the weights and the rotary buffer
+    assert moved > w["storage_id"].nunique() - 1 and len(notes) == moved  # one note each
+    assert all("dtype float32 -> float64" in n and "shape" not in n.split(":", 1)[1]
+               for n in notes), notes
+    assert_agree(t, [guard], report)
