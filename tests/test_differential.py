@@ -20,6 +20,7 @@ from torch import nn
 
 import graphtrace as gt
 from graphtrace.vocab import GUARD_PROBLEMS
+from tests.test_blind_spots import QuantizedPacked as Packed  # weight (3, 4), packed params
 from tests.test_diff import Model
 
 X = torch.rand(2, 8, generator=torch.Generator().manual_seed(3))
@@ -98,23 +99,6 @@ class ConfigHolder(nn.Module):
 
     def forward(self, x):
         return self.b(self.a(x) * self.a.settings.scale) * self.b.settings.scale
-
-
-class Packed(nn.Module):
-    """Packed quantized params (a ScriptObject) read by the forward: an opaque handle."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(3, 8), requires_grad=False)
-        self.q = torch.ao.nn.quantized.dynamic.Linear(8, 3)
-        self.process()
-
-    def process(self):
-        qw = torch.quantize_per_tensor(self.weight.detach(), 0.05, 0, torch.qint8)
-        self.q.set_weight_bias(qw, None)
-
-    def forward(self, x):
-        return self.q(x)
 
 
 # -- updates --------------------------------------------------------------------------------
@@ -268,7 +252,7 @@ def shared_config_one(m, keep):
 
 def requantize(m, keep):
     with torch.no_grad():
-        m.weight.copy_(torch.randn(3, 8))
+        m.weight.copy_(torch.randn(3, 4))
     m.process()  # a new packed object: the graphs keep reading the old one
 
 
@@ -342,10 +326,10 @@ def _run(name: str, tmp_path):
     torch.manual_seed(0)
     model = sc.build().eval()
     forward = torch.compile(model, backend="inductor") if sc.compiled else model
-    x = torch.rand(2, 8)
+    width = 4 if isinstance(model, Packed) else 8
     keep = []
     with torch.no_grad(), gt.trace(model, strict=True) as t:
-        for label, batch in (("decode", x), ("prefill", torch.rand(4, 8))):
+        for label, batch in (("decode", torch.rand(2, width)), ("prefill", torch.rand(4, width))):
             with gt.capture(label) as g:
                 forward(batch)
             keep.append(g)
