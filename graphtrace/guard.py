@@ -32,7 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from graphtrace import __version__
 from graphtrace.opaque import storage_of
 from graphtrace.owners import PathSet, resolve_path
-from graphtrace.tracing import GraphtraceError
+from graphtrace.errors import GraphtraceError
 from graphtrace.verdict import View, impact_of, owner_status, verdict_of
 from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED
 

@@ -23,15 +23,13 @@ from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
 from graphtrace.derived import DerivedCopies
 from graphtrace.compiled import CompiledPatch
+from graphtrace.errors import GraphtraceError
 from graphtrace.encoding import REPLAY_FRESH
 from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
 
 __all__ = ["GraphtraceError", "Trace", "EmulatedGraph", "trace", "capture", "active_trace"]
 
-
-class GraphtraceError(RuntimeError):
-    """Misuse of the graphtrace API (raised to the caller, never from inside a traced op)."""
 
 
 _active_lock = threading.Lock()
@@ -586,6 +584,23 @@ class Trace:
         return self
 
     # -- provenance --------------------------------------------------------------------------
+    def models_changed(self) -> None:
+        """The watched models were updated (weights pushed, holders rebuilt): captures from
+        now on match their storages to owners on a fresh walk of each model."""
+        from graphtrace.guard import models_changed
+
+        models_changed(self.owner_snapshot, self.models)
+
+    def record_error(self, where: str, exc: BaseException) -> None:
+        """Count an internal error of an integration around this trace (raised when strict),
+        as the recorder counts its own: it reaches the report's `errors`."""
+        self.recorder.fail(where, exc)
+
+    @property
+    def saw_compiled(self) -> bool:
+        """Whether a compiled region (torch.compile) was called inside a capture."""
+        return bool(self.compiled_regions.seen)
+
     @property
     def provenance_recording(self) -> bool:
         """Is provenance on and not paused (its dispatch mode on the opening thread)?"""

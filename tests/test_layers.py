@@ -144,3 +144,46 @@ def test_all_lists_public_names_only(module):
     assert not missing, f"{module}.__all__ lists names it does not define: {missing}"
     private = [n for n in listed if _private(n)]
     assert not private, f"{module}.__all__ lists private names {private}"
+
+
+# -- direction: the core below the session, the session below the integrations --------------
+
+SESSION = {"graphtrace.tracing"}
+ABOVE_CORE = ("graphtrace.tracing", "graphtrace.cli", "graphtrace.__main__", "graphtrace.vllm",
+              "graphtrace.demo")
+TRACE_INTERNALS = {"recorder", "owner_snapshot", "compiled_regions", "derived"}
+
+
+def _imported(path: Path) -> set[str]:
+    """Every graphtrace module a file imports, at any depth (lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m == "graphtrace" or m.startswith("graphtrace.")}
+
+
+def _is_core(module: str) -> bool:
+    return module != "graphtrace" and not module.startswith(ABOVE_CORE) \
+        and module not in ("graphtrace._lazy",)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _is_core(m)))
+def test_the_core_never_imports_the_session_or_integrations(module):
+    bad = sorted(m for m in _imported(MODULES[module])
+                 if m in SESSION or m.startswith(("graphtrace.vllm", "graphtrace.demo",
+                                                  "graphtrace.cli")))
+    assert not bad, f"{module} (core) imports {bad}: hand it what it needs instead"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("graphtrace.vllm")))
+def test_integrations_use_the_sessions_public_surface_only(module):
+    """The vLLM adapter and plugin talk to a Trace through its public methods (`captures`,
+    `models_changed`, `record_error`, `saw_compiled`, `guard`, `diff`, ...), never through
+    the collaborators it is built from."""
+    tree = ast.parse(MODULES[module].read_text())
+    reads = sorted({f"line {n.lineno}: .{n.attr}" for n in ast.walk(tree)
+                    if isinstance(n, ast.Attribute) and n.attr in TRACE_INTERNALS})
+    assert not reads, f"{module} reads a trace's internals: {reads}"
