@@ -648,7 +648,7 @@ class Trace:
         """Resolve capture-time owners on the live model(s) and classify every edge."""
         from graphtrace.diff import diff
 
-        from graphtrace.compiled import blind_spots, coverage
+        from graphtrace.compiled import blind_spots, region_ownership
 
         models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
         spots = list(self.blind_spots)
@@ -656,8 +656,8 @@ class Trace:
             spots += self.derived.check(models)
         extra = {}
         if self.compiled_regions.seen and self.recorder.captures and self.models:
-            self._match_owners()  # coverage counts owners: match the newest storages first
-            rows = coverage(self)
+            self._match_owners()  # region_ownership counts owners: match the newest storages first
+            rows = region_ownership(self)
             if rows:  # per capture and compiled region: what was attributed (compiled.py)
                 extra["compiled"] = rows
                 known = {s.text for s in spots}
