@@ -50,11 +50,14 @@ import csv
 import inspect
 import io
 import os
+import pickle
 import re
+import signal
 import sys
+import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -387,6 +390,16 @@ class Outcome:
     standins: list = field(default_factory=list)
     dropped: list = field(default_factory=list)      # loads vLLM's reload dropped (Note [audit reload drops])
     seconds: float = 0.0
+    amx_asked: str = ""              # vLLM's last `torch.cpu._is_amx_tile_supported()` answer; "" never asked
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name == "stage" and value and _ROW_STAGE_HOOK is not None:
+            _ROW_STAGE_HOOK(self.kernel.name, value)
+
+
+# set inside a row's child process: told each stage as it starts (Note [audit row isolation])
+_ROW_STAGE_HOOK = None
 
 
 def audit_kernel(k: KernelInfo) -> Outcome:
@@ -641,6 +654,7 @@ def discover_moe() -> list[KernelInfo]:
 
     from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 
+    _one_cpu_extension()
     failed: dict[str, str] = {}
     for pkgname in MOE_PACKAGES:
         pkg = importlib.import_module(pkgname)
@@ -670,6 +684,38 @@ def discover_moe() -> list[KernelInfo]:
         base = found[method]
         out.append(KernelInfo(f"{method}@{backend}", base.cls, "moe", base.source, backend))
     return out
+
+
+# Note [audit CPU extension]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# vLLM's CPU wheel ships three builds of its `_C` extension and loads one by the CPU's ISA
+# (CpuPlatform.import_kernels, vllm/platforms/cpu.py:631-666): `vllm._C` only with AVX-512 and
+# AVX512-BF16, else `vllm._C_AVX512` or `vllm._C_AVX2`, whose import registers the ops and then
+# raises ("dynamic module does not define module export function"), so `vllm._C` stays out of
+# sys.modules. vllm/platforms/rocm.py:56 does `import vllm._C` at module level, and discovery
+# reaches it (fused_moe/router/rocm_fp32_router_gemm.py:8 imports it): on a CPU without
+# AVX512-BF16 that loads a second build that registers TORCH_LIBRARY(_C) again, and the process
+# aborts (c10::Error from Dispatcher.cpp, "Only a single TORCH_LIBRARY can be used to register
+# the namespace _C"). When the platform loaded another build, `vllm._C` is entered in
+# sys.modules as an empty module before discovery: its ops are already registered, and every
+# `import vllm._C` in vLLM is for that side effect only.
+
+
+def _one_cpu_extension() -> None:
+    """Note [audit CPU extension]."""
+    import types
+
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if "vllm._C" in sys.modules or not current_platform.is_cpu():
+        return
+    if current_platform.get_cpu_architecture() != CpuArchEnum.X86:
+        return
+    if torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported():
+        return
+    sys.modules["vllm._C"] = types.ModuleType(
+        "vllm._C", "placeholder: the ops of vllm._C_AVX2/_C_AVX512 are registered as torch.ops._C "
+                   "(analysis/vllm_kernel_audit.py, Note [audit CPU extension])")
 
 
 # Note [audit MoE backends]
@@ -1469,8 +1515,9 @@ def _cell(s) -> str:
 
 
 def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
-                   registered: list[str], elapsed: float) -> None:
+                   registered: list[str], elapsed: float, cpu: dict) -> None:
     ran = [r for r in table if r["ran"] == "yes"]
+    asked = [(r.kernel.name, r.amx_asked) for r in outcomes if r.amx_asked]
     lines = [
         "# vLLM 0.32 linear kernels and fused-MoE methods on CPU: what a weight reload leaves stale",
         "",
@@ -1482,6 +1529,14 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
         f"reload; fused-MoE quant methods: {sum(r['family'] == 'moe' for r in ran)} of "
         f"{sum(r['family'] == 'moe' for r in table)} ({elapsed:.0f} s). Stand-ins: "
         "analysis/vllm_audit_standins.py, listed per row.",
+        "",
+        f"CPU: {cpu['model']}; kind `{cpu['kind']}` (flags: "
+        f"{', '.join(cpu['flags']) or 'none of amx_*, avx512*, avx2'}; "
+        f"`torch.cpu._is_amx_tile_supported()` = {cpu['amx_tile_supported']}"
+        + ("; AMX faked by the test hook" if cpu["faked_amx"] else "") + "). vLLM picks "
+        "CPU code paths by AMX (Note [audit CPU paths]): rows compare across machines of the "
+        "same kind; the rows that asked are listed under \"CPU-dependent rows\". Each row ran "
+        "in a process of its own (Note [audit row isolation]).",
         "",
         "Each kernel: one `ColumnParallelLinear` (in 256, out 128, 4 tokens) with the scheme "
         "named, loaded through each parameter's `weight_loader`, processed, its apply captured "
@@ -1530,6 +1585,11 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
             f"`{r['kernel']}`", r["family"], r["ran"], r["stable"], r["stale"], r["dangling"],
             r["diverged"], r["orphaned"], r["unowned"], r["stale_owners"], r["vllm_source"],
             r["standins"], why)) + " |")
+    lines += ["", "## CPU-dependent rows", "",
+              "Rows whose vLLM code asked `torch.cpu._is_amx_tile_supported()` (the last "
+              "answer): on a CPU of another kind they may take another code path "
+              "(Note [audit CPU paths]).", ""]
+    lines += [f"- `{name}`: {answer}" for name, answer in asked] or ["- none"]
     lines += ["", "## Why the others did not run", ""]
     causes: dict[str, list[str]] = {}
     for r in table:
@@ -1540,7 +1600,19 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
     write_results(path, "\n".join(lines) + "\n")
 
 
+def write_cpu(cpu: dict, outcomes: list[Outcome], path: Path) -> None:
+    """The CPU the results were made on and the rows that asked vLLM's AMX question, for the
+    tests' comparison across machines (tests/vllm/test_kernel_audit.py)."""
+    import json
+
+    data = dict(cpu, amx_asked={r.kernel.name: r.amx_asked for r in outcomes if r.amx_asked})
+    write_results(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
 def _cause(reason: str) -> str:
+    m = re.match(r"crashed: (timed out|[A-Z]+|exit \d+)", reason)
+    if m:
+        return f"crashed its process ({m.group(1)}): Note [audit row isolation]"
     m = re.search(r"No module named '([\w.]+)'", reason)
     if m:
         return f"needs the `{m.group(1)}` package (not installed for CPU)"
@@ -1558,6 +1630,161 @@ def _cause(reason: str) -> str:
     return "other: see the table"
 
 
+# ---------------------------------------------------------------------------------------------
+# Isolation: each row in a process of its own (Note [audit row isolation])
+
+# Note [audit row isolation]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A row runs vLLM's real CPU ops wherever the CPU build has them (oneDNN, the sgl-kernels
+# GEMMs, the CPU MoE experts), and a native failure there need not raise: on a CPU with AMX,
+# `int8_scaled_mm_with_quant` with float16 activations reaches the scalar fallback of
+# `tinygemm_kernel_nn` (csrc/cpu/sgl-kernels/gemm_int8.cpp:81), whose TORCH_CHECK ends the
+# whole process with SIGABRT. So every row runs in a child process forked from the parent
+# after vLLM is imported, the classes are discovered and the stand-ins are registered (a fork
+# imports nothing again). The child writes each stage to a file as the row starts it
+# (Outcome.stage), its stdout and stderr to a log, whether vLLM asked
+# `torch.cpu._is_amx_tile_supported()` (and the answer) to another file, and its outcome to a
+# pickle. A child that dies (a signal, or an exit without an outcome) is that row's result:
+# `crashed: SIGABRT: <the native error's what(), else the last line of its stderr>`, at the
+# stage it had reached, and the run goes on with the next row; a row still running after
+# --row-timeout seconds is ended by SIGALRM (`crashed: timed out after N s`).
+# GNU OpenMP's thread pool does not survive fork(): a child's first parallel op hangs if the
+# parent ever ran one with several threads. main() therefore sets torch to one thread before
+# anything runs, and each child restores the machine's count.
+# Test hooks, read in the child: GRAPHTRACE_AUDIT_TEST_ABORT=<row>[:<stage>] makes that row
+# call os.abort() when it reaches <stage> (default `select`); GRAPHTRACE_AUDIT_TEST_FAKE_AMX=1
+# makes `torch.cpu._is_amx_tile_supported()` answer yes, as on a CPU with AMX, so vLLM takes
+# its AMX code paths here (tests/vllm/test_kernel_audit.py).
+
+TEST_ABORT_ENV = "GRAPHTRACE_AUDIT_TEST_ABORT"
+TEST_FAKE_AMX_ENV = "GRAPHTRACE_AUDIT_TEST_FAKE_AMX"
+ROW_TIMEOUT = 600
+
+
+def cpu_features() -> dict:
+    """The CPU the audit ran on: model name, the /proc/cpuinfo flags that decide vLLM's CPU
+    code paths (amx_*, avx512*, avx2), what torch answers vLLM's AMX question with, and the
+    kind (amx / avx512 / avx2 / other) that committed results are compared by."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    relevant = sorted(f for f in flags if f.startswith(("amx", "avx512")) or f == "avx2")
+    amx = bool(torch.cpu._is_amx_tile_supported())
+    kind = ("amx" if amx else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags
+            else "other")
+    return {"model": model, "kind": kind, "flags": relevant, "amx_tile_supported": amx,
+            "faked_amx": os.environ.get(TEST_FAKE_AMX_ENV) == "1"}
+
+
+def _stage_started(path: Path, kernel: str, stage: str) -> None:
+    path.write_text(stage)
+    name, _, at = os.environ.get(TEST_ABORT_ENV, "").partition(":")
+    if name == kernel and (at or "select") == stage:
+        print(f"audit test hook ({TEST_ABORT_ENV}): os.abort() in {kernel} at {stage}",
+              file=sys.stderr, flush=True)
+        os.abort()
+
+
+def _watch_amx(path: Path) -> None:
+    """Record each time vLLM asks `torch.cpu._is_amx_tile_supported()`, and the answer
+    (yes when the fake-AMX test hook is set)."""
+    real = torch.cpu._is_amx_tile_supported
+    fake = os.environ.get(TEST_FAKE_AMX_ENV) == "1"
+
+    def is_amx_tile_supported() -> bool:
+        answer = True if fake else bool(real())
+        with open(path, "a") as f:
+            f.write(f"{answer}\n")
+        return answer
+
+    torch.cpu._is_amx_tile_supported = is_amx_tile_supported
+
+
+def _row_child(k: KernelInfo, work: Path, threads: int, timeout: int) -> None:
+    """The forked child: audit row `k`, pickle its outcome into `work`; never returns."""
+    global _ROW_STAGE_HOOK
+    code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        log = os.open(work / "log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(timeout)
+        torch.set_num_threads(threads)
+        _ROW_STAGE_HOOK = lambda name, stage: _stage_started(work / "stage", name, stage)  # noqa: E731
+        _watch_amx(work / "amx")
+        init_single_process_group()
+        res = audit_moe(k) if k.family == "moe" else audit_kernel(k)
+        data = {f.name: getattr(res, f.name) for f in fields(res) if f.name != "kernel"}
+        (work / "outcome.pkl").write_bytes(pickle.dumps(data))
+        code = 0
+    except BaseException:  # noqa: BLE001 (the parent reports it as the row's crash)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_row(k: KernelInfo, threads: int, timeout: int = ROW_TIMEOUT) -> Outcome:
+    """Audit one row in a child process (Note [audit row isolation]); a crash is its result."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vllm-audit-row-") as tmp:
+        work = Path(tmp)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _row_child(k, work, threads, timeout)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        asked = (work / "amx").read_text().split() if (work / "amx").exists() else []
+        if code == 0 and (work / "outcome.pkl").exists():
+            res = Outcome(k, **pickle.loads((work / "outcome.pkl").read_bytes()))
+        else:
+            stage = (work / "stage").read_text() if (work / "stage").exists() else "start"
+            log = (work / "log").read_text(errors="replace") if (work / "log").exists() else ""
+            res = Outcome(k, stage=stage, reason=crash_reason(code, log, timeout),
+                          seconds=time.perf_counter() - t0)
+    res.amx_asked = asked[-1] if asked else ""
+    return res
+
+
+def crash_reason(code: int, log: str, timeout: int) -> str:
+    """`crashed: <signal or exit code>: <what the process said last>`."""
+    if code < 0 and -code == signal.SIGALRM:
+        return f"crashed: timed out after {timeout} s"
+    how = signal.Signals(-code).name if code < 0 else f"exit {code}"
+    return f"crashed: {how}: {last_error(log)}"
+
+
+def last_error(log: str) -> str:
+    """A native error's `what():` (with the source line it was raised at), else the last line
+    the process wrote."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("what():"):
+            what = lines[i][len("what():"):].strip()
+            raised = next((line for line in lines[i + 1:i + 3]
+                           if line.startswith("Exception raised from")), "")
+            m = re.search(r"from (\w+) at .*?((?:csrc|aten|c10)/\S+:\d+)", raised)
+            if m:
+                what += f" (raised in {m.group(1)} at {m.group(2)})"
+            return what[:300]
+    return lines[-1][:300] if lines else "(no output)"
+
+
 def _vllm_version() -> str:
     import vllm
 
@@ -1571,10 +1798,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS,
                     help="folder for vllm_kernel_audit.md/.csv (default analysis/results)")
     ap.add_argument("--no-write", action="store_true", help="print the table, write nothing")
+    ap.add_argument("--row-timeout", type=int, default=ROW_TIMEOUT,
+                    help=f"seconds a row may run before it is ended (default {ROW_TIMEOUT})")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every row in this process (for a debugger): a native crash then "
+                         "ends the run (Note [audit row isolation])")
     args = ap.parse_args(argv)
 
+    # before anything runs a parallel op: Note [audit row isolation]
+    threads = torch.get_num_threads()
+    if not args.in_process:
+        torch.set_num_threads(1)
     t0 = time.perf_counter()
-    init_single_process_group()
+    cpu = cpu_features()
+    if args.in_process:
+        init_single_process_group()
     registered = install_standins()
     kernels = discover()
     if args.kernel:
@@ -1586,22 +1824,37 @@ def main(argv: list[str] | None = None) -> int:
     moe_methods = discover_moe()
     if args.kernel:
         moe_methods = [k for k in moe_methods if k.name in args.kernel]
+    todo = [*kernels, *moe_methods]
+    print(f"CPU: {cpu['model']} ({cpu['kind']}: {' '.join(cpu['flags']) or 'no AVX2'})"
+          + (" [AMX faked by test hook]" if cpu["faked_amx"] else "")
+          + f"; {len(todo)} rows, each in a process of its own" * (not args.in_process),
+          flush=True)
     outcomes = []
-    for k in [*kernels, *moe_methods]:
-        r = audit_moe(k) if k.family == "moe" else audit_kernel(k)
+    for i, k in enumerate(todo, 1):
+        if args.in_process:
+            r = audit_moe(k) if k.family == "moe" else audit_kernel(k)
+        else:
+            r = run_row(k, threads, args.row_timeout)
         outcomes.append(r)
         state = "ran" if r.ran else f"not run ({r.stage})"
-        print(f"{k.family:10s} {k.name:48s} {state:32s} {r.edges} "
+        spent = time.perf_counter() - t0
+        eta = spent / i * (len(todo) - i)
+        print(f"[{i:3d}/{len(todo)} {spent:4.0f}s, ~{eta:.0f}s left] {k.family:10s} "
+              f"{k.name:48s} {state:32s} {r.edges} "
               f"{[f[1] for f in r.findings]}" + (f" {r.reason}" if not r.ran else ""),
               flush=True)
     table = rows(outcomes)
     elapsed = time.perf_counter() - t0
     if not args.no_write:
         write_csv(table, args.out / "vllm_kernel_audit.csv")
-        write_markdown(table, outcomes, args.out / "vllm_kernel_audit.md", registered, elapsed)
-        print(f"wrote {args.out}/vllm_kernel_audit.md and .csv")
+        write_markdown(table, outcomes, args.out / "vllm_kernel_audit.md", registered, elapsed,
+                       cpu)
+        write_cpu(cpu, outcomes, args.out / "vllm_kernel_audit.cpu.json")
+        print(f"wrote {args.out}/vllm_kernel_audit.md, .csv and .cpu.json")
     n_ran = sum(r.ran for r in outcomes)
-    print(f"{n_ran}/{len(outcomes)} kernel classes ran")
+    n_crashed = sum(r.reason.startswith("crashed:") for r in outcomes)
+    print(f"{n_ran}/{len(outcomes)} kernel classes ran"
+          + (f"; {n_crashed} crashed their process" if n_crashed else ""))
     return 0
 
 
