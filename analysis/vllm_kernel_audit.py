@@ -183,7 +183,7 @@ W4A8_FP8 = ("CutlassW4A8LinearKernel",)
 W4A8_INT = ("XPUW4A8IntLinearKernel",)
 
 
-ACT_DTYPE = {"wNa16": torch.float16, "int8": torch.float16}
+ACT_DTYPE = {"wNa16": torch.float16}
 
 
 class _Default(dict):
@@ -211,7 +211,7 @@ def make_scheme(k: KernelInfo):
             return s.CompressedTensorsW4A8Int("group", 4, 128), method, dt
         return s.CompressedTensorsWNA16("group", 4, 128, symmetric=True), method, dt
     if k.family == "int8":
-        return s.CompressedTensorsW8A8Int8("channel", False, True), method, dt
+        return s.CompressedTensorsW8A8Int8("channel", False, True), method, torch.bfloat16
     if k.family in ("fp8", "fp8_block"):
         if k.family == "fp8_block":
             args = QuantizationArgs(num_bits=8, type="float", strategy="block",
