@@ -1111,7 +1111,7 @@ def flip_test(kernel: str, model, graph, out, x, stale) -> str:
         # __del__ released during the reload: replaying the graph dereferences freed memory
         # (a segfault in dnnl_helper.cpp, seen while writing this audit). Not replayed.
         return ("not replayed: the captured handle's oneDNN primitive was released by the "
-                "reload (replay segfaults)")
+                "reload (replay segfaults); vLLM's CPU platform captures no graphs (Findings)")
     results = []
     with torch.no_grad():
         for path in paths:
@@ -1144,13 +1144,27 @@ def flip_test(kernel: str, model, graph, out, x, stale) -> str:
 FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
     ("CPUInt8ScaledMMLinearKernel", "proj.scheme.kernel.dnnl_handler.handler_tensor"): (
         "vllm/model_executor/kernels/linear/scaled_mm/cpu.py:136",
+        "the stale edge is the recorder's view, not a bug a user can hit: "
         "process_weights_after_loading rebinds `self.dnnl_handler = "
-        "ops.create_onednn_scaled_mm(...)` on the kernel object; the handle tensor is made "
-        "at vllm/_custom_ops.py (create_onednn_scaled_mm: `handler.handler_tensor = "
-        "torch.tensor(...)`), and the old handler's `__del__` (vllm/_custom_ops.py:3728) "
-        "releases the oneDNN primitive the captured tensor points at. The prepacked weight "
-        "lives only inside that primitive (the registered `weight` is set to None, cpu.py:146), "
-        "so the reload's copy-back has nothing to refresh"),
+        "ops.create_onednn_scaled_mm(...)` (cpu.py:136) on every run, the reload's included, and "
+        "the old handler's `__del__` releases its oneDNN primitive (vllm/_custom_ops.py:3726-3728), "
+        "so a graph captured before the reload would hold a freed handle; but vLLM's CPU platform "
+        "captures no graphs (`cudagraph_capture_sizes = []`, vllm/platforms/cpu.py:353), and the "
+        "forward reads the kernel's current handler on every call (`ops.onednn_scaled_mm("
+        "self.dnnl_handler, ...)`, cpu.py:208, which passes `dnnl_handler.handler_tensor`, "
+        "vllm/_custom_ops.py:3837-3844). What the reload does break on this path: the handler "
+        "is built from the layer's weight scale as it is during the reload's process step "
+        "(`getattr(layer, w_s_name)`, cpu.py:138), which is the temporary the reload "
+        "materialised for the layer (model_loader/reload/layerwise.py:354, process step :388); "
+        "the reload then copies the values into the original parameter (:425) and re-registers "
+        "the original (:444), and nothing in Python keeps the temporary. The native handler "
+        "does not copy the scales: `create_onednn_scaled_mm_handler` stores "
+        "`b_scales.data_ptr()` and the handler wraps that pointer in its weight-scale "
+        "dnnl::memory (csrc/cpu/dnnl_kernels.cpp and dnnl_helper.cpp, "
+        "`init_runtime_memory_cache`, read in the vllm-project/vllm repository, not in this "
+        "wheel), so every forward after a reload reads the scales through a pointer to freed "
+        "memory. The prepacked weight lives only inside the primitive (the registered `weight` "
+        "is set to None, cpu.py:146)"),
     ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w1_scale_val'): (
         'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
         "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
@@ -1177,25 +1191,46 @@ FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
         "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
 }
 
+# Note [audit diverged scales]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Why a rebuilt quant config's scale diverges from the layer's after vLLM's layerwise reload,
+# read in model_loader/reload/layerwise.py: `initialize_layerwise_reload` snapshots the layer's
+# parameters and buffers (:109) and puts the layer on meta (:114); `_layerwise_process`
+# materialises fresh temporaries (:354), loads them and runs process_weights_after_loading on
+# them (:388), then copies the processed values into the snapshot's storage (:425) and
+# re-registers the snapshot (:444). A quant config built during that process step holds the
+# temporaries. `prefer_copy` on `replace_parameter` (model_executor/utils.py:71-99) is not the
+# cause and would not help: it would copy into the temporary, which the quant config holds all
+# the same. Right after a reload the two storages hold equal values (graphtrace: diverged; the
+# flip test shows which one each side reads); they part when the parameters are written in
+# place without processing: `reload_weights(is_checkpoint_format=False)` copies each tensor
+# into the registered parameter (`param.copy_(loaded_weight)`, model_loader/reload/inplace.py:
+# 104-108), which a captured graph sees and the eager path, reading the quant config's
+# temporary, does not.
 _SCALE_REBUILT = (
     "process_weights_after_loading replaces the scale parameter with the converted tensor "
-    "without `prefer_copy` ({replace}) and then builds a new `moe_quant_config` from it and a "
-    "new experts object around that config ({rebuild}); during vLLM's layerwise reload this "
-    "runs again, so the new quant config (`moe_quant_config._w1.scale`, and the experts' "
-    "`quant_config._w1.scale`) holds that run's converted tensor, while "
-    "`_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) copies the values "
-    "into the layer parameter's original storage, which the graph read. The graph reads the "
-    "refreshed parameter, eager reads the quant config's orphaned copy: diverged, vLLM #41670 "
+    "({replace}) and builds a new `moe_quant_config` from it and a new experts object around "
+    "that config ({rebuild}); during vLLM's layerwise reload this runs on the temporaries the "
+    "reload materialised (model_loader/reload/layerwise.py:354, :388), so the new quant config "
+    "(`moe_quant_config._w1.scale`, and the experts' `quant_config._w1.scale`) holds that run's "
+    "temporary, while the reload copies the values into the original parameter (:425) and "
+    "re-registers it (:444), the storage the graph read. `prefer_copy` is not the cause (it "
+    "would copy into the temporary). Equal values after the reload; they part when the "
+    "parameters are later written in place (`is_checkpoint_format=False`, "
+    "model_loader/reload/inplace.py:104-108), which the eager path, reading the quant config's "
+    "temporary, does not see (Note [audit diverged scales]): vLLM #41670 "
     "(`moe_quant_config._w1.scale` orphaned)")
 _TENSORS_REBUILT = (
-    "process_weights_after_loading replaces the {what} with converted tensors without "
-    "`prefer_copy` and then builds a new `moe_quant_config` from them and a new experts object "
-    "around that config ({rebuild}); during vLLM's layerwise reload this runs again, so the "
-    "new quant config (`moe_quant_config._w1.*`, and the experts' `quant_config`) holds that "
-    "run's tensors, while `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) "
-    "copies their values into the layer parameters' original storage, which the graph read. "
-    "The graph reads the refreshed parameter, eager reads the quant config's orphaned copy: "
-    "diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` orphaned)")
+    "process_weights_after_loading replaces the {what} with converted tensors and builds a new "
+    "`moe_quant_config` from them and a new experts object around that config ({rebuild}); "
+    "during vLLM's layerwise reload this runs on the temporaries the reload materialised "
+    "(model_loader/reload/layerwise.py:354, :388), so the new quant config "
+    "(`moe_quant_config._w1.*`, and the experts' `quant_config`) holds that run's temporaries, "
+    "while the reload copies their values into the original parameters (:425) and "
+    "re-registers them (:444), the storage the graph read. `prefer_copy` is not the cause. "
+    "Equal values after the reload; they part when the parameters are later written in place "
+    "(`is_checkpoint_format=False`, model_loader/reload/inplace.py:104-108; Note [audit "
+    "diverged scales]): the pattern of vLLM #41670 (`moe_quant_config._w1.scale` orphaned)")
 _STRIDES_REBUILT = (
     "`CutlassExpertsFp8Base.__init__` allocates the CUTLASS stride tensors `ab_strides1` (= "
     "`c_strides2`), `ab_strides2`, `c_strides1` with `torch.full` and holds them as plain "
@@ -1234,27 +1269,35 @@ FINDING_PATTERNS: list[tuple[str, str, str, str]] = [
     ("Fp8MoEMethod@flashinfer_cutlass", r"(g[12]_alphas|_w[12]\.alpha_or_gscale)$",
      "vllm/model_executor/layers/fused_moe/oracle/fp8.py:782",
      "for FlashInfer CUTLASS per-tensor FP8, `make_fp8_moe_quant_config` computes "
-     "`g1_alphas = w1_scale * a1_scale` (oracle/fp8.py:779) and registers it as a new "
-     "`nn.Parameter` on the layer (`layer.register_parameter(\"g1_alphas\", ...)`, :782, "
-     "`g2_alphas` :785) on every process_weights_after_loading (fp8.py:697 via "
-     "`get_fused_moe_quant_config`); the parameter did not exist when the reload metadata "
-     "was recorded, so vLLM's layerwise reload has no original storage to copy it back into: "
-     "the graph keeps the first run's tensor and eager reads the new one"),
+     "`g1_alphas = w1_scale * a1_scale` (oracle/fp8.py:779), registers it on the layer as a "
+     "new `nn.Parameter` (`layer.register_parameter(\"g1_alphas\", ...)`, :782-783; "
+     "`g2_alphas` :785-786) and hands the layer's parameter to the quant config (:788-789) on "
+     "every process_weights_after_loading (fp8.py:697 via `get_fused_moe_quant_config`). The "
+     "first run's `g1_alphas`/`g2_alphas` exist when `initialize_layerwise_reload` snapshots "
+     "the layer (model_loader/reload/layerwise.py:109), so the reload copies the new values "
+     "into them (:425) and re-registers them (:444): the graph reads refreshed values. The "
+     "quant config built during the reload holds the parameter registered in that run (the "
+     "reload's temporary): diverged, equal values after the reload, as for vLLM #41670 "
+     "(Note [audit diverged scales]). The FP8 per-tensor path hands `g1_alphas`, "
+     "`a2_gscale`, `g2_alphas` to the kernel (experts/flashinfer_cutlass_moe.py:288-292)"),
     ("Fp8MoEMethod@flashinfer_cutlass", r"_a2\.alpha_or_gscale$",
      "vllm/model_executor/layers/fused_moe/oracle/fp8.py:798",
-     "`a2_gscale=(1.0 / a2_scale)` (oracle/fp8.py:798, likewise `a1_gscale`, :797) is a "
-     "fresh tensor held only by the quant config, rebuilt with the kernel by every "
-     "process_weights_after_loading (fp8.py:697-700): after the reload the graph reads the "
-     "old quant config's tensor (freed with it)"),
+     "`a2_gscale=(1.0 / a2_scale)` (oracle/fp8.py:798) is a fresh tensor held only by the "
+     "quant config, rebuilt with the kernel by every process_weights_after_loading "
+     "(fp8.py:697-700), and the FP8 per-tensor path hands it to the kernel "
+     "(experts/flashinfer_cutlass_moe.py:290): after the reload the graph reads the old quant "
+     "config's tensor (freed with it). `a1_gscale` (oracle/fp8.py:797) is built the same way "
+     "but read only on the NVFP4 path (flashinfer_cutlass_moe.py:306), so it is no edge here"),
     ("Fp8MoEMethod@flashinfer_cutlass", r"(_a1\.scale|w13_input_scale)$",
      "vllm/model_executor/layers/quantization/fp8.py:744",
      "per-tensor kernels take one activation scale: process_weights_after_loading reduces the "
      "per-expert input scales to their max (`process_fp8_input_tensor_strategy_moe`, "
-     "fp8.py:739) and replaces the parameters without `prefer_copy` "
-     "(`replace_parameter(layer, \"w13_input_scale\", ...)`, :744-745); the new "
-     "`moe_quant_config` (fp8.py:697) holds that run's tensor as `_a1.scale` while the "
-     "layerwise reload copies values back into the original parameter storage: diverged, "
-     "the #41670 pattern for the activation scale"),
+     "fp8.py:739) and replaces the parameters (`replace_parameter(layer, "
+     "\"w13_input_scale\", ...)`, :744-745); during the reload this runs on the reload's "
+     "temporaries (model_loader/reload/layerwise.py:354, :388), so the new `moe_quant_config` "
+     "(fp8.py:697) holds that run's temporary as `_a1.scale` while the reload copies the "
+     "values into the original parameter (:425, :444): diverged, equal values after the "
+     "reload, the #41670 pattern for the activation scale (Note [audit diverged scales])"),
     ("Fp8MoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
      "vllm/model_executor/layers/quantization/fp8.py:697",
      _SCALE_REBUILT.format(replace="fp8.py:690-691", rebuild="fp8.py:693-700 "
@@ -1428,7 +1471,9 @@ PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
         "vllm/model_executor/layers/fused_moe/experts/cutlass_moe.py:299-307",
         "found: CompressedTensorsW8A8Fp8MoEMethod@cutlass (the CUTLASS backend requested, "
         "Note [audit MoE backends]) has stale `ab_strides1`/`ab_strides2`/`c_strides1` edges "
-        "(the old kernel's strides) and diverged `moe_quant_config._w1.scale`/`_w2.scale`; "
+        "(the old kernel's strides) and diverged `moe_quant_config._w1.scale`/`_w2.scale` "
+        "(the reload's temporaries, equal in value to the refreshed parameters until those "
+        "are written in place; `prefer_copy` is not the cause: Note [audit diverged scales]); "
         "Fp8MoEMethod@triton has the same diverged scales (fp8.py:697); the MXFP8 emulation "
         "experts show the pattern too (Findings). Upstream: issue closed (stale label), no "
         "fix cited in the thread"),
@@ -1467,9 +1512,13 @@ PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
         "vllm/model_executor/layers/fused_moe/experts/flashinfer_cutlass_moe.py:110",
         "found: Fp8MoEMethod@flashinfer_cutlass (backend requested, layer built with "
         "`swiglu_limit=7.0`) has a stale `fused_experts.gemm1_clamp_limit` edge (the old "
-        "kernel's tensor), plus stale/diverged `g1_alphas`/`g2_alphas` (re-registered each "
-        "run, oracle/fp8.py:782), `_a2.alpha_or_gscale` (oracle/fp8.py:798) and "
-        "`w13_input_scale` (fp8.py:744); `cutlass_fused_moe` ran as a stand-in. Flip test: not "
+        "kernel's tensor), plus diverged `g1_alphas`/`g2_alphas` (registered anew by every "
+        "run, oracle/fp8.py:782-786; the reload refreshes the first run's parameters, "
+        "layerwise.py:109, :425, and the rebuilt quant config holds the reload's temporaries: "
+        "equal values), stale `_a2.alpha_or_gscale` (`a2_gscale`, oracle/fp8.py:798; "
+        "`a1_gscale`, :797, is not read on the FP8 per-tensor path, flashinfer_cutlass_moe.py:"
+        "288-292) and diverged `w13_input_scale` (fp8.py:744); `cutlass_fused_moe` ran as a "
+        "stand-in. Flip test: not "
         "run, the reload dropped this row's `w2_input_scale` loads (Note [audit reload drops])"),
 }
 
@@ -1628,6 +1677,54 @@ def _cause(reason: str) -> str:
         if m:
             return cause
     return "other: see the table"
+
+
+# Note [audit CPU paths]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# vLLM's CPU code chooses among paths by the CPU, in two ways (vLLM 0.32, read in the wheel):
+# - by AMX (`torch.cpu._is_amx_tile_supported()`). CPUInt8ScaledMMLinearKernel takes the
+#   sgl-kernels int8 GEMM (`convert_weight_packed`, `int8_scaled_mm_with_quant`) on x86 with
+#   symmetric activations when `check_cpu_sgl_kernel(N, K, int8)` holds (kernels/linear/
+#   scaled_mm/cpu.py:50-57): AMX, K % 32 == 0 and N % 16 == 0 (model_executor/layers/
+#   utils.py:439-456); oneDNN otherwise. CPUWNA16LinearKernel asks for its ISA hint, "amx" only
+#   for bfloat16 (kernels/linear/mixed_precision/cpu.py:211-213; W4A8 only with
+#   VLLM_CPU_INT4_W4A8 and bfloat16, :168-174). The CPU FP8 kernels require AMX (scaled_mm/
+#   cpu.py:241, :358, :453-455 and :610-612 with `cpu_has_amx_fp8`) and the CPU MoE experts
+#   are offered only with AMX (fused_moe/experts/cpu_moe.py:326-330 unquantized, :456-460 FP8,
+#   :624-628 MXFP4, :840-844 INT4, :999-1003 INT8).
+# - by the extension build the platform loads (Note [audit CPU extension]): `_C_AVX2` has
+#   neither the sgl-kernels (`convert_weight_packed`, used by every CPU FP8 kernel and by the
+#   int8 kernel's AMX path) nor `cpu_gemm_wna16`, so those rows fail on an AVX2-only CPU.
+# The audit answers `is_supported`/`can_implement` yes (forced()), so its shapes must meet the
+# rules those checks and the native kernels enforce on every path, and they do: linear K=256,
+# N=128, 4 tokens (N % 32 == 0 for the FP8 kernels, cpu.py:373, :630; FP8 blocks [128, 128]:
+# K block 128 and N block a multiple of 32, cpu.py:253-263, :468-478; bfloat16 output, :263);
+# int8 rows run with bfloat16 activations: the sgl int8 GEMM has an AVX-512 kernel for
+# bfloat16 only, float16 reaches its scalar fallback, a TORCH_CHECK that aborts the process
+# (`tinygemm_kernel_nn`, csrc/cpu/sgl-kernels/gemm_int8.cpp in the vllm-project/vllm
+# repository; issue 29 saw it at :81), and its N tiles are 32 or 64 wide (N % 32 == 0);
+# oneDNN takes bfloat16 on every x86 path. MoE: hidden 128, intermediate 128, bfloat16
+# (the CPU experts want multiples of 32 and bfloat16 activations, cpu_moe.py:89, :112-131,
+# :346-347, :1028-1031).
+# Each row records whether its code asked the AMX question and the answer (Outcome.amx_asked,
+# vllm_kernel_audit.cpu.json); the committed results name the kind of CPU they were made on
+# (cpu_features); CPU_DEPENDENT lists the rows whose outcome depends on the build. The tests
+# compare such rows only with results made on the same kind of CPU.
+
+# row -> why its outcome depends on the CPU (Note [audit CPU paths])
+CPU_DEPENDENT: dict[str, str] = {
+    "CPUInt8ScaledMMLinearKernel": "sgl-kernels int8 GEMM with AMX, oneDNN without "
+                                   "(scaled_mm/cpu.py:50-57)",
+    "CPUWNA16LinearKernel": "`cpu_gemm_wna16` is not in the AVX2 build; ISA hint by AMX "
+                            "(mixed_precision/cpu.py:211-213)",
+    "CPUFp8BlockScaledMMKernel": "`convert_weight_packed` (sgl-kernels) is not in the AVX2 "
+                                 "build (scaled_mm/cpu.py:278)",
+    "CPUFp8PerTensorScaledMMLinearKernel": "CPU FP8 ops of the AVX-512 builds",
+    "CPUFP8W8A8ScaledMMLinearKernel": "CPU FP8 ops of the AVX-512 builds",
+    "CPUFp8W8A8BlockScaledMMKernel": "CPU FP8 ops of the AVX-512 builds",
+    "UnquantizedFusedMoEMethod": "CPU experts: AMX kernels with AMX "
+                                 "(fused_moe/experts/cpu_moe.py:318-330)",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1830,6 +1927,7 @@ def main(argv: list[str] | None = None) -> int:
           + f"; {len(todo)} rows, each in a process of its own" * (not args.in_process),
           flush=True)
     outcomes = []
+    t_rows = time.perf_counter()
     for i, k in enumerate(todo, 1):
         if args.in_process:
             r = audit_moe(k) if k.family == "moe" else audit_kernel(k)
@@ -1838,7 +1936,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes.append(r)
         state = "ran" if r.ran else f"not run ({r.stage})"
         spent = time.perf_counter() - t0
-        eta = spent / i * (len(todo) - i)
+        eta = (time.perf_counter() - t_rows) / i * (len(todo) - i)
         print(f"[{i:3d}/{len(todo)} {spent:4.0f}s, ~{eta:.0f}s left] {k.family:10s} "
               f"{k.name:48s} {state:32s} {r.edges} "
               f"{[f[1] for f in r.findings]}" + (f" {r.reason}" if not r.ran else ""),
