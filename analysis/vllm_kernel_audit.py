@@ -390,7 +390,7 @@ class Outcome:
     standins: list = field(default_factory=list)
     dropped: list = field(default_factory=list)      # loads vLLM's reload dropped (Note [audit reload drops])
     seconds: float = 0.0
-    amx_asked: str = ""              # vLLM's last `torch.cpu._is_amx_tile_supported()` answer; "" never asked
+    amx_asked: str = ""              # vLLM's last answer to its AMX question ("": never asked)
 
     def __setattr__(self, name, value):
         object.__setattr__(self, name, value)
@@ -1157,13 +1157,15 @@ FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
         "(`getattr(layer, w_s_name)`, cpu.py:138), which is the temporary the reload "
         "materialised for the layer (model_loader/reload/layerwise.py:354, process step :388); "
         "the reload then copies the values into the original parameter (:425) and re-registers "
-        "the original (:444), and nothing in Python keeps the temporary. The native handler "
+        "the original (:444), and once the layer's reload state is reset (:400, "
+        "model_loader/reload/types.py:36-39) nothing in Python keeps the temporary. The native "
+        "handler "
         "does not copy the scales: `create_onednn_scaled_mm_handler` stores "
         "`b_scales.data_ptr()` and the handler wraps that pointer in its weight-scale "
         "dnnl::memory (csrc/cpu/dnnl_kernels.cpp and dnnl_helper.cpp, "
         "`init_runtime_memory_cache`, read in the vllm-project/vllm repository, not in this "
         "wheel), so every forward after a reload reads the scales through a pointer to freed "
-        "memory. The prepacked weight lives only inside the primitive (the registered `weight` "
+        "memory (read in the code; this audit runs no value test of it). The prepacked weight lives only inside the primitive (the registered `weight` "
         "is set to None, cpu.py:146)"),
     ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w1_scale_val'): (
         'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
@@ -1739,12 +1741,14 @@ CPU_DEPENDENT: dict[str, str] = {
 # whole process with SIGABRT. So every row runs in a child process forked from the parent
 # after vLLM is imported, the classes are discovered and the stand-ins are registered (a fork
 # imports nothing again). The child writes each stage to a file as the row starts it
-# (Outcome.stage), its stdout and stderr to a log, whether vLLM asked
-# `torch.cpu._is_amx_tile_supported()` (and the answer) to another file, and its outcome to a
-# pickle. A child that dies (a signal, or an exit without an outcome) is that row's result:
-# `crashed: SIGABRT: <the native error's what(), else the last line of its stderr>`, at the
-# stage it had reached, and the run goes on with the next row; a row still running after
-# --row-timeout seconds is ended by SIGALRM (`crashed: timed out after N s`).
+# (Outcome.stage), its stdout and stderr to a log, each answer vLLM got to
+# `torch.cpu._is_amx_tile_supported()` to another file (vLLM's own calls only, _watch_amx),
+# and its outcome to a pickle. A child that dies (a signal, or an exit without an outcome) is
+# that row's result: `crashed: SIGABRT: <the native error's what(), else the last line of its
+# stderr>`, at the stage it had reached, and the run goes on with the next row; a row still
+# running after --row-timeout seconds is ended by SIGALRM (`crashed: timed out after N s`).
+# Rows share no state any more: vLLM's module-level flags set by one row (e.g. humming.py's
+# `_patched`) no longer change the next row's reason.
 # GNU OpenMP's thread pool does not survive fork(): a child's first parallel op hangs if the
 # parent ever ran one with several threads. main() therefore sets torch to one thread before
 # anything runs, and each child restores the machine's count.
@@ -1793,11 +1797,17 @@ def _stage_started(path: Path, kernel: str, stage: str) -> None:
 
 def _watch_amx(path: Path) -> None:
     """Record each time vLLM asks `torch.cpu._is_amx_tile_supported()`, and the answer
-    (yes when the fake-AMX test hook is set)."""
+    (yes when the fake-AMX test hook is set). Only vLLM's own calls count: torch's inductor
+    asks too, to choose the vector ISA of the code it compiles for vLLM's torch.compile'd
+    helpers (torch/_inductor/cpu_vec_isa.py), which changes no stale edge, and it gets the
+    real answer even under the hook (AMX code on a CPU without AMX would be SIGILL)."""
     real = torch.cpu._is_amx_tile_supported
     fake = os.environ.get(TEST_FAKE_AMX_ENV) == "1"
+    vllm_dir = os.sep + "vllm" + os.sep
 
     def is_amx_tile_supported() -> bool:
+        if vllm_dir not in sys._getframe(1).f_code.co_filename:
+            return bool(real())
         answer = True if fake else bool(real())
         with open(path, "a") as f:
             f.write(f"{answer}\n")
