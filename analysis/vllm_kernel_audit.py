@@ -19,7 +19,9 @@ The harness is the only place that pretends: see Note [audit stand-ins]. Run:
 
     PYTHONPATH=$PWD .venv-vllm/bin/python analysis/vllm_kernel_audit.py [--quick] [--out DIR]
 
-Writes analysis/results/vllm_kernel_audit.md and .csv (one row per kernel class).
+Writes analysis/results/vllm_kernel_audit.md and .csv (one row per kernel class) and .cpu.json
+(the CPU they were made on). Every row runs in a process of its own (Note [audit row
+isolation]); which rows depend on the CPU: Note [audit CPU paths].
 """
 
 from __future__ import annotations
