@@ -1587,9 +1587,11 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
         f"{', '.join(cpu['flags']) or 'none of amx_*, avx512*, avx2'}; "
         f"`torch.cpu._is_amx_tile_supported()` = {cpu['amx_tile_supported']}"
         + ("; AMX faked by the test hook" if cpu["faked_amx"] else "") + "). vLLM picks "
-        "CPU code paths by AMX (Note [audit CPU paths]): rows compare across machines of the "
-        "same kind; the rows that asked are listed under \"CPU-dependent rows\". Each row ran "
-        "in a process of its own (Note [audit row isolation]).",
+        "CPU code paths by AMX and by the build of its extension the CPU gets (Note [audit "
+        "CPU paths]): the tests compare a CPU-dependent row only with results made on the same "
+        "kind of CPU; the rows whose vLLM code asked the AMX question are listed under "
+        "\"CPU-dependent rows\". Each row ran in a process of its own (Note [audit row "
+        "isolation]).",
         "",
         "Each kernel: one `ColumnParallelLinear` (in 256, out 128, 4 tokens) with the scheme "
         "named, loaded through each parameter's `weight_loader`, processed, its apply captured "
