@@ -36,7 +36,8 @@ test-vllm: $(VLLM_VENV)/.installed
 	GRAPHTRACE_REQUIRE_VLLM=1 $(VPY) -m pytest -q -m vllm tests
 
 # vLLM 0.32's linear kernels through their real weight processing, apply and layerwise reload
-# on CPU: regenerates analysis/results/vllm_kernel_audit.md and .csv (~5 min).
+# on CPU, each row in a process of its own: regenerates analysis/results/vllm_kernel_audit.md,
+# .csv and .cpu.json (the CPU they were made on) (~10 min on two cores).
 audit-vllm: $(VLLM_VENV)/.installed
 	PYTHONPATH=$(CURDIR) $(VPY) analysis/vllm_kernel_audit.py
 

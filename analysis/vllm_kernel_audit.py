@@ -19,7 +19,9 @@ The harness is the only place that pretends: see Note [audit stand-ins]. Run:
 
     PYTHONPATH=$PWD .venv-vllm/bin/python analysis/vllm_kernel_audit.py [--quick] [--out DIR]
 
-Writes analysis/results/vllm_kernel_audit.md and .csv (one row per kernel class).
+Writes analysis/results/vllm_kernel_audit.md and .csv (one row per kernel class) and .cpu.json
+(the CPU they were made on). Every row runs in a process of its own (Note [audit row
+isolation]); which rows depend on the CPU: Note [audit CPU paths].
 """
 
 from __future__ import annotations
@@ -50,11 +52,14 @@ import csv
 import inspect
 import io
 import os
+import pickle
 import re
+import signal
 import sys
+import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -180,7 +185,7 @@ W4A8_FP8 = ("CutlassW4A8LinearKernel",)
 W4A8_INT = ("XPUW4A8IntLinearKernel",)
 
 
-ACT_DTYPE = {"wNa16": torch.float16, "int8": torch.float16}
+ACT_DTYPE = {"wNa16": torch.float16}
 
 
 class _Default(dict):
@@ -208,7 +213,7 @@ def make_scheme(k: KernelInfo):
             return s.CompressedTensorsW4A8Int("group", 4, 128), method, dt
         return s.CompressedTensorsWNA16("group", 4, 128, symmetric=True), method, dt
     if k.family == "int8":
-        return s.CompressedTensorsW8A8Int8("channel", False, True), method, dt
+        return s.CompressedTensorsW8A8Int8("channel", False, True), method, torch.bfloat16
     if k.family in ("fp8", "fp8_block"):
         if k.family == "fp8_block":
             args = QuantizationArgs(num_bits=8, type="float", strategy="block",
@@ -387,6 +392,16 @@ class Outcome:
     standins: list = field(default_factory=list)
     dropped: list = field(default_factory=list)      # loads vLLM's reload dropped (Note [audit reload drops])
     seconds: float = 0.0
+    amx_asked: str = ""              # vLLM's last answer to its AMX question ("": never asked)
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name == "stage" and value and _ROW_STAGE_HOOK is not None:
+            _ROW_STAGE_HOOK(self.kernel.name, value)
+
+
+# set inside a row's child process: told each stage as it starts (Note [audit row isolation])
+_ROW_STAGE_HOOK = None
 
 
 def audit_kernel(k: KernelInfo) -> Outcome:
@@ -641,6 +656,7 @@ def discover_moe() -> list[KernelInfo]:
 
     from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 
+    _one_cpu_extension()
     failed: dict[str, str] = {}
     for pkgname in MOE_PACKAGES:
         pkg = importlib.import_module(pkgname)
@@ -670,6 +686,38 @@ def discover_moe() -> list[KernelInfo]:
         base = found[method]
         out.append(KernelInfo(f"{method}@{backend}", base.cls, "moe", base.source, backend))
     return out
+
+
+# Note [audit CPU extension]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# vLLM's CPU wheel ships three builds of its `_C` extension and loads one by the CPU's ISA
+# (CpuPlatform.import_kernels, vllm/platforms/cpu.py:631-666): `vllm._C` only with AVX-512 and
+# AVX512-BF16, else `vllm._C_AVX512` or `vllm._C_AVX2`, whose import registers the ops and then
+# raises ("dynamic module does not define module export function"), so `vllm._C` stays out of
+# sys.modules. vllm/platforms/rocm.py:56 does `import vllm._C` at module level, and discovery
+# reaches it (fused_moe/router/rocm_fp32_router_gemm.py:8 imports it): on a CPU without
+# AVX512-BF16 that loads a second build that registers TORCH_LIBRARY(_C) again, and the process
+# aborts (c10::Error from Dispatcher.cpp, "Only a single TORCH_LIBRARY can be used to register
+# the namespace _C"). When the platform loaded another build, `vllm._C` is entered in
+# sys.modules as an empty module before discovery: its ops are already registered, and every
+# `import vllm._C` in vLLM is for that side effect only.
+
+
+def _one_cpu_extension() -> None:
+    """Note [audit CPU extension]."""
+    import types
+
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if "vllm._C" in sys.modules or not current_platform.is_cpu():
+        return
+    if current_platform.get_cpu_architecture() != CpuArchEnum.X86:
+        return
+    if torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported():
+        return
+    sys.modules["vllm._C"] = types.ModuleType(
+        "vllm._C", "placeholder: the ops of vllm._C_AVX2/_C_AVX512 are registered as torch.ops._C "
+                   "(analysis/vllm_kernel_audit.py, Note [audit CPU extension])")
 
 
 # Note [audit MoE backends]
@@ -1065,7 +1113,7 @@ def flip_test(kernel: str, model, graph, out, x, stale) -> str:
         # __del__ released during the reload: replaying the graph dereferences freed memory
         # (a segfault in dnnl_helper.cpp, seen while writing this audit). Not replayed.
         return ("not replayed: the captured handle's oneDNN primitive was released by the "
-                "reload (replay segfaults)")
+                "reload (replay segfaults); vLLM's CPU platform captures no graphs (Findings)")
     results = []
     with torch.no_grad():
         for path in paths:
@@ -1098,13 +1146,29 @@ def flip_test(kernel: str, model, graph, out, x, stale) -> str:
 FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
     ("CPUInt8ScaledMMLinearKernel", "proj.scheme.kernel.dnnl_handler.handler_tensor"): (
         "vllm/model_executor/kernels/linear/scaled_mm/cpu.py:136",
+        "the stale edge is the recorder's view, not a bug a user can hit: "
         "process_weights_after_loading rebinds `self.dnnl_handler = "
-        "ops.create_onednn_scaled_mm(...)` on the kernel object; the handle tensor is made "
-        "at vllm/_custom_ops.py (create_onednn_scaled_mm: `handler.handler_tensor = "
-        "torch.tensor(...)`), and the old handler's `__del__` (vllm/_custom_ops.py:3728) "
-        "releases the oneDNN primitive the captured tensor points at. The prepacked weight "
-        "lives only inside that primitive (the registered `weight` is set to None, cpu.py:146), "
-        "so the reload's copy-back has nothing to refresh"),
+        "ops.create_onednn_scaled_mm(...)` (cpu.py:136) on every run, the reload's included, and "
+        "the old handler's `__del__` releases its oneDNN primitive (vllm/_custom_ops.py:3726-3728), "
+        "so a graph captured before the reload would hold a freed handle; but vLLM's CPU platform "
+        "captures no graphs (`cudagraph_capture_sizes = []`, vllm/platforms/cpu.py:353), and the "
+        "forward reads the kernel's current handler on every call (`ops.onednn_scaled_mm("
+        "self.dnnl_handler, ...)`, cpu.py:208, which passes `dnnl_handler.handler_tensor`, "
+        "vllm/_custom_ops.py:3837-3844). What the reload does break on this path: the handler "
+        "is built from the layer's weight scale as it is during the reload's process step "
+        "(`getattr(layer, w_s_name)`, cpu.py:138), which is the temporary the reload "
+        "materialised for the layer (model_loader/reload/layerwise.py:354, process step :388); "
+        "the reload then copies the values into the original parameter (:425) and re-registers "
+        "the original (:444), and once the layer's reload state is reset (:400, "
+        "model_loader/reload/types.py:36-39) nothing in Python keeps the temporary. The native "
+        "handler "
+        "does not copy the scales: `create_onednn_scaled_mm_handler` stores "
+        "`b_scales.data_ptr()` and the handler wraps that pointer in its weight-scale "
+        "dnnl::memory (csrc/cpu/dnnl_kernels.cpp and dnnl_helper.cpp, "
+        "`init_runtime_memory_cache`, read in the vllm-project/vllm repository, not in this "
+        "wheel), so every forward after a reload reads the scales through a pointer to freed "
+        "memory (read in the code; this audit runs no value test of it). The prepacked weight lives only inside the primitive (the registered `weight` "
+        "is set to None, cpu.py:146)"),
     ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w1_scale_val'): (
         'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
         "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
@@ -1131,25 +1195,46 @@ FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
         "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
 }
 
+# Note [audit diverged scales]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Why a rebuilt quant config's scale diverges from the layer's after vLLM's layerwise reload,
+# read in model_loader/reload/layerwise.py: `initialize_layerwise_reload` snapshots the layer's
+# parameters and buffers (:109) and puts the layer on meta (:114); `_layerwise_process`
+# materialises fresh temporaries (:354), loads them and runs process_weights_after_loading on
+# them (:388), then copies the processed values into the snapshot's storage (:425) and
+# re-registers the snapshot (:444). A quant config built during that process step holds the
+# temporaries. `prefer_copy` on `replace_parameter` (model_executor/utils.py:71-99) is not the
+# cause and would not help: it would copy into the temporary, which the quant config holds all
+# the same. Right after a reload the two storages hold equal values (graphtrace: diverged; the
+# flip test shows which one each side reads); they part when the parameters are written in
+# place without processing: `reload_weights(is_checkpoint_format=False)` copies each tensor
+# into the registered parameter (`param.copy_(loaded_weight)`, model_loader/reload/inplace.py:
+# 104-108), which a captured graph sees and the eager path, reading the quant config's
+# temporary, does not.
 _SCALE_REBUILT = (
     "process_weights_after_loading replaces the scale parameter with the converted tensor "
-    "without `prefer_copy` ({replace}) and then builds a new `moe_quant_config` from it and a "
-    "new experts object around that config ({rebuild}); during vLLM's layerwise reload this "
-    "runs again, so the new quant config (`moe_quant_config._w1.scale`, and the experts' "
-    "`quant_config._w1.scale`) holds that run's converted tensor, while "
-    "`_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) copies the values "
-    "into the layer parameter's original storage, which the graph read. The graph reads the "
-    "refreshed parameter, eager reads the quant config's orphaned copy: diverged, vLLM #41670 "
+    "({replace}) and builds a new `moe_quant_config` from it and a new experts object around "
+    "that config ({rebuild}); during vLLM's layerwise reload this runs on the temporaries the "
+    "reload materialised (model_loader/reload/layerwise.py:354, :388), so the new quant config "
+    "(`moe_quant_config._w1.scale`, and the experts' `quant_config._w1.scale`) holds that run's "
+    "temporary, while the reload copies the values into the original parameter (:425) and "
+    "re-registers it (:444), the storage the graph read. `prefer_copy` is not the cause (it "
+    "would copy into the temporary). Equal values after the reload; they part when the "
+    "parameters are later written in place (`is_checkpoint_format=False`, "
+    "model_loader/reload/inplace.py:104-108), which the eager path, reading the quant config's "
+    "temporary, does not see (Note [audit diverged scales]): vLLM #41670 "
     "(`moe_quant_config._w1.scale` orphaned)")
 _TENSORS_REBUILT = (
-    "process_weights_after_loading replaces the {what} with converted tensors without "
-    "`prefer_copy` and then builds a new `moe_quant_config` from them and a new experts object "
-    "around that config ({rebuild}); during vLLM's layerwise reload this runs again, so the "
-    "new quant config (`moe_quant_config._w1.*`, and the experts' `quant_config`) holds that "
-    "run's tensors, while `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) "
-    "copies their values into the layer parameters' original storage, which the graph read. "
-    "The graph reads the refreshed parameter, eager reads the quant config's orphaned copy: "
-    "diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` orphaned)")
+    "process_weights_after_loading replaces the {what} with converted tensors and builds a new "
+    "`moe_quant_config` from them and a new experts object around that config ({rebuild}); "
+    "during vLLM's layerwise reload this runs on the temporaries the reload materialised "
+    "(model_loader/reload/layerwise.py:354, :388), so the new quant config "
+    "(`moe_quant_config._w1.*`, and the experts' `quant_config`) holds that run's temporaries, "
+    "while the reload copies their values into the original parameters (:425) and "
+    "re-registers them (:444), the storage the graph read. `prefer_copy` is not the cause. "
+    "Equal values after the reload; they part when the parameters are later written in place "
+    "(`is_checkpoint_format=False`, model_loader/reload/inplace.py:104-108; Note [audit "
+    "diverged scales]): the pattern of vLLM #41670 (`moe_quant_config._w1.scale` orphaned)")
 _STRIDES_REBUILT = (
     "`CutlassExpertsFp8Base.__init__` allocates the CUTLASS stride tensors `ab_strides1` (= "
     "`c_strides2`), `ab_strides2`, `c_strides1` with `torch.full` and holds them as plain "
@@ -1188,27 +1273,35 @@ FINDING_PATTERNS: list[tuple[str, str, str, str]] = [
     ("Fp8MoEMethod@flashinfer_cutlass", r"(g[12]_alphas|_w[12]\.alpha_or_gscale)$",
      "vllm/model_executor/layers/fused_moe/oracle/fp8.py:782",
      "for FlashInfer CUTLASS per-tensor FP8, `make_fp8_moe_quant_config` computes "
-     "`g1_alphas = w1_scale * a1_scale` (oracle/fp8.py:779) and registers it as a new "
-     "`nn.Parameter` on the layer (`layer.register_parameter(\"g1_alphas\", ...)`, :782, "
-     "`g2_alphas` :785) on every process_weights_after_loading (fp8.py:697 via "
-     "`get_fused_moe_quant_config`); the parameter did not exist when the reload metadata "
-     "was recorded, so vLLM's layerwise reload has no original storage to copy it back into: "
-     "the graph keeps the first run's tensor and eager reads the new one"),
+     "`g1_alphas = w1_scale * a1_scale` (oracle/fp8.py:779), registers it on the layer as a "
+     "new `nn.Parameter` (`layer.register_parameter(\"g1_alphas\", ...)`, :782-783; "
+     "`g2_alphas` :785-786) and hands the layer's parameter to the quant config (:788-789) on "
+     "every process_weights_after_loading (fp8.py:697 via `get_fused_moe_quant_config`). The "
+     "first run's `g1_alphas`/`g2_alphas` exist when `initialize_layerwise_reload` snapshots "
+     "the layer (model_loader/reload/layerwise.py:109), so the reload copies the new values "
+     "into them (:425) and re-registers them (:444): the graph reads refreshed values. The "
+     "quant config built during the reload holds the parameter registered in that run (the "
+     "reload's temporary): diverged, equal values after the reload, as for vLLM #41670 "
+     "(Note [audit diverged scales]). The FP8 per-tensor path hands `g1_alphas`, "
+     "`a2_gscale`, `g2_alphas` to the kernel (experts/flashinfer_cutlass_moe.py:288-292)"),
     ("Fp8MoEMethod@flashinfer_cutlass", r"_a2\.alpha_or_gscale$",
      "vllm/model_executor/layers/fused_moe/oracle/fp8.py:798",
-     "`a2_gscale=(1.0 / a2_scale)` (oracle/fp8.py:798, likewise `a1_gscale`, :797) is a "
-     "fresh tensor held only by the quant config, rebuilt with the kernel by every "
-     "process_weights_after_loading (fp8.py:697-700): after the reload the graph reads the "
-     "old quant config's tensor (freed with it)"),
+     "`a2_gscale=(1.0 / a2_scale)` (oracle/fp8.py:798) is a fresh tensor held only by the "
+     "quant config, rebuilt with the kernel by every process_weights_after_loading "
+     "(fp8.py:697-700), and the FP8 per-tensor path hands it to the kernel "
+     "(experts/flashinfer_cutlass_moe.py:290): after the reload the graph reads the old quant "
+     "config's tensor (freed with it). `a1_gscale` (oracle/fp8.py:797) is built the same way "
+     "but read only on the NVFP4 path (flashinfer_cutlass_moe.py:306), so it is no edge here"),
     ("Fp8MoEMethod@flashinfer_cutlass", r"(_a1\.scale|w13_input_scale)$",
      "vllm/model_executor/layers/quantization/fp8.py:744",
      "per-tensor kernels take one activation scale: process_weights_after_loading reduces the "
      "per-expert input scales to their max (`process_fp8_input_tensor_strategy_moe`, "
-     "fp8.py:739) and replaces the parameters without `prefer_copy` "
-     "(`replace_parameter(layer, \"w13_input_scale\", ...)`, :744-745); the new "
-     "`moe_quant_config` (fp8.py:697) holds that run's tensor as `_a1.scale` while the "
-     "layerwise reload copies values back into the original parameter storage: diverged, "
-     "the #41670 pattern for the activation scale"),
+     "fp8.py:739) and replaces the parameters (`replace_parameter(layer, "
+     "\"w13_input_scale\", ...)`, :744-745); during the reload this runs on the reload's "
+     "temporaries (model_loader/reload/layerwise.py:354, :388), so the new `moe_quant_config` "
+     "(fp8.py:697) holds that run's temporary as `_a1.scale` while the reload copies the "
+     "values into the original parameter (:425, :444): diverged, equal values after the "
+     "reload, the #41670 pattern for the activation scale (Note [audit diverged scales])"),
     ("Fp8MoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
      "vllm/model_executor/layers/quantization/fp8.py:697",
      _SCALE_REBUILT.format(replace="fp8.py:690-691", rebuild="fp8.py:693-700 "
@@ -1382,7 +1475,9 @@ PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
         "vllm/model_executor/layers/fused_moe/experts/cutlass_moe.py:299-307",
         "found: CompressedTensorsW8A8Fp8MoEMethod@cutlass (the CUTLASS backend requested, "
         "Note [audit MoE backends]) has stale `ab_strides1`/`ab_strides2`/`c_strides1` edges "
-        "(the old kernel's strides) and diverged `moe_quant_config._w1.scale`/`_w2.scale`; "
+        "(the old kernel's strides) and diverged `moe_quant_config._w1.scale`/`_w2.scale` "
+        "(the reload's temporaries, equal in value to the refreshed parameters until those "
+        "are written in place; `prefer_copy` is not the cause: Note [audit diverged scales]); "
         "Fp8MoEMethod@triton has the same diverged scales (fp8.py:697); the MXFP8 emulation "
         "experts show the pattern too (Findings). Upstream: issue closed (stale label), no "
         "fix cited in the thread"),
@@ -1421,9 +1516,13 @@ PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
         "vllm/model_executor/layers/fused_moe/experts/flashinfer_cutlass_moe.py:110",
         "found: Fp8MoEMethod@flashinfer_cutlass (backend requested, layer built with "
         "`swiglu_limit=7.0`) has a stale `fused_experts.gemm1_clamp_limit` edge (the old "
-        "kernel's tensor), plus stale/diverged `g1_alphas`/`g2_alphas` (re-registered each "
-        "run, oracle/fp8.py:782), `_a2.alpha_or_gscale` (oracle/fp8.py:798) and "
-        "`w13_input_scale` (fp8.py:744); `cutlass_fused_moe` ran as a stand-in. Flip test: not "
+        "kernel's tensor), plus diverged `g1_alphas`/`g2_alphas` (registered anew by every "
+        "run, oracle/fp8.py:782-786; the reload refreshes the first run's parameters, "
+        "layerwise.py:109, :425, and the rebuilt quant config holds the reload's temporaries: "
+        "equal values), stale `_a2.alpha_or_gscale` (`a2_gscale`, oracle/fp8.py:798; "
+        "`a1_gscale`, :797, is not read on the FP8 per-tensor path, flashinfer_cutlass_moe.py:"
+        "288-292) and diverged `w13_input_scale` (fp8.py:744); `cutlass_fused_moe` ran as a "
+        "stand-in. Flip test: not "
         "run, the reload dropped this row's `w2_input_scale` loads (Note [audit reload drops])"),
 }
 
@@ -1469,8 +1568,9 @@ def _cell(s) -> str:
 
 
 def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
-                   registered: list[str], elapsed: float) -> None:
+                   registered: list[str], elapsed: float, cpu: dict) -> None:
     ran = [r for r in table if r["ran"] == "yes"]
+    asked = [(r.kernel.name, r.amx_asked) for r in outcomes if r.amx_asked]
     lines = [
         "# vLLM 0.32 linear kernels and fused-MoE methods on CPU: what a weight reload leaves stale",
         "",
@@ -1482,6 +1582,16 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
         f"reload; fused-MoE quant methods: {sum(r['family'] == 'moe' for r in ran)} of "
         f"{sum(r['family'] == 'moe' for r in table)} ({elapsed:.0f} s). Stand-ins: "
         "analysis/vllm_audit_standins.py, listed per row.",
+        "",
+        f"CPU: {cpu['model']}; kind `{cpu['kind']}` (flags: "
+        f"{', '.join(cpu['flags']) or 'none of amx_*, avx512*, avx2'}; "
+        f"`torch.cpu._is_amx_tile_supported()` = {cpu['amx_tile_supported']}"
+        + ("; AMX faked by the test hook" if cpu["faked_amx"] else "") + "). vLLM picks "
+        "CPU code paths by AMX and by the build of its extension the CPU gets (Note [audit "
+        "CPU paths]): the tests compare a CPU-dependent row only with results made on the same "
+        "kind of CPU; the rows whose vLLM code asked the AMX question are listed under "
+        "\"CPU-dependent rows\". Each row ran in a process of its own (Note [audit row "
+        "isolation]).",
         "",
         "Each kernel: one `ColumnParallelLinear` (in 256, out 128, 4 tokens) with the scheme "
         "named, loaded through each parameter's `weight_loader`, processed, its apply captured "
@@ -1530,6 +1640,11 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
             f"`{r['kernel']}`", r["family"], r["ran"], r["stable"], r["stale"], r["dangling"],
             r["diverged"], r["orphaned"], r["unowned"], r["stale_owners"], r["vllm_source"],
             r["standins"], why)) + " |")
+    lines += ["", "## CPU-dependent rows", "",
+              "Rows whose vLLM code asked `torch.cpu._is_amx_tile_supported()` (the last "
+              "answer): on a CPU of another kind they may take another code path "
+              "(Note [audit CPU paths]).", ""]
+    lines += [f"- `{name}`: {answer}" for name, answer in asked] or ["- none"]
     lines += ["", "## Why the others did not run", ""]
     causes: dict[str, list[str]] = {}
     for r in table:
@@ -1540,7 +1655,19 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
     write_results(path, "\n".join(lines) + "\n")
 
 
+def write_cpu(cpu: dict, outcomes: list[Outcome], path: Path) -> None:
+    """The CPU the results were made on and the rows that asked vLLM's AMX question, for the
+    tests' comparison across machines (tests/vllm/test_kernel_audit.py)."""
+    import json
+
+    data = dict(cpu, amx_asked={r.kernel.name: r.amx_asked for r in outcomes if r.amx_asked})
+    write_results(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
 def _cause(reason: str) -> str:
+    m = re.match(r"crashed: (timed out|[A-Z]+|exit \d+)", reason)
+    if m:
+        return f"crashed its process ({m.group(1)}): Note [audit row isolation]"
     m = re.search(r"No module named '([\w.]+)'", reason)
     if m:
         return f"needs the `{m.group(1)}` package (not installed for CPU)"
@@ -1558,6 +1685,217 @@ def _cause(reason: str) -> str:
     return "other: see the table"
 
 
+# Note [audit CPU paths]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# vLLM's CPU code chooses among paths by the CPU, in two ways (vLLM 0.32, read in the wheel):
+# - by AMX (`torch.cpu._is_amx_tile_supported()`). CPUInt8ScaledMMLinearKernel takes the
+#   sgl-kernels int8 GEMM (`convert_weight_packed`, `int8_scaled_mm_with_quant`) on x86 with
+#   symmetric activations when `check_cpu_sgl_kernel(N, K, int8)` holds (kernels/linear/
+#   scaled_mm/cpu.py:50-57): AMX, K % 32 == 0 and N % 16 == 0 (model_executor/layers/
+#   utils.py:439-456); oneDNN otherwise. CPUWNA16LinearKernel asks for its ISA hint, "amx" only
+#   for bfloat16 (kernels/linear/mixed_precision/cpu.py:211-213; W4A8 only with
+#   VLLM_CPU_INT4_W4A8 and bfloat16, :168-174). The CPU FP8 kernels require AMX (scaled_mm/
+#   cpu.py:241, :358, :453-455 and :610-612 with `cpu_has_amx_fp8`) and the CPU MoE experts
+#   are offered only with AMX (fused_moe/experts/cpu_moe.py:326-330 unquantized, :456-460 FP8,
+#   :624-628 MXFP4, :840-844 INT4, :999-1003 INT8).
+# - by the extension build the platform loads (Note [audit CPU extension]): `_C_AVX2` has
+#   neither the sgl-kernels (`convert_weight_packed`, used by every CPU FP8 kernel and by the
+#   int8 kernel's AMX path) nor `cpu_gemm_wna16`, so those rows fail on an AVX2-only CPU.
+# The audit answers `is_supported`/`can_implement` yes (forced()), so its shapes must meet the
+# rules those checks and the native kernels enforce on every path, and they do: linear K=256,
+# N=128, 4 tokens (N % 32 == 0 for the FP8 kernels, cpu.py:373, :630; FP8 blocks [128, 128]:
+# K block 128 and N block a multiple of 32, cpu.py:253-263, :468-478; bfloat16 output, :263);
+# int8 rows run with bfloat16 activations: the sgl int8 GEMM has an AVX-512 kernel for
+# bfloat16 only, float16 reaches its scalar fallback, a TORCH_CHECK that aborts the process
+# (`tinygemm_kernel_nn`, csrc/cpu/sgl-kernels/gemm_int8.cpp in the vllm-project/vllm
+# repository; issue 29 saw it at :81), and its N tiles are 32 or 64 wide (N % 32 == 0);
+# oneDNN takes bfloat16 on every x86 path. MoE: hidden 128, intermediate 128, bfloat16
+# (the CPU experts want multiples of 32 and bfloat16 activations, cpu_moe.py:89, :112-131,
+# :346-347, :1028-1031).
+# Each row records whether its code asked the AMX question and the answer (Outcome.amx_asked,
+# vllm_kernel_audit.cpu.json); the committed results name the kind of CPU they were made on
+# (cpu_features); CPU_DEPENDENT lists the rows whose outcome depends on the build. The tests
+# compare such rows only with results made on the same kind of CPU.
+
+# row -> why its outcome depends on the CPU (Note [audit CPU paths])
+CPU_DEPENDENT: dict[str, str] = {
+    "CPUInt8ScaledMMLinearKernel": "sgl-kernels int8 GEMM with AMX, oneDNN without "
+                                   "(scaled_mm/cpu.py:50-57)",
+    "CPUWNA16LinearKernel": "`cpu_gemm_wna16` is not in the AVX2 build; ISA hint by AMX "
+                            "(mixed_precision/cpu.py:211-213)",
+    "CPUFp8BlockScaledMMKernel": "`convert_weight_packed` (sgl-kernels) is not in the AVX2 "
+                                 "build (scaled_mm/cpu.py:278)",
+    "CPUFp8PerTensorScaledMMLinearKernel": "CPU FP8 ops of the AVX-512 builds",
+    "CPUFP8W8A8ScaledMMLinearKernel": "CPU FP8 ops of the AVX-512 builds",
+    "CPUFp8W8A8BlockScaledMMKernel": "CPU FP8 ops of the AVX-512 builds",
+    "UnquantizedFusedMoEMethod": "CPU experts: AMX kernels with AMX "
+                                 "(fused_moe/experts/cpu_moe.py:318-330)",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Isolation: each row in a process of its own (Note [audit row isolation])
+
+# Note [audit row isolation]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A row runs vLLM's real CPU ops wherever the CPU build has them (oneDNN, the sgl-kernels
+# GEMMs, the CPU MoE experts), and a native failure there need not raise: on a CPU with AMX,
+# `int8_scaled_mm_with_quant` with float16 activations reaches the scalar fallback of
+# `tinygemm_kernel_nn` (csrc/cpu/sgl-kernels/gemm_int8.cpp:81), whose TORCH_CHECK ends the
+# whole process with SIGABRT. So every row runs in a child process forked from the parent
+# after vLLM is imported, the classes are discovered and the stand-ins are registered (a fork
+# imports nothing again). The child writes each stage to a file as the row starts it
+# (Outcome.stage), its stdout and stderr to a log, each answer vLLM got to
+# `torch.cpu._is_amx_tile_supported()` to another file (vLLM's own calls only, _watch_amx),
+# and its outcome to a pickle. A child that dies (a signal, or an exit without an outcome) is
+# that row's result: `crashed: SIGABRT: <the native error's what(), else the last line of its
+# stderr>`, at the stage it had reached, and the run goes on with the next row; a row still
+# running after --row-timeout seconds is ended by SIGALRM (`crashed: timed out after N s`).
+# Rows share no state any more: vLLM's module-level flags set by one row (e.g. humming.py's
+# `_patched`) no longer change the next row's reason.
+# GNU OpenMP's thread pool does not survive fork(): a child's first parallel op hangs if the
+# parent ever ran one with several threads. main() therefore sets torch to one thread before
+# anything runs, and each child restores the machine's count.
+# Test hooks, read in the child: GRAPHTRACE_AUDIT_TEST_ABORT=<row>[:<stage>] makes that row
+# call os.abort() when it reaches <stage> (default `select`); GRAPHTRACE_AUDIT_TEST_FAKE_AMX=1
+# makes `torch.cpu._is_amx_tile_supported()` answer yes, as on a CPU with AMX, so vLLM takes
+# its AMX code paths here (tests/vllm/test_kernel_audit.py).
+
+TEST_ABORT_ENV = "GRAPHTRACE_AUDIT_TEST_ABORT"
+TEST_FAKE_AMX_ENV = "GRAPHTRACE_AUDIT_TEST_FAKE_AMX"
+ROW_TIMEOUT = 600
+
+
+def cpu_features() -> dict:
+    """The CPU the audit ran on: model name, the /proc/cpuinfo flags that decide vLLM's CPU
+    code paths (amx_*, avx512*, avx2), what torch answers vLLM's AMX question with, and the
+    kind (amx / avx512 / avx2 / other) that committed results are compared by."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    relevant = sorted(f for f in flags if f.startswith(("amx", "avx512")) or f == "avx2")
+    amx = bool(torch.cpu._is_amx_tile_supported())
+    kind = ("amx" if amx else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags
+            else "other")
+    return {"model": model, "kind": kind, "flags": relevant, "amx_tile_supported": amx,
+            "faked_amx": os.environ.get(TEST_FAKE_AMX_ENV) == "1"}
+
+
+def _stage_started(path: Path, kernel: str, stage: str) -> None:
+    path.write_text(stage)
+    name, _, at = os.environ.get(TEST_ABORT_ENV, "").partition(":")
+    if name == kernel and (at or "select") == stage:
+        print(f"audit test hook ({TEST_ABORT_ENV}): os.abort() in {kernel} at {stage}",
+              file=sys.stderr, flush=True)
+        os.abort()
+
+
+def _watch_amx(path: Path) -> None:
+    """Record each time vLLM asks `torch.cpu._is_amx_tile_supported()`, and the answer
+    (yes when the fake-AMX test hook is set). Only vLLM's own calls count: torch's inductor
+    asks too, to choose the vector ISA of the code it compiles for vLLM's torch.compile'd
+    helpers (torch/_inductor/cpu_vec_isa.py), which changes no stale edge, and it gets the
+    real answer even under the hook (AMX code on a CPU without AMX would be SIGILL)."""
+    real = torch.cpu._is_amx_tile_supported
+    fake = os.environ.get(TEST_FAKE_AMX_ENV) == "1"
+    vllm_dir = os.sep + "vllm" + os.sep
+
+    def is_amx_tile_supported() -> bool:
+        if vllm_dir not in sys._getframe(1).f_code.co_filename:
+            return bool(real())
+        answer = True if fake else bool(real())
+        with open(path, "a") as f:
+            f.write(f"{answer}\n")
+        return answer
+
+    torch.cpu._is_amx_tile_supported = is_amx_tile_supported
+
+
+def _row_child(k: KernelInfo, work: Path, threads: int, timeout: int) -> None:
+    """The forked child: audit row `k`, pickle its outcome into `work`; never returns."""
+    global _ROW_STAGE_HOOK
+    code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        log = os.open(work / "log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(timeout)
+        torch.set_num_threads(threads)
+        _ROW_STAGE_HOOK = lambda name, stage: _stage_started(work / "stage", name, stage)  # noqa: E731
+        _watch_amx(work / "amx")
+        init_single_process_group()
+        res = audit_moe(k) if k.family == "moe" else audit_kernel(k)
+        data = {f.name: getattr(res, f.name) for f in fields(res) if f.name != "kernel"}
+        (work / "outcome.pkl").write_bytes(pickle.dumps(data))
+        code = 0
+    except BaseException:  # noqa: BLE001 (the parent reports it as the row's crash)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_row(k: KernelInfo, threads: int, timeout: int = ROW_TIMEOUT) -> Outcome:
+    """Audit one row in a child process (Note [audit row isolation]); a crash is its result."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vllm-audit-row-") as tmp:
+        work = Path(tmp)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _row_child(k, work, threads, timeout)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        asked = (work / "amx").read_text().split() if (work / "amx").exists() else []
+        if code == 0 and (work / "outcome.pkl").exists():
+            res = Outcome(k, **pickle.loads((work / "outcome.pkl").read_bytes()))
+        else:
+            stage = (work / "stage").read_text() if (work / "stage").exists() else "start"
+            log = (work / "log").read_text(errors="replace") if (work / "log").exists() else ""
+            res = Outcome(k, stage=stage, reason=crash_reason(code, log, timeout),
+                          seconds=time.perf_counter() - t0)
+    res.amx_asked = asked[-1] if asked else ""
+    return res
+
+
+def crash_reason(code: int, log: str, timeout: int) -> str:
+    """`crashed: <signal or exit code>: <what the process said last>`."""
+    if code < 0 and -code == signal.SIGALRM:
+        return f"crashed: timed out after {timeout} s"
+    how = signal.Signals(-code).name if code < 0 else f"exit {code}"
+    return f"crashed: {how}: {last_error(log)}"
+
+
+def last_error(log: str) -> str:
+    """A native error's `what():` (with the source line it was raised at), else the last line
+    the process wrote."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("what():"):
+            what = lines[i][len("what():"):].strip()
+            raised = next((line for line in lines[i + 1:i + 3]
+                           if line.startswith("Exception raised from")), "")
+            m = re.search(r"from (\w+) at .*?((?:csrc|aten|c10)/\S+:\d+)", raised)
+            if m:
+                what += f" (raised in {m.group(1)} at {m.group(2)})"
+            return what[:300]
+    return lines[-1][:300] if lines else "(no output)"
+
+
 def _vllm_version() -> str:
     import vllm
 
@@ -1571,10 +1909,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS,
                     help="folder for vllm_kernel_audit.md/.csv (default analysis/results)")
     ap.add_argument("--no-write", action="store_true", help="print the table, write nothing")
+    ap.add_argument("--row-timeout", type=int, default=ROW_TIMEOUT,
+                    help=f"seconds a row may run before it is ended (default {ROW_TIMEOUT})")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every row in this process (for a debugger): a native crash then "
+                         "ends the run (Note [audit row isolation])")
     args = ap.parse_args(argv)
 
+    # before anything runs a parallel op: Note [audit row isolation]
+    threads = torch.get_num_threads()
+    if not args.in_process:
+        torch.set_num_threads(1)
     t0 = time.perf_counter()
-    init_single_process_group()
+    cpu = cpu_features()
+    if args.in_process:
+        init_single_process_group()
     registered = install_standins()
     kernels = discover()
     if args.kernel:
@@ -1586,22 +1935,38 @@ def main(argv: list[str] | None = None) -> int:
     moe_methods = discover_moe()
     if args.kernel:
         moe_methods = [k for k in moe_methods if k.name in args.kernel]
+    todo = [*kernels, *moe_methods]
+    print(f"CPU: {cpu['model']} ({cpu['kind']}: {' '.join(cpu['flags']) or 'no AVX2'})"
+          + (" [AMX faked by test hook]" if cpu["faked_amx"] else "")
+          + f"; {len(todo)} rows, each in a process of its own" * (not args.in_process),
+          flush=True)
     outcomes = []
-    for k in [*kernels, *moe_methods]:
-        r = audit_moe(k) if k.family == "moe" else audit_kernel(k)
+    t_rows = time.perf_counter()
+    for i, k in enumerate(todo, 1):
+        if args.in_process:
+            r = audit_moe(k) if k.family == "moe" else audit_kernel(k)
+        else:
+            r = run_row(k, threads, args.row_timeout)
         outcomes.append(r)
         state = "ran" if r.ran else f"not run ({r.stage})"
-        print(f"{k.family:10s} {k.name:48s} {state:32s} {r.edges} "
+        spent = time.perf_counter() - t0
+        eta = (time.perf_counter() - t_rows) / i * (len(todo) - i)
+        print(f"[{i:3d}/{len(todo)} {spent:4.0f}s, ~{eta:.0f}s left] {k.family:10s} "
+              f"{k.name:48s} {state:32s} {r.edges} "
               f"{[f[1] for f in r.findings]}" + (f" {r.reason}" if not r.ran else ""),
               flush=True)
     table = rows(outcomes)
     elapsed = time.perf_counter() - t0
     if not args.no_write:
         write_csv(table, args.out / "vllm_kernel_audit.csv")
-        write_markdown(table, outcomes, args.out / "vllm_kernel_audit.md", registered, elapsed)
-        print(f"wrote {args.out}/vllm_kernel_audit.md and .csv")
+        write_markdown(table, outcomes, args.out / "vllm_kernel_audit.md", registered, elapsed,
+                       cpu)
+        write_cpu(cpu, outcomes, args.out / "vllm_kernel_audit.cpu.json")
+        print(f"wrote {args.out}/vllm_kernel_audit.md, .csv and .cpu.json")
     n_ran = sum(r.ran for r in outcomes)
-    print(f"{n_ran}/{len(outcomes)} kernel classes ran")
+    n_crashed = sum(r.reason.startswith("crashed:") for r in outcomes)
+    print(f"{n_ran}/{len(outcomes)} kernel classes ran"
+          + (f"; {n_crashed} crashed their process" if n_crashed else ""))
     return 0
 
 
