@@ -68,11 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--variant", action="append", choices=VARIANTS, metavar="NAME",
         help="kernel variant to run, repeatable (default: all; see the list below)")
-    parser.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto",
-        help="where the model runs: cuda captures real CUDA graphs (torch.cuda.graph), cpu "
-             "captures emulated graphs (graphtrace.capture) with CUDA graph address "
-             "semantics; auto picks cuda when available (default: auto)")
+    _auto_option(
+        parser, "--device", ("cpu", "cuda"),
+        "where the model runs: cuda captures real CUDA graphs (torch.cuda.graph), cpu "
+        "captures emulated graphs (graphtrace.capture) with CUDA graph address "
+        "semantics; auto picks cuda when available")
     parser.add_argument(
         "--out", default="graphtrace-report", metavar="DIR",
         help="report folder; each variant writes DIR/<variant>/new-weights and "
@@ -85,11 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0,
         help="seed of the first checkpoint; the reload uses seed+1 for weights and seed+2 "
              "for the act order (default: 0)")
-    parser.add_argument(
-        "--backend", choices=("auto", "vllm", "builtin"), default="auto",
-        help="reload code: vllm = vLLM's layerwise reload (record_metadata_for_reloading, "
-             "initialize_layerwise_reload, finalize_layerwise_reload), builtin = the demo's "
-             "own reload with the same steps; auto = vllm when importable (default: auto)")
+    _auto_option(
+        parser, "--backend", ("vllm", "builtin"),
+        "reload code: vllm = vLLM's layerwise reload (record_metadata_for_reloading, "
+        "initialize_layerwise_reload, finalize_layerwise_reload), builtin = the demo's "
+        "own reload with the same steps; auto = vllm when importable")
     parser.add_argument(
         "--layers", type=int, default=4, metavar="N",
         help="act-order layers in the model (default: 4)")
@@ -110,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "reads, a flip test that changes nothing; rejected fix: diverged; fix: no stale\n"
         "edges, a flip test that changes every output; Marlin-style: workspace and sort\n"
         "indices flagged), 1 otherwise, 2 on bad options.")
+
+
+def _auto_option(parser: argparse.ArgumentParser, flag: str, choices: tuple[str, ...],
+                 help: str) -> None:
+    """An option that is one of `choices` or "auto" (the default: decided when the demo
+    runs, by what this machine has)."""
+    parser.add_argument(flag, choices=("auto", *choices), default="auto",
+                        help=f"{help} (default: auto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
