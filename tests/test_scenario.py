@@ -199,3 +199,21 @@ def test_outputs_of_different_shapes_do_not_compare():
         sc.capture(inputs(1, 2))
     with pytest.raises(ScenarioError, match="baseline has 1 outputs for 2 graphs"):
         sc.flip(negate, baseline=[torch.zeros(1, 4)])
+
+
+class BufferOut(Linear):
+    """Returns one output buffer it overwrites on every call, as some engine kernels do."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("out", torch.zeros(2, 4))
+
+    def forward(self, x):
+        return torch.matmul(x, self.weight.t(), out=self.out)
+
+
+def test_eager_outputs_are_copies_so_the_flip_sees_eager_changes():
+    with Scenario(BufferOut(), strict=False) as sc:
+        sc.capture(inputs(2))
+    flip = sc.flip(negate, restore=negate, eager=True)
+    assert flip.eager_changed == 2 and flip.changed == 2

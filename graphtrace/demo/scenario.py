@@ -75,9 +75,10 @@ class Graph:
         return self.output.detach().clone()
 
     def eager(self, model: Callable) -> torch.Tensor:
-        """The model run eagerly on this graph's inputs (no grad)."""
+        """The model run eagerly on this graph's inputs (no grad); a copy of its output (an
+        engine may return a buffer the next call overwrites)."""
         with torch.no_grad():
-            return model(*self.inputs)
+            return model(*self.inputs).detach().clone()
 
 
 @dataclass
