@@ -35,10 +35,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from graphtrace.vocab import IMPACTS, STALE_VERDICTS
 
-__all__ = ["VARIANT_NOTES", "add_arguments", "build_parser", "Captured", "ScenarioResult",
+if TYPE_CHECKING:  # the runner imports torch (through .scenario) only when it runs
+    from .scenario import Graph, Scenario
+
+__all__ = ["VARIANT_NOTES", "add_arguments", "build_parser", "ScenarioResult",
            "run_scenario", "check", "format_table", "run", "main"]
 
 VARIANT_NOTES = {
@@ -64,11 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--variant", action="append", choices=VARIANTS, metavar="NAME",
         help="kernel variant to run, repeatable (default: all; see the list below)")
-    parser.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto",
-        help="where the model runs: cuda captures real CUDA graphs (torch.cuda.graph), cpu "
-             "captures emulated graphs (graphtrace.capture) with CUDA graph address "
-             "semantics; auto picks cuda when available (default: auto)")
+    _auto_option(
+        parser, "--device", ("cpu", "cuda"),
+        "where the model runs: cuda captures real CUDA graphs (torch.cuda.graph), cpu "
+        "captures emulated graphs (graphtrace.capture) with CUDA graph address "
+        "semantics; auto picks cuda when available")
     parser.add_argument(
         "--out", default="graphtrace-report", metavar="DIR",
         help="report folder; each variant writes DIR/<variant>/new-weights and "
@@ -81,11 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=0,
         help="seed of the first checkpoint; the reload uses seed+1 for weights and seed+2 "
              "for the act order (default: 0)")
-    parser.add_argument(
-        "--backend", choices=("auto", "vllm", "builtin"), default="auto",
-        help="reload code: vllm = vLLM's layerwise reload (record_metadata_for_reloading, "
-             "initialize_layerwise_reload, finalize_layerwise_reload), builtin = the demo's "
-             "own reload with the same steps; auto = vllm when importable (default: auto)")
+    _auto_option(
+        parser, "--backend", ("vllm", "builtin"),
+        "reload code: vllm = vLLM's layerwise reload (record_metadata_for_reloading, "
+        "initialize_layerwise_reload, finalize_layerwise_reload), builtin = the demo's "
+        "own reload with the same steps; auto = vllm when importable")
     parser.add_argument(
         "--layers", type=int, default=4, metavar="N",
         help="act-order layers in the model (default: 4)")
@@ -108,6 +112,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "indices flagged), 1 otherwise, 2 on bad options.")
 
 
+def _auto_option(parser: argparse.ArgumentParser, flag: str, choices: tuple[str, ...],
+                 help: str) -> None:
+    """An option that is one of `choices` or "auto" (the default: decided when the demo
+    runs, by what this machine has)."""
+    parser.add_argument(flag, choices=("auto", *choices), default="auto",
+                        help=f"{help} (default: auto)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphtrace demo", description=__doc__)
     add_arguments(parser)
@@ -127,20 +139,6 @@ def _batch_sizes(text: str) -> list[int]:
 # --------------------------------------------------------------------------------------
 # one scenario: build, load, capture, reload, diff, replay, flip
 # --------------------------------------------------------------------------------------
-
-@dataclass
-class Captured:
-    label: str
-    batch_size: int
-    x: object
-    y: object
-    replay: object  # callable
-    keepalive: list = field(default_factory=list, repr=False)
-
-    def run(self):
-        self.replay()
-        return self.y.detach().clone()
-
 
 @dataclass
 class ScenarioResult:
@@ -208,29 +206,18 @@ def _census_moves(before_refs: dict, after: dict) -> dict:
     return result
 
 
-def _capture(model, batch_sizes, device, torch, gt) -> list[Captured]:
-    out = []
-    for bs in batch_sizes:
-        x = model.make_input(bs)
-        label = f"bs{bs}"
-        if device.type == "cuda":  # warm-up outside the capture, as vLLM does; then labelled
-            graph, y = gt.capture_cuda_graph(lambda x=x: model(x), label, warmup=2)
-            # A CUDA graph holds addresses, not tensors. vLLM's capture/compile artifacts
-            # keep the capture-time kernel tensors alive (the seed measured 0/88 freed), so
-            # the reads are stale rather than dangling; model that here, as the emulated
-            # graph does on CPU. Without it a replay could read reused memory as indices.
-            keep = [t for d in _census(model).values() for t in d.values()]
-
-            def replay(graph=graph):
-                graph.replay()
-                torch.cuda.synchronize()
-
-            out.append(Captured(label, bs, x, y, replay, keep))
-        else:
-            with gt.capture(label) as graph:
-                y = model(x)
-            out.append(Captured(label, bs, x, y, graph.replay))
-    return out
+def _capture(sc: Scenario, batch_sizes, device) -> list[Graph]:
+    """One graph per batch size (label `bs<N>`) of the scenario's model, emulated or a real
+    CUDA graph by device."""
+    model = sc.model
+    # A CUDA graph holds addresses, not tensors. vLLM's capture/compile artifacts keep the
+    # capture-time kernel tensors alive (the seed measured 0/88 freed), so the reads are
+    # stale rather than dangling; `keepalive` models that, as the emulated graph does on
+    # CPU. Without it a replay could read reused memory as indices. On CUDA the warm-up
+    # runs outside the capture, as vLLM does.
+    return sc.capture([(f"bs{bs}", model.make_input(bs)) for bs in batch_sizes],
+                      device=device,
+                      keepalive=lambda: [t for d in _census(model).values() for t in d.values()])
 
 
 def _perm_edges(edges):
@@ -244,9 +231,8 @@ def run_scenario(variant: str, scenario: str, *, device, batch_sizes, seed: int,
     """Run one variant through one reload scenario and return what the table shows."""
     import torch
 
-    import graphtrace as gt
-
     from .model import DemoModel
+    from .scenario import Scenario
 
     log = log or (lambda *_: None)
     device = torch.device(device)
@@ -255,36 +241,31 @@ def run_scenario(variant: str, scenario: str, *, device, batch_sizes, seed: int,
     # The trace is open from the model's construction to the diff, so that the report can
     # say where (and that during the reload) each captured tensor and its replacement were
     # made (Note [provenance] in graphtrace/provenance.py).
-    tr = gt.trace(strict=strict)
-    tr.__enter__()
-    state = {"open": True}
-    try:
+    with Scenario(strict=strict) as sc:
         with torch.no_grad():
             model = DemoModel(variant, n_layers=n_layers, seed=seed, device=device,
                               reload_backend=backend)
-        tr.watch(model)
+        sc.watch(model)
+        del model
         timings["build"] = time.perf_counter() - t0
 
         t = time.perf_counter()
-        with torch.no_grad():
-            captured = _capture(model, batch_sizes, device, torch, gt)
+        _capture(sc, batch_sizes, device)
         timings["capture"] = time.perf_counter() - t
-        return _after_capture(tr, model, captured, variant, scenario, device=device,
-                              seed=seed, backend=backend, n_layers=n_layers, out=out,
-                              log=log, timings=timings, state=state)
-    finally:
-        if state["open"]:
-            tr.__exit__(None, None, None)
+        return _after_capture(sc, variant, scenario, device=device, seed=seed,
+                              backend=backend, n_layers=n_layers, out=out, log=log,
+                              timings=timings)
 
 
-def _after_capture(tr, model, captured, variant, scenario, *, device, seed, backend,
-                   n_layers, out, log, timings, state) -> ScenarioResult:
+def _after_capture(sc: Scenario, variant, scenario, *, device, seed, backend, n_layers, out,
+                   log, timings) -> ScenarioResult:
     import torch
 
     from .reload import reload
+    from .scenario import same_rows
 
-    with torch.no_grad():
-        before = [c.run() for c in captured]
+    model = sc.model
+    before = sc.replay()
     census_before = _census(model)
     refs = {h: {l: _storage_ref(ten) for l, ten in d.items()} for h, d in census_before.items()}
     perms_before = {l: d.clone() for l, d in census_before.get(
@@ -297,15 +278,14 @@ def _after_capture(tr, model, captured, variant, scenario, *, device, seed, back
     else:
         ckpt = model.make_checkpoint(seed + 1, seed + 2)
     t = time.perf_counter()
-    used = reload(model, ckpt, backend=backend if backend != "auto" else "auto")
+    used = sc.reload(lambda m: reload(m, ckpt, backend=backend if backend != "auto" else "auto"))
     timings["reload"] = time.perf_counter() - t
     del ckpt
 
     t = time.perf_counter()
-    report = tr.diff()
+    report = sc.diff()
     timings["diff"] = time.perf_counter() - t
-    state["open"] = False
-    tr.__exit__(None, None, None)
+    sc.close()
 
     res = ScenarioResult(variant, scenario, used, str(device), n_layers)
     census_after = _census(model)
@@ -332,14 +312,9 @@ def _after_capture(tr, model, captured, variant, scenario, *, device, seed, back
     res.report = report
 
     t = time.perf_counter()
-    with torch.no_grad():
-        after = [c.run() for c in captured]
-        eager = [model(c.x) for c in captured]
-    res.rows = sum(c.batch_size for c in captured)
-
-    def same_rows(a, b):
-        return int((a == b).all(dim=-1).sum())
-
+    after = sc.replay()
+    eager = sc.eager()
+    res.rows = sc.rows
     res.replay_eq_eager = sum(same_rows(a, e) for a, e in zip(after, eager))
     res.replay_eq_before = sum(same_rows(a, b) for a, b in zip(after, before))
 
@@ -352,14 +327,12 @@ def _after_capture(tr, model, captured, variant, scenario, *, device, seed, back
                        "kernel.act_perm's perm" if "act_perm" in holders else
                        "layer.g_idx_sort_indices (plain attribute)")
         res.flip_target = target_name
-        with torch.no_grad():
+
+        def reverse(_model):  # reversing twice restores the permutation
             for p in targets:
                 p.copy_(p.flip(0))
-            flipped = [c.run() for c in captured]
-            for p in targets:
-                p.copy_(p.flip(0))
-        res.flip_changed = sum(c.batch_size - same_rows(f, a)
-                               for c, f, a in zip(captured, flipped, after))
+
+        res.flip_changed = sc.flip(reverse, restore=reverse, baseline=after).changed
     timings["replay"] = time.perf_counter() - t
 
     if out is not None:
@@ -371,7 +344,7 @@ def _after_capture(tr, model, captured, variant, scenario, *, device, seed, back
     res.timings = timings
     log(f"  {variant:<15} {scenario:<12} " + " · ".join(
         f"{k} {v * 1000:.0f} ms" for k, v in timings.items()) + f" · reload: {used}")
-    del captured, model, tr
+    sc.graphs.clear()
     return res
 
 

@@ -201,8 +201,8 @@ def emulated_capture_on_any_device():
 
     original = runner._capture
 
-    def emulated(model, batch_sizes, device, torch, gt):
-        return original(model, batch_sizes, torch.device("cpu"), torch, gt)
+    def emulated(sc, batch_sizes, device):
+        return original(sc, batch_sizes, "cpu")
 
     runner._capture = emulated
     try:
@@ -347,19 +347,19 @@ def stale_read_figures(notes: Notes, variant: str, device: str = "cuda", *,
     """
     import torch
 
-    import graphtrace as gt
     from graphtrace.demo import runner
     from graphtrace.demo.model import DemoModel
     from graphtrace.demo.reload import reload
+    from graphtrace.demo.scenario import Scenario
 
     dev = torch.device(device)
     with torch.no_grad():
         model = DemoModel(variant, n_layers=layers, seed=0, device=dev, reload_backend=backend)
-        with gt.trace(model) as tr:
-            captured = runner._capture(model, list(batch_sizes), dev, torch, gt)
-        rows = sum(c.batch_size for c in captured)
-        replay0 = [c.run() for c in captured]
-        eager0 = [model(c.x) for c in captured]
+        with Scenario(model, strict=False) as sc:
+            runner._capture(sc, list(batch_sizes), dev)
+        rows = sc.rows
+        replay0 = sc.replay()
+        eager0 = sc.eager()
         sane = sum(rows_equal(r, e, False) for r, e in zip(replay0, eager0))
 
         def live_perms():
@@ -367,11 +367,11 @@ def stale_read_figures(notes: Notes, variant: str, device: str = "cuda", *,
 
         capture_perms = {n: p.clone() for n, p in live_perms().items() if p is not None}
         used = reload(model, model.make_checkpoint(1, 2), backend=backend)
-        report = tr.diff()
+        report = sc.diff()
         stale_edges = int(report.edges["verdict"].astype(str).isin(STALE_VERDICTS).sum())
 
-        replay1 = [c.run() for c in captured]
-        eager1 = [model(c.x) for c in captured]
+        replay1 = sc.replay()
+        eager1 = sc.eager()
         eq_new = sum(rows_equal(r, e, False) for r, e in zip(replay1, eager1))
         eq_new_exact = sum(rows_equal(r, e, True) for r, e in zip(replay1, eager1))
         eq_before = sum(rows_equal(r, b, False) for r, b in zip(replay1, replay0))
@@ -381,22 +381,21 @@ def stale_read_figures(notes: Notes, variant: str, device: str = "cuda", *,
         for n, p in live.items():
             if n in capture_perms and capture_perms[n].shape == p.shape:
                 p.copy_(capture_perms[n])
-        eager_old = [model(c.x) for c in captured]
+        eager_old = sc.eager()
         for n, p in live.items():
             p.copy_(saved[n])
         eq_oldperm = sum(rows_equal(r, e, False) for r, e in zip(replay1, eager_old))
         eq_oldperm_exact = sum(rows_equal(r, e, True) for r, e in zip(replay1, eager_old))
+
         # an act-order change in place: flip the permutation an eager forward reads now
-        for p in live.values():
-            p.copy_(p.flip(0))
-        replay2 = [c.run() for c in captured]
-        eager2 = [model(c.x) for c in captured]
-        for p in live.values():
-            p.copy_(p.flip(0))
-        eager_changed = rows - sum(rows_equal(a, b, True) for a, b in zip(eager2, eager1))
-        replay_changed = rows - sum(rows_equal(a, b, True) for a, b in zip(replay2, replay1))
+        def reverse(_model):  # reversing twice restores it
+            for p in live.values():
+                p.copy_(p.flip(0))
+
+        flip = sc.flip(reverse, restore=reverse, baseline=replay1, eager=True)
+        eager_changed, replay_changed = flip.eager_changed, flip.changed
         max_err = max(float((r - e).abs().max()) for r, e in zip(replay1, eager1))
-        del captured, tr, report
+        del sc, report
         if dev.type == "cuda":
             torch.cuda.synchronize()
     fig = dict(rows=rows, replay_eq_eager_before_reload=sane, stale_like_edges=stale_edges,

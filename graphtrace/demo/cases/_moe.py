@@ -8,7 +8,7 @@ and run by `quant_method.apply`. Two custom ops carry the real kernels' tensor a
 the recorder sees every tensor the real kernel reads.
 
 `run_case` is what every MoE case runs: load, capture, reload (in place or layerwise),
-diff, flip.
+diff, flip; each case's fix is one switch of its quant method, on for the "fixed" variant.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from .harness import (CaseModel, capture_reload_diff, make_param, reload_inplace
                       reload_layerwise)
 from .spec import Outcome
 
-__all__ = ["dense_moe", "silu_and_mul", "FusedMoEMethodBase", "FusedMoE", "MoEBlock", "Layer",
-           "MoEModel", "negate_live_w13", "run_case"]
+__all__ = ["dense_moe", "silu_and_mul", "FusedMoEMethodBase", "UnquantizedMoEMethod", "FusedMoE",
+           "MoEBlock", "Layer", "MoEModel", "negate_live_w13", "run_case"]
 
 E, H, I, TOPK = 4, 16, 8, 2
 
@@ -100,6 +100,15 @@ class FusedMoEMethodBase:
     def create_weights(self, layer):
         layer.w13_weight = make_param((E, 2 * I, H), self.weight_dtype)
         layer.w2_weight = make_param((E, H, I), self.weight_dtype)
+
+
+class UnquantizedMoEMethod(FusedMoEMethodBase):
+    """vLLM's `UnquantizedFusedMoEMethod.apply`: the experts (SiLU-and-mul) on the live
+    `w13_weight` / `w2_weight`. The unquantized cases differ in its process-weights step."""
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        return dense_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                         silu_and_mul)
 
 
 class FusedMoE(torch.nn.Module):
@@ -187,17 +196,19 @@ def negate_live_w13(model: MoEModel) -> str:
     return "the live w13_weight, negated in place"
 
 
-def run_case(make_method, reload: str, perturb, backend: str = "auto") -> Outcome:
-    """Build a `MoEModel` of `make_method()` layers, load checkpoint 0, capture, reload
-    checkpoint 1 (`reload`: "vllm-inplace" or "vllm-layerwise", a key of `spec.RELOADS`),
-    diff, and flip with `perturb`."""
+def run_case(make_method, variant: str, reload: str, perturb, backend: str = "auto") -> Outcome:
+    """Build a `MoEModel` whose layers' quant method is `make_method(fixed)` (`fixed`: the
+    variant is "fixed"), load checkpoint 0, capture, reload checkpoint 1 (`reload`:
+    "vllm-inplace" or "vllm-layerwise", a key of `spec.RELOADS`), diff, and flip with
+    `perturb`."""
+    fixed = variant == "fixed"
     if reload == "vllm-inplace":
-        model = MoEModel(make_method, backend=None)
+        model = MoEModel(lambda: make_method(fixed), backend=None)
 
         def do_reload(m):
             return reload_inplace(m, m.checkpoint(1))
     elif reload == "vllm-layerwise":
-        model = MoEModel(make_method, backend=backend)
+        model = MoEModel(lambda: make_method(fixed), backend=backend)
 
         def do_reload(m):
             return reload_layerwise(m, m.checkpoint(1), backend=backend)

@@ -3,7 +3,8 @@
 Cases build a tiny model, then call `capture_reload_diff` with the inputs to capture (one
 graph each, emulated on CPU: `gt.capture` replays on the captured storages, as a CUDA graph
 does), the reload to run, and the flip test's perturbation (in place, on the tensors the
-eager model reads after the reload). The reloads here are the engines' own steps:
+eager model reads after the reload); the steps themselves are `graphtrace.demo.scenario`'s,
+shared with the seed demo. The reloads here are the engines' own steps:
 
 * `reload_layerwise`: `graphtrace.demo.reload.reload` (vLLM's real layerwise reload when
   vLLM is installed and the model recorded its metadata for it, else the built-in one
@@ -20,8 +21,7 @@ from typing import Callable, Iterable
 
 import torch
 
-import graphtrace as gt
-
+from .. import scenario
 from ..kernels import replace_parameter, weight_loader  # noqa: F401  (re-exported for cases)
 from .spec import Outcome
 
@@ -77,41 +77,17 @@ def capture_reload_diff(model: torch.nn.Module, inputs: Iterable[tuple[str, torc
                         reload: Callable[[torch.nn.Module], str],
                         perturb: Callable[[torch.nn.Module], str] | None = None, *,
                         emulate: bool = True, strict: bool = True) -> Outcome:
-    """Capture one graph per input, reload, diff; replay and flip when the graphs replay.
+    """Capture one graph per input, reload, diff; replay and flip when the graphs replay
+    (`graphtrace.demo.scenario.run`, as a case's `Outcome`).
 
     `reload(model)` returns the name of the reload code that ran. `perturb(model)` changes,
-    in place, the tensors the eager model reads after the reload, and names them.
+    in place, the tensors the eager model reads after the reload, and names them. The
+    reload runs inside the trace: the report says where the replacements were made (the
+    model was built before the trace: its storages read "before trace").
     """
-    with torch.no_grad(), gt.trace(model, strict=strict) as tr:
-        captured = []
-        for label, x in inputs:
-            with gt.capture(label, emulate=emulate) as graph:
-                y = model(x)
-            captured.append((x, y, graph if emulate else None))
-        # the reload inside the trace: the report says where the replacements were made
-        # (the model was built before the trace: its storages read "before trace")
-        with torch.enable_grad():
-            backend = reload(model)
-        report = tr.diff()
-    out = Outcome(report=report, backend=backend)
-    if not emulate:
-        return out
-    with torch.no_grad():
-        after = [_replay(g, y) for _, y, g in captured]
-        eager = [model(x) for x, _, _ in captured]
-        out.rows = sum(a.shape[0] for a in after)
-        out.replay_eq_eager = sum(_same_rows(a, e) for a, e in zip(after, eager))
-        if perturb is not None:
-            out.flip_target = perturb(model)
-            flipped = [_replay(g, y) for _, y, g in captured]
-            out.flip_changed = sum(a.shape[0] - _same_rows(a, f) for a, f in zip(after, flipped))
+    res = scenario.run(model, inputs, reload, perturb, emulate=emulate, strict=strict)
+    out = Outcome(report=res.report, backend=res.reloaded, rows=res.rows,
+                  replay_eq_eager=res.replay_eq_eager)
+    if res.flip is not None:
+        out.flip_target, out.flip_changed = res.flip.target, res.flip.changed
     return out
-
-
-def _replay(graph, y: torch.Tensor) -> torch.Tensor:
-    graph.replay()
-    return y.detach().reshape(y.shape[0], -1).clone()
-
-
-def _same_rows(a: torch.Tensor, b: torch.Tensor) -> int:
-    return int((a.reshape(a.shape[0], -1) == b.reshape(b.shape[0], -1)).all(dim=-1).sum())

@@ -27,9 +27,9 @@ from typing import Callable, Iterable
 from graphtrace.vocab import STALE_VERDICTS, VERDICTS
 
 __all__ = [
-    "KINDS", "FLIPS", "RELOADS", "Expect", "Variant", "buggy_and_fixed", "Case", "Outcome",
-    "Finding", "VariantResult", "check", "run_variant", "run_case", "format_case", "summary_line",
-    "markdown_table"
+    "KINDS", "FLIPS", "RELOADS", "Expect", "Variant", "buggy_and_fixed", "control", "Case",
+    "Outcome", "Finding", "VariantResult", "check", "run_variant", "run_case", "format_case",
+    "summary_line", "markdown_table"
 ]
 
 KINDS = ("buggy", "fixed", "control")
@@ -99,6 +99,14 @@ def buggy_and_fixed(buggy: str, fixed: str, expect: dict[str, str],
                     flip="frozen" if flip else None),
             Variant("fixed", "fixed", fixed, tuple(Expect(p, "stable") for p in stable),
                     flip="follows" if flip else None))
+
+
+def control(name: str, summary: str, stable: Iterable[str]) -> Variant:
+    """A negative control, `summary`: values go wrong in the very storage the graphs read,
+    so each pattern of `stable` stays `stable`, nothing is stale-like, and the graphs
+    follow the flip test."""
+    return Variant(name, "control", summary, tuple(Expect(p, "stable") for p in stable),
+                   flip="follows")
 
 
 @dataclass(frozen=True)

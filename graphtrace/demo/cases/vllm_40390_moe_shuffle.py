@@ -44,7 +44,7 @@ def unshuffle_weight(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(*lead, BLOCK, k // BLOCK).transpose(-1, -2).reshape(*lead, k)
 
 
-class UnquantizedFusedMoEMethod(_moe.FusedMoEMethodBase):
+class UnquantizedFusedMoEMethod(_moe.UnquantizedMoEMethod):
     def __init__(self, prefer_copy_on_update: bool):
         self.prefer_copy_on_update = prefer_copy_on_update
         self.moe_kernel = None
@@ -58,15 +58,14 @@ class UnquantizedFusedMoEMethod(_moe.FusedMoEMethodBase):
         if not is_weight_update:
             self.moe_kernel = "rocm_aiter_fused_experts"  # set up once
 
-    def apply(self, layer, x, topk_weights, topk_ids):
+    def apply(self, layer, x, topk_weights, topk_ids):  # the kernel reads the shuffled layout
         return _moe.dense_moe(x, unshuffle_weight(layer.w13_weight),
                               unshuffle_weight(layer.w2_weight), topk_weights, topk_ids,
                               _moe.silu_and_mul)
 
 
 def run(variant: str, backend: str = "auto"):
-    return _moe.run_case(lambda: UnquantizedFusedMoEMethod(variant == "fixed"), CASE.reload,
-                         _moe.negate_live_w13)
+    return _moe.run_case(UnquantizedFusedMoEMethod, variant, CASE.reload, _moe.negate_live_w13)
 
 
 CASE = Case(

@@ -110,7 +110,7 @@ def run(variant: str, backend: str = "auto"):
             experts.quant_method.moe_quant_config._w1.scale.mul_(2.0)
         return "the live quant config's _w1.scale, doubled in place"
 
-    return _moe.run_case(lambda: Fp8MoEMethod(build_once=variant == "fixed"), CASE.reload,
+    return _moe.run_case(lambda fixed: Fp8MoEMethod(build_once=fixed), variant, CASE.reload,
                          perturb, backend)
 
 

@@ -35,7 +35,7 @@ def is_padded(weight: torch.Tensor) -> bool:
     return weight.stride(-2) == weight.shape[-1] + NUM_PAD
 
 
-class PaddedMoEMethod(_moe.FusedMoEMethodBase):
+class PaddedMoEMethod(_moe.UnquantizedMoEMethod):
     def __init__(self, copy_on_update: bool):
         self.copy_on_update = copy_on_update
 
@@ -48,14 +48,9 @@ class PaddedMoEMethod(_moe.FusedMoEMethodBase):
             else:
                 param.data = padded  # the bug: a new storage on every run
 
-    def apply(self, layer, x, topk_weights, topk_ids):
-        return _moe.dense_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                              _moe.silu_and_mul)
-
 
 def run(variant: str, backend: str = "auto"):
-    return _moe.run_case(lambda: PaddedMoEMethod(variant == "fixed"), CASE.reload,
-                         _moe.negate_live_w13)
+    return _moe.run_case(PaddedMoEMethod, variant, CASE.reload, _moe.negate_live_w13)
 
 
 CASE = Case(

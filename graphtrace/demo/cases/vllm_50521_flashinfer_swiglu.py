@@ -78,8 +78,7 @@ def run(variant: str, backend: str = "auto"):
             experts.quant_method.moe_kernel.fused_experts.constant("gemm1_alpha").add_(1.0)
         return "the live gemm1_alpha, +1 in place"
 
-    return _moe.run_case(lambda: FlashInferMoEMethod(variant == "fixed"), CASE.reload,
-                         perturb, backend)
+    return _moe.run_case(FlashInferMoEMethod, variant, CASE.reload, perturb, backend)
 
 
 _HELD = f"{EXPERTS}.quant_method.moe_kernel.fused_experts"
