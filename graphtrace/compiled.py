@@ -16,7 +16,8 @@ open the class method is wrapped; it is restored when the trace closes. A call m
 capture region is recording on this thread becomes one op `compiled::<region>` whose
 arguments are, in order,
 
-* the graph's inputs (`mutated_input_idxs`: writes; the others reads), named by Dynamo's
+* the graph's inputs (read; those in `mutated_input_idxs` are also written, in a row after
+  all the op's reads), named by Dynamo's
   graph-arg source (`L['self']._modules['0']._parameters['weight']`) when the graph was
   compiled while the trace was open, else `input<i>`;
 * the constants compiled into the graph (`constants`, frozen parameters), read from the
@@ -125,16 +126,23 @@ class CompiledRegion:
             space = getattr(getattr(runner, "call", None), "__globals__", None) or {}
         return [space.get(g) for _, g in self.constant_names]
 
+    def mutated_inputs(self) -> list[int]:
+        """The positions of the inputs the compiled code writes, in order."""
+        return sorted(i for i in self.mutated if 0 <= i < self.n_inputs)
+
     def make_plan(self, names, args: Sequence) -> _RegionPlan:
-        """Row codes: inputs (mutated ones write), then constants (read); arg ids interned."""
+        """Row codes: inputs and constants (read), then the mutated inputs again (written);
+        arg ids interned."""
         n_inputs = self.n_inputs = len(args)
         if len(self.arg_names) != n_inputs:  # Dynamo's placeholders did not line up
             self.arg_names = [f"input{i}" for i in range(n_inputs)]
             self.sources = []
             self.names_from = "position"
-        codes = [pack_code(names(a), WRITE if i in self.mutated else READ)
-                 for i, a in enumerate(self.arg_names)]
+        codes = [pack_code(names(a), READ) for a in self.arg_names]
         codes += [pack_code(names(a), READ) for a, _ in self.constant_names]
+        # a mutated input is read too (a running stat's momentum update, `add_`): its write
+        # row comes after every read (`_record` passes those inputs again at the end)
+        codes += [pack_code(names(self.arg_names[i]), WRITE) for i in self.mutated_inputs()]
         self.plan = _RegionPlan(names(REGION_PREFIX + self.name), tuple(codes), names("out"),
                                 opaque=any(is_opaque(a) for a in args))
         return self.plan
@@ -421,6 +429,9 @@ class CompiledPatch:
             # writers look plans up here first
         constants = region.constants(graph) if region.constant_names else None
         values = args + tuple(constants) if constants else args
+        mutated = region.mutated_inputs()
+        if mutated:  # the plan's write rows, after the constants (one per name: make_plan)
+            values += tuple(args[i] for i in mutated)
         flags = mode.writer.record(region, values, None, out)
         if emulated is not None:
             with _disable_current_modes():  # keep() makes aliases: ops no mode may record

@@ -353,6 +353,77 @@ def test_freezing_constants_are_recorded_with_their_names_and_folded_ones_named(
     assert any("freezing" in s for s in report.blind_spots)
 
 
+# --------------------------------------------------------------------------- mutated inputs
+
+class CountingNet(torch.nn.Module):
+    """A registered buffer the forward mutates in place, then reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(4))
+        self.register_buffer("buf", torch.zeros(4))
+
+    def forward(self, x):
+        self.buf.add_(1)
+        return x * self.w + self.buf
+
+
+class TrainBatchNorm(torch.nn.Module):
+    """BatchNorm in train mode: its running stats are read and updated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(x)
+
+
+MUTATED = {
+    "add_": (CountingNet, {"buf"}, {"w"}),
+    "batchnorm": (TrainBatchNorm, {"bn.running_mean", "bn.running_var",
+                                   "bn.num_batches_tracked"}, {"bn.weight", "bn.bias"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MUTATED))
+def test_an_input_the_compiled_region_mutates_is_recorded_as_written(case, writer):
+    """Inductor keeps an inference graph's input mutations inside the compiled code
+    (`mutated_input_idxs`): no aten op shows the write, only the region's own op can. A
+    mutated buffer is read and written by the region (`read+write`), the others read."""
+    cls, mutated, read_only = MUTATED[case]
+    torch.manual_seed(0)
+    m = cls()
+    c = torch.compile(m, backend="inductor", fullgraph=True)
+    x = torch.rand(3, 4)
+    with torch.no_grad():
+        c(x)  # compiled before the trace opens
+        with gt.trace(m, strict=True) as t:
+            with gt.capture("c") as g:
+                c(x)
+    report = t.diff()
+    e = report.edges.set_index(report.edges["owners"].astype(str))
+    for owner in mutated | read_only:
+        assert str(e.loc[owner, "ops"]).startswith("compiled::"), e.loc[owner]
+    access = {o: str(e.loc[o, "access"]) for o in mutated | read_only}
+    assert access == {**{o: "read+write" for o in mutated}, **{o: "read" for o in read_only}}
+    # the region reads what it mutates: no "recomputed by each replay"
+    assert {str(e.loc[o, "origin"]) for o in mutated} == {"external"}
+    assert not report.errors
+    before = {o: m.get_buffer(o).clone() for o in mutated}
+    with torch.no_grad():
+        g.replay()  # the replay mutates the captured buffers again, as a CUDA graph would
+    assert any(not torch.equal(m.get_buffer(o), before[o]) for o in mutated)
+    # a rebinding load of the buffers: the graph keeps mutating (and reading) the old ones
+    for o in mutated:
+        mod, _, name = o.rpartition(".")
+        setattr(m.get_submodule(mod) if mod else m, name, m.get_buffer(o).clone())
+    e = t.diff().edges.set_index("owners")
+    assert {str(e.loc[o, "verdict"]) for o in mutated} == {"stale"}
+    assert {str(e.loc[o, "verdict"]) for o in read_only} == {"stable"}
+    del g
+
+
 # --------------------------------------------------------------------------- helpers
 
 def test_pair_triton_args_pairs_tensors_with_signature_names():

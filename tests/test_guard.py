@@ -337,3 +337,68 @@ def test_opaque_handle_owner_agrees_with_diff():
     assert set(problems["owners"]) == {"0._packed_params._packed_params"}
     assert set(problems["verdict"]) == {"stale"} and list(problems["live_data_ptr"]) == [0]
     del g
+
+
+class BigHolders(torch.nn.Module):
+    """A parameter and a plain tensor attribute big enough that the CPU allocator hands a
+    freed block's address straight back to the next allocation of that size: above glibc's
+    largest mmap threshold (32 MiB), each is a mapping of its own, unmapped when freed, and
+    the kernel maps the next one of that size into the same gap. (Smaller blocks come from
+    the heap, where the address comes back only now and then.)"""
+
+    N = (32 << 20) // 4 + 1024  # floats
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(self.N))
+        self.scale = torch.rand(self.N)
+
+    def forward(self, x):
+        return x.sum() * self.w * self.scale
+
+
+def _same_address_again(old_ptr: int, numel: int, tries: int = 4) -> torch.Tensor | None:
+    """A new tensor of `numel` floats whose storage lies at `old_ptr` (freed by the caller),
+    or None after `tries` allocations (each miss is held, so the next one lands elsewhere)."""
+    held = []
+    for _ in range(tries):
+        t = torch.empty(numel)
+        if t.data_ptr() == old_ptr:
+            return t
+        held.append(t)
+    return None
+
+
+@pytest.mark.parametrize("holder", ["w", "scale"])
+def test_a_new_storage_at_the_freed_address_is_not_the_captured_one(holder):
+    """Note [guard identity]: the guard compares storages, not addresses. The owner is rebound
+    to a NEW storage that lies at the captured (freed) storage's address, while the guard
+    holds its weak handle: the graph reads freed memory (dangling), whatever lies there."""
+    model = BigHolders()
+    with gt.trace(model, strict=True) as t:
+        with gt.capture("g", emulate=False):  # no capture artifact keeps the storage alive
+            model(torch.rand(2, 4))
+    guard = t.guard()
+    assert guard.identity == {"storage": 2, "data_ptr": 0}
+    assert guard.check().empty
+    old = getattr(model, holder)
+    old_ptr, numel, cdata = old.data_ptr(), old.numel(), old.untyped_storage()._cdata
+    ref = StorageWeakRef(old.untyped_storage())
+    delattr(model, holder)  # the captured storage is freed (the guard holds it weakly)
+    del old
+    gc.collect()
+    assert ref.expired(), "something keeps the captured storage alive"
+    new = _same_address_again(old_ptr, numel)
+    if new is None:
+        pytest.skip(f"the allocator did not hand address {old_ptr:#x} out again (4 tries): "
+                    "the address-reuse case cannot be made here")
+    assert new.untyped_storage()._cdata != cdata  # another storage, the same address
+    new = new.copy_(torch.rand(numel))
+    setattr(model, holder, torch.nn.Parameter(new) if holder == "w" else new)
+    problems = guard.check()
+    assert list(problems["owners"]) == [holder], problems
+    assert list(problems["verdict"]) == ["dangling"] and list(problems["statuses"]) == ["moved"]
+    assert list(problems["live_data_ptr"]) == [old_ptr]  # the same address, all the same
+    assert guard_problems(problems) == diff_problems(t.diff())
+    with pytest.raises(gt.StaleGraphError, match=rf"dangling .* owned by {holder} \[moved\]"):
+        guard.enforce()

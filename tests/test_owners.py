@@ -402,3 +402,126 @@ def test_moved_agrees_with_resolving_every_path(mutation):
         assert lib.paths_moved(model, nn.Module, nn.Parameter, [], [], []) == []
         with pytest.raises(TypeError, match="paths_moved"):
             lib.paths_moved(model, nn.Module, nn.Parameter, [], [0], [])
+
+
+# --------------------------------------------------------------------------- opaque handles
+
+def _prepacked(seed: int) -> torch.ScriptObject:
+    """A `torch.classes.quantized.LinearPackedParamsBase` (packed int8 weights, CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated
+        qw = torch.quantize_per_tensor(torch.rand(4, 4, generator=g), 0.01, 0, torch.qint8)
+    return torch.ops.quantized.linear_prepack(qw, torch.zeros(4))
+
+
+class PackedKernel:
+    """A kernel object keeping packed weights as a quantization method does: bound into a
+    partial, in a dict, and a spare one in a list that no forward reads."""
+
+    def __init__(self, packed: torch.ScriptObject, spare: torch.ScriptObject):
+        self.apply = functools.partial(torch.ops.quantized.linear_dynamic, W_prepack=packed)
+        self.by_name = {"w": packed}
+        self.spares = [spare]
+
+
+class Packed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated
+            self.fc = torch.ao.quantization.quantize_dynamic(
+                nn.Sequential(nn.Linear(4, 4)), {nn.Linear}, dtype=torch.qint8)[0]
+        self.kernel = PackedKernel(_prepacked(1), _prepacked(2))
+
+    def forward(self, x):
+        return self.fc(x) + self.kernel.apply(x)
+
+
+PACKED = {"fc._packed_params._packed_params", "kernel.apply.keywords['W_prepack']",
+          "kernel.by_name['w']", "kernel.spares[0]"}
+
+
+def test_script_objects_are_owned_as_attributes_and_resolve_to_themselves():
+    """Opaque handles (Note [opaque handles]) are walked like tensors wherever they are held:
+    kind attribute, each path resolving (resolve_path, PathSet) to the very object."""
+    model = Packed()
+    found = [(p, k, t) for p, k, t in owners(model) if isinstance(t, torch.ScriptObject)]
+    assert {(p, k) for p, k, _ in found} == {(p, "attribute") for p in PACKED}
+    by_path = {p: t for p, _, t in found}
+    assert by_path["fc._packed_params._packed_params"] is model.fc._packed_params._packed_params
+    assert by_path["kernel.apply.keywords['W_prepack']"] is by_path["kernel.by_name['w']"]
+    paths = sorted(PACKED)
+    assert [resolve_path(model, p) for p in paths] == [by_path[p] for p in paths]
+    assert PathSet(paths).resolve(model) == [by_path[p] for p in paths]
+    model.kernel.by_name["w"] = _prepacked(3)  # rebound: the path reaches the new object
+    assert resolve_path(model, "kernel.by_name['w']") is model.kernel.by_name["w"]
+    model.kernel.spares.clear()
+    assert resolve_path(model, "kernel.spares[0]") is None  # orphaned
+
+
+@pytest.mark.parametrize("mutation", ["nothing", "repacked in the dict", "fc repacked"])
+def test_moved_follows_script_objects_with_and_without_native(mutation):
+    """PathSet.moved compares an opaque handle by its proxy storage (one per underlying
+    object), in Python and through the native fast path alike."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from graphtrace import native
+    from graphtrace.opaque import storage_of
+
+    lib = native.load(required=False)
+    model = Packed()
+    paths = sorted(PACKED)
+    # weak handles keep each proxy's address unique while they are compared against, as
+    # the owner snapshot's walk handles do (a freed proxy's address is handed out again)
+    handles = [StorageWeakRef(storage_of(resolve_path(model, p))) for p in paths]
+    before = [h.cdata for h in handles]
+    python_set, native_set = PathSet(paths), PathSet(paths)
+    python_set.resolve(model)
+    native_set.resolve(model)
+    assert not python_set.moved(model, before)
+    if lib is not None:
+        assert not native_set.moved(model, before, lib)
+    if mutation == "repacked in the dict":
+        model.kernel.by_name["w"] = _prepacked(3)
+    elif mutation == "fc repacked":
+        fc = model.fc
+        fc._packed_params._packed_params = _prepacked(4)
+    want = mutation != "nothing"
+    assert python_set.moved(model, before) == want
+    if lib is not None:
+        assert native_set.moved(model, before, lib) == want
+
+
+def test_script_object_owners_in_a_report_through_the_public_api():
+    """gt.trace + gt.capture: the packed objects a graph reads are storages (device opaque)
+    owned by their attribute paths; a rebound holder makes its edge diverged."""
+    import graphtrace as gt
+
+    model = Packed()
+    x = torch.rand(2, 4)
+    with gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            model(x)
+    report = t.diff()
+    o = report.owners
+    s = report.storages
+    s = s[s["device"].astype(str) == "opaque"]
+    opaque = set(s["storage_id"])
+    assert len(opaque) == 2 and set(s["nbytes"]) == {0}
+    rows = o[o["storage_id"].isin(opaque)]
+    assert set(zip(rows["path"].astype(str), rows["kind"].astype(str),
+                   rows["status"].astype(str))) == {
+        (p, "attribute", "holds") for p in PACKED - {"kernel.spares[0]"}}  # the spare: unread
+    assert rows.groupby("storage_id")["path"].nunique().sort_values().tolist() == [1, 2]
+    e = report.edges
+    assert set(e.loc[e["storage_id"].isin(opaque), "verdict"].astype(str)) == {"stable"}
+
+    model.kernel.apply = functools.partial(torch.ops.quantized.linear_dynamic,
+                                           W_prepack=_prepacked(5))  # by_name keeps the old
+    e = t.diff().edges
+    e = e[e["storage_id"].isin(opaque)].set_index("owners")
+    assert str(e.loc["fc._packed_params._packed_params", "verdict"]) == "stable"
+    both = "; ".join(sorted(PACKED - {"kernel.spares[0]", "fc._packed_params._packed_params"}))
+    assert str(e.loc[both, "verdict"]) == "diverged", e[["verdict"]]
+    del g

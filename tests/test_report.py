@@ -328,6 +328,56 @@ print("ok")
     assert p.stdout.strip().endswith("ok")
 
 
+# --------------------------------------------------------------------------- the atomic swap
+
+@pytest.mark.parametrize("graphml", [True, False])
+def test_rewriting_a_folder_moves_the_manifest_out_first_and_in_last(report, tmp_path,
+                                                                     monkeypatch, graphml):
+    """Note [What a report folder guarantees]: while an existing report folder is replaced,
+    a reader that finds a manifest finds the report it names, whole (the old one or the new
+    one, never new CSVs under the old manifest or the new manifest over missing files). The
+    folder is read after every single move of the swap."""
+    import graphtrace.report.io as report_io
+
+    out = report.to_csv(tmp_path / "out", graphml=True)
+    (out / "notes.txt").write_text("mine")
+    new = Report.from_frames(report.accesses, report.storages, report.owners,
+                             report.edges.iloc[:5], dict(report.meta, models=["other"]))
+    real = os.replace
+    moves: list[tuple[str, str]] = []  # ("in" | "out", file name) of each move of the swap
+    seen: list[str] = []  # what a reader found after each move: "old", "new" or "none"
+
+    def replace(src, dst):
+        real(src, dst)
+        src, dst = Path(src), Path(dst)
+        if dst.parent == out:
+            moves.append(("in", dst.name))
+        elif src.parent == out:
+            moves.append(("out", src.name))
+        if not (out / "manifest.json").exists():
+            seen.append("none")
+            return
+        found = load_report(out)  # a ReportError here: a manifest over the wrong files
+        seen.append("new" if len(found.edges) == len(new.edges) else "old")
+        assert_reports_equal(found, new if seen[-1] == "new" else report)
+
+    monkeypatch.setattr(report_io.os, "replace", replace)
+    new.to_csv(out, graphml=graphml)
+    monkeypatch.undo()
+    names = [*(f"{n}.csv" for n in FRAMES), *(["graph.graphml"] if graphml else []),
+             "manifest.json"]
+    outs = [name for way, name in moves if way == "out"]
+    ins = [name for way, name in moves if way == "in"]
+    assert outs[0] == "manifest.json" and sorted(outs) == sorted(
+        [*(f"{n}.csv" for n in FRAMES), "graph.graphml", "manifest.json"])
+    assert ins[-1] == "manifest.json" and sorted(ins) == sorted(names)
+    assert moves.index(("in", ins[0])) > moves.index(("out", outs[-1]))  # old all out first
+    assert seen[0] == "none" and seen[-1] == "new" and "old" not in seen  # the old manifest
+    assert seen.count("new") == 1  # went first; the new one came last
+    assert (out / "notes.txt").read_text() == "mine"
+    assert_reports_equal(load_report(out), new)
+
+
 # --------------------------------------------------------------------------- bad folders
 
 def _write_manifest(folder: Path, obj) -> None:
