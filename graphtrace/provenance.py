@@ -20,8 +20,12 @@ import numpy as np
 import pandas as pd
 import torch
 from torch._C import _get_dispatch_stack_at, _len_torch_dispatch_stack
-from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
-                                          _pop_mode, _push_mode)
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 from torch.utils._pytree import tree_iter
 
 from graphtrace._schema import NO_TENSORS, plain_tensors

@@ -23,10 +23,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 
 from graphtrace._schema import op_info, plain_tensors
+from graphtrace.encoding import (
+    ACCESS_FIELDS,
+    ACCESS_MASK,
+    FACTORY,
+    OUT_MUTATED,
+    READ,
+    REPLAY_FRESH,
+    REPLAY_WROTE,
+    SID_SHIFT,
+    VIEW,
+    WRITE,
+    pack_code,
+    pack_slot,
+    with_access,
+)
 from graphtrace.opaque import proxy_storage, type_name
-from graphtrace.encoding import (ACCESS_FIELDS, ACCESS_MASK, FACTORY, OUT_MUTATED, READ,
-                                 REPLAY_FRESH, REPLAY_WROTE, SID_SHIFT, VIEW, WRITE, pack_code,
-                                 pack_slot, with_access)
 
 __all__ = ["RecordingMode", "Writer", "PyWriter", "Recorder", "Capture", "StorageTable",
            "Registered", "Interner", "module_stack"]

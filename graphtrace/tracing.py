@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_map_only
 from graphtrace._schema import NO_TENSORS
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
-from graphtrace.derived import DerivedCopies
 from graphtrace.compiled import CompiledPatch
+from graphtrace.derived import DerivedCopies
 from graphtrace.encoding import REPLAY_FRESH
 from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
@@ -631,9 +631,8 @@ class Trace:
 
     def diff(self):
         """Resolve capture-time owners on the live model(s) and classify every edge."""
-        from graphtrace.diff import diff
-
         from graphtrace.compiled import blind_spots, coverage
+        from graphtrace.diff import diff
 
         models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
         spots = list(self.blind_spots)
