@@ -19,7 +19,6 @@ from graphtrace.report.canonical import (
     _plain_meta,
     is_na,
 )
-from graphtrace.report.check import assert_no_stale
 from graphtrace.report.grouping import _crosstab
 from graphtrace.report.io import (
     FORMAT_VERSION,
@@ -341,6 +340,8 @@ class Report:
     # ---- checks
     def check(self, *, allow: Iterable[str] | str = ()) -> None:
         """``assert_no_stale(self, allow=allow)``."""
+        from graphtrace.report.check import assert_no_stale  # check.py imports this module
+
         assert_no_stale(self, allow=allow)
 
     # ---- display
