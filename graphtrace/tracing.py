@@ -15,9 +15,8 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_map_only
 
+from graphtrace._compat import disable_current_modes, tree_map_only
 from graphtrace._schema import NO_TENSORS
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
@@ -119,7 +118,7 @@ class EmulatedGraph:
         return alias
 
     def replay(self) -> None:
-        with torch.no_grad(), _disable_current_modes():
+        with torch.no_grad(), disable_current_modes():
             for func, args, kwargs, out, replay_flags in self._ops:
                 result = func(*args, **kwargs)
                 if replay_flags & REPLAY_FRESH:
