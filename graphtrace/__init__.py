@@ -23,7 +23,7 @@ _LAZY = {
     "capture_cuda_graph": "graphtrace.tracing",
     "Trace": "graphtrace.tracing",
     "EmulatedGraph": "graphtrace.tracing",
-    "GraphtraceError": "graphtrace.tracing",
+    "GraphtraceError": "graphtrace.errors",
     "Guard": "graphtrace.guard",
     "StaleGraphError": "graphtrace.guard",
     "load_guard": "graphtrace.guard",

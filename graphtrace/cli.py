@@ -25,7 +25,7 @@ from graphtrace.vocab import VERDICTS
 __all__ = ["main", "format_report", "build_parser"]
 
 PROG = "graphtrace"
-CSV_TABLES = ("stale", "edges", "summary", "coverage")
+CSV_TABLES = ("stale", "edges", "summary", "ownership")
 
 
 # --------------------------------------------------------------------------- text report
@@ -308,9 +308,9 @@ def _render(report: Report, args: argparse.Namespace) -> str:
         elif args.csv == "summary":
             df = report.summary().reset_index()
         else:
-            from graphtrace.analysis import coverage
+            from graphtrace.explore import ownership_by_graph
 
-            df = coverage(report)
+            df = ownership_by_graph(report)
         return df.to_csv(index=False, lineterminator="\n")
     return format_report(report, path=str(args.dir), width=args.width, top=args.top)
 
@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = rp.add_mutually_exclusive_group()
     fmt.add_argument("--csv", nargs="?", const="stale", choices=CSV_TABLES, metavar="TABLE",
                      help="print one table as CSV instead: stale (default), edges, summary "
-                          "or coverage")
+                          "or ownership (per graph: edges with a known owner)")
     fmt.add_argument("--json", action="store_true", help="print a JSON object instead")
     rp.add_argument("--top", type=int, default=20, metavar="N",
                     help="stale storages to list (default 20)")

@@ -37,7 +37,7 @@ as an op `triton::<kernel>` with the kernel's argument names (`triton_meta["sign
 Launches that never reach Python (the C++ wrapper, `cpp_wrapper=True`) are a blind spot the
 report names; the region's own op still records the graph's inputs.
 
-Per capture and region, `coverage(trace)` says how many tensor inputs and constants were
+Per capture and region, `region_ownership(trace)` says how many tensor inputs and constants were
 owned by a watched model at capture time; the diff puts it into `report.meta["compiled"]`.
 """
 
@@ -64,7 +64,7 @@ from graphtrace.opaque import is_opaque
 from graphtrace.recorder import RecordingMode
 
 __all__ = ["CompiledPatch", "CompiledRegion", "pair_triton_args", "source_to_path",
-           "coverage", "blind_spots", "REGION_PREFIX", "TRITON_PREFIX"]
+           "region_ownership", "blind_spots", "REGION_PREFIX", "TRITON_PREFIX"]
 
 REGION_PREFIX = "compiled::"
 TRITON_PREFIX = "triton::"
@@ -570,7 +570,7 @@ def _source_owners(trace, region: CompiledRegion, args: tuple) -> None:
                 trace.owner_snapshot.owners.setdefault(sid, set()).add((name, path, kind))
 
 
-def coverage(trace, raw: dict | None = None) -> list[dict]:
+def region_ownership(trace, raw: dict | None = None) -> list[dict]:
     """Per capture and compiled region: calls, tensor inputs and constants (distinct argument
     names), and how many of them a watched model owned at capture time (`owned_*`), read from
     the records themselves; `unreadable`: what the region reads that could not be recorded."""
@@ -612,7 +612,7 @@ def coverage(trace, raw: dict | None = None) -> list[dict]:
 
 
 def blind_spots(rows: list[dict]) -> list[BlindSpot]:
-    """What `coverage` rows say the report cannot vouch for: constants compiled in that no
+    """What `region_ownership` rows say the report cannot vouch for: constants compiled in that no
     watched model owns (folded from parameters at compile time, e.g. Inductor's freezing: a
     reload never reaches them) and compiled-in objects whose reads were not recorded."""
     out = []

@@ -14,9 +14,14 @@ reads the kernel nodes on a GPU):
    on the sorted starts; overlapping ranges are handled);
 4. `classify` assigns every word a *tier* (seen by graphtrace in this graph, a model-owned
    storage graphtrace did not see, other memory, or none: not a pointer we know of);
-5. `coverage` / `graph_coverage` give per-kernel and total coverage: the fraction of
+5. `kernel_coverage` / `graph_coverage` give per-kernel and total coverage: the fraction of
    pointers into known memory that graphtrace attributed (the storage appears among the
    graph's recorded accesses), with and without a Triton-launch hook's extra ranges.
+
+This is the one meaning of *coverage* in graphtrace (the `coverage` columns, the GPU check's
+figures). How many of a graph's edges, or of a compiled region's inputs, have a capture-time
+owner is *ownership* (`graphtrace.explore.ownership_by_graph`,
+`graphtrace.compiled.region_ownership`).
 
 Address ranges are half-open: a storage at `data_ptr` with `nbytes` holds
 `data_ptr <= p < data_ptr + nbytes`; a zero-byte storage holds nothing.
@@ -34,7 +39,7 @@ import pandas as pd
 
 __all__ = [
     "KernelNode", "POINTER_COLUMNS", "TIERS", "ATTRIBUTED_TIERS", "param_words", "scan_words",
-    "pointer_frame", "node_frame", "locate", "storage_ranges", "classify", "coverage", "graph_coverage",
+    "pointer_frame", "node_frame", "locate", "storage_ranges", "classify", "kernel_coverage", "graph_coverage",
     "CoverageResult", "triton_arg_access", "short_kernel_name", "format_coverage",
 ]
 
@@ -312,7 +317,7 @@ def _ratio(a, b):
                     np.nan)
 
 
-def coverage(classified: pd.DataFrame, *, attributed: Sequence[str] = ATTRIBUTED_TIERS,
+def kernel_coverage(classified: pd.DataFrame, *, attributed: Sequence[str] = ATTRIBUTED_TIERS,
              dedupe: bool = True, nodes: pd.DataFrame | None = None
              ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per-kernel and total coverage of a `classify`-ed pointer frame.
@@ -436,7 +441,7 @@ def graph_coverage(nodes, storages: pd.DataFrame, accesses: pd.DataFrame, graph_
     tiers = [("seen", live_seen), ("seen-freed", freed_seen), ("seen-other", other),
              ("owned", owned), ("allocator", memory)]
     classified = classify(ptrs, tiers, hook=hook, owned=owned)
-    per, tot = coverage(classified, dedupe=dedupe, nodes=node_frame(nodes))
+    per, tot = kernel_coverage(classified, dedupe=dedupe, nodes=node_frame(nodes))
     notes = []
     if len(freed_seen):
         notes.append(f"{len(freed_seen)} storages recorded in this graph are freed now; "

@@ -3,18 +3,17 @@
 Verdicts are per storage (every graph that touched it gets the same one):
 
 - no capture-time owner                                  -> unowned
-- every graph overwrites it before reading it            -> stable (Note [write before read])
+- every graph overwrites it before reading it            -> stable (Note [write before read], graphtrace/edges.py)
 - some owners still hold the storage, others do not      -> diverged
 - owners moved, the captured storage is still alive      -> stale
 - owners moved, the captured storage was freed           -> dangling
 - every owner path stopped resolving                     -> orphaned
 - every owner still holds the storage                    -> stable
 
-For stale and diverged edges `impact` compares what the graph reads (the captured view of the
-old storage) with the same view of the moved owner's live tensor: `manifest` when the values
-differ now, `latent` when they are equal (a same-weights reload), compared element by element
-(cast to a common dtype when the owner's dtype changed); a dtype or shape change is also named
-in the report's blind spots.
+The rule, each owner's status and `impact` are decided by the verdict engine
+(graphtrace.verdict), which `Guard.check()` calls too; this module gathers what they need for
+every edge of a trace at once and builds the report's frames. A dtype or shape change of a
+moved owner since capture is also named in the report's blind spots (Note [impact]).
 """
 
 from __future__ import annotations
@@ -30,29 +29,28 @@ import torch
 
 from graphtrace import __version__
 from graphtrace.blindspots import BlindSpot
-from graphtrace.encoding import FACTORY, READ, VIEW, WRITE
+from graphtrace.edges import CaptureEdges, capture_edges
+from graphtrace.encoding import VIEW
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
-from graphtrace.opaque import is_opaque, storage_of
 from graphtrace.owners import OwnerSnapshot, resolve_path
 from graphtrace.provenance import edge_columns
-from graphtrace.vocab import (ACCESS_KINDS, COLUMNS, EDGE_ACCESSES, HOLDS, IMPACTS, MOVED,
-                              ORIGINS, ORPHANED, OWNER_KINDS, VERDICTS)
+from graphtrace.verdict import View, impact_of, owner_status, storage_verdicts
+from graphtrace.vocab import (ACCESS_KINDS, COLUMNS, EDGE_ACCESSES, IMPACTS, MOVED, ORIGINS,
+                              OWNER_KINDS, VERDICTS)
 
 if TYPE_CHECKING:
     from graphtrace.provenance import Provenance
     from graphtrace.recorder import Recorder
     from graphtrace.report import Report
 
-__all__ = ["diff", "storage_verdicts"]
+__all__ = ["diff"]
 
 EDGE_COLUMNS = COLUMNS["edges"]
 OWNER_COLUMNS = COLUMNS["owners"]
 STORAGE_COLUMNS = COLUMNS["storages"]
 # verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
 _V = {v: v for v in VERDICTS}
-STABLE, STALE, DANGLING, DIVERGED, UNOWNED = (
-    _V[v] for v in ("stable", "stale", "dangling", "diverged", "unowned"))
-ORPHANED_VERDICT = _V["orphaned"]
+STALE, DANGLING, DIVERGED, UNOWNED = (_V[v] for v in ("stale", "dangling", "diverged", "unowned"))
 
 
 @contextlib.contextmanager
@@ -106,12 +104,14 @@ def _live_paths(models: dict, snapshot: OwnerSnapshot, fail) -> dict[str, Mappin
 
 
 def _resolve_owners(handles, captured: dict, sids: np.ndarray,
-                    live: Mapping[str, Mapping]) -> tuple[pd.DataFrame, dict]:
+                    live: Mapping[str, Mapping]) -> tuple[pd.DataFrame, dict, dict]:
     """One row per (storage, capture-time owner), with its status on the live model (`live`:
     `_live_paths`; an owner of a model no longer watched is orphaned); rows in the order of
-    `sids` (ascending), then model, path and owner kind."""
+    `sids` (ascending), then model, path and owner kind. Also, per storage with a moved
+    owner, the live tensor the first one moved to and that owner's (model, path)."""
     rows = []
     moved_to: dict[int, torch.Tensor] = {}  # storage id -> a live tensor an owner moved to
+    moved_by: dict[int, tuple[str, str]] = {}  # storage id -> that owner's (model, path)
     for sid in sids.tolist():
         owners = captured.get(sid)
         if not owners:
@@ -120,31 +120,14 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
         for model, path, owner_kind in (sorted(owners) if len(owners) > 1 else owners):
             paths = live.get(model)  # a path not among the matched: resolved on its own
             tensor = paths[path] if paths is not None else None
-            status, ptr = _status(tensor, handle)
-            if status == MOVED:
-                moved_to.setdefault(sid, tensor)
-            rows.append((sid, model, path, owner_kind, status, ptr))
+            status, ptr = owner_status(tensor, handle)
+            if status == MOVED and sid not in moved_to:
+                moved_to[sid] = tensor
+                moved_by[sid] = (model, path)
+            rows.append((sid, model, path, owner_kind, status, pd.NA if ptr is None else ptr))
     frame = pd.DataFrame(rows, columns=OWNER_COLUMNS)
     frame["live_data_ptr"] = frame["live_data_ptr"].astype("Int64")
-    return frame, moved_to
-
-
-def _status(tensor: torch.Tensor | None, handle: int) -> tuple[str, object]:
-    """An owner's status (holds, moved, orphaned) and the data_ptr it reaches now."""
-    if tensor is None:
-        return ORPHANED, pd.NA
-    if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:  # most owners
-        try:
-            return (HOLDS if tensor.untyped_storage()._cdata == handle else MOVED), \
-                tensor.data_ptr()
-        except Exception:  # no storage (meta, functional wrappers)
-            return MOVED, pd.NA
-    try:
-        same = storage_of(tensor)._cdata == handle
-        ptr = 0 if is_opaque(tensor) else tensor.data_ptr()
-    except Exception:  # tensors without storage (meta, functional wrappers)
-        return MOVED, pd.NA
-    return (HOLDS if same else MOVED), ptr
+    return frame, moved_to, moved_by
 
 
 def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.ndarray, np.ndarray]:
@@ -197,38 +180,6 @@ def _per_storage(owners: pd.DataFrame, alive: np.ndarray, internal: np.ndarray) 
                         index=pd.Index(keys, dtype=np.int64))
 
 
-def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray,
-                     internal: np.ndarray | None = None) -> np.ndarray:
-    """`vocab.verdict_of`, vectorised: per storage, its verdict (an object array).
-
-    `status`: the owner statuses of all storages, one run per storage in storage order;
-    `n_owners`: each storage's run length (0: no owner, unowned); `alive`: whether each
-    captured storage is still alive; `internal`: whether every graph overwrites it before
-    reading it (default: none is)."""
-    n_owners = np.asarray(n_owners, dtype=np.int64)
-    internal = (np.zeros(len(n_owners), dtype=bool) if internal is None
-                else np.asarray(internal, dtype=bool))
-    if (len(status) != n_owners.sum() or len(alive) != len(n_owners)
-            or len(internal) != len(n_owners) or (n_owners < 0).any()):
-        raise ValueError(f"storage_verdicts needs one status per owner ({len(status)} for "
-                         f"{n_owners.sum()} owners) and one alive and internal flag per "
-                         f"storage ({len(alive)}, {len(internal)} for {len(n_owners)} storages)")
-    verdict = np.full(len(n_owners), UNOWNED, dtype=object)
-    owned = n_owners > 0
-    if not owned.any():
-        return verdict
-    status = np.asarray(status, dtype=object)
-    starts = np.cumsum(n_owners[owned]) - n_owners[owned]  # runs of owned storages only
-    holds_row = status == HOLDS
-    holds = np.logical_or.reduceat(holds_row, starts)
-    moved = np.logical_or.reduceat(status == MOVED, starts)
-    verdict[owned] = np.select(
-        [internal[owned], holds & ~np.logical_and.reduceat(holds_row, starts), holds,
-         moved & np.asarray(alive, dtype=bool)[owned], moved],
-        [STABLE, DIVERGED, STABLE, STALE, DANGLING], default=ORPHANED_VERDICT)
-    return verdict
-
-
 def _live_pointer(ptrs: pd.Series, moved: np.ndarray, starts: np.ndarray):
     """Where the graph should read now, per run of a storage's owner rows: the first known
     pointer of a moved owner, else the first known one (a holder's); NA if none is known."""
@@ -239,54 +190,6 @@ def _live_pointer(ptrs: pd.Series, moved: np.ndarray, starts: np.ndarray):
     first_known = np.minimum.reduceat(np.where(known, rows, none), starts)
     pick = np.where(first_moved < none, first_moved, first_known)
     return ptrs.array.take(np.where(pick < none, pick, -1), allow_fill=True)
-
-
-def _impact(table, sid: int, view: tuple, live: torch.Tensor) -> tuple[str, str]:
-    """Do the values a graph reads from the old storage differ from the owner's live values?
-    (impact, note): the note says when the live tensor has another dtype or shape than the
-    view read, where values are compared element by element, cast to a common dtype."""
-    if is_opaque(live):  # a packed handle: identity only (Note [opaque handles])
-        return "unknown", ""
-    old = table.upgrade(sid)
-    if old is None:
-        return "unknown", ""
-    dtype, shape, stride, offset = view
-    note = ""
-    try:
-        new_storage = live.untyped_storage()
-        if new_storage.device.type == "meta":
-            return "unknown", ""  # a reload that failed half-way left the model without data
-        if live.dtype != dtype:
-            note = f"dtype {_dtype_name(dtype)} -> {_dtype_name(live.dtype)}"
-        whole = offset == 0 and _numel(shape) * dtype.itemsize == old.nbytes()
-        if whole and tuple(live.shape) != tuple(shape):
-            note = "; ".join(filter(None, [note, f"shape {tuple(shape)} -> {tuple(live.shape)}"]))
-            return "manifest", note  # the graph reads another tensor than the model holds
-        was = torch.empty(0, dtype=dtype, device=old.device).set_(old, offset, shape, stride)
-        now = torch.empty(0, dtype=live.dtype, device=new_storage.device).set_(
-            new_storage, offset, shape, stride)
-    except Exception:  # the live tensor is smaller or of another type: the graph reads other data
-        return "manifest", note or "the live tensor does not hold the view the graph reads"
-    try:
-        was, now = was.cpu(), now.cpu()
-        if was.dtype != now.dtype:
-            common = torch.promote_types(was.dtype, now.dtype)
-            was, now = was.to(common), now.to(common)
-        same = torch.equal(was, now)
-    except Exception:  # dtypes without comparison kernels: say so rather than guess
-        return "unknown", note
-    return ("latent" if same else "manifest"), note
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _joined_runs(codes: np.ndarray, group: np.ndarray, names: np.ndarray) -> np.ndarray:
@@ -319,11 +222,13 @@ def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray) -> dict:
 
 
 def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndarray,
-             moved_to: dict, owners: Mapping[int, set], notes: list[BlindSpot]) -> pd.Categorical:
-    """`impact` per edge: value checks for stale and diverged edges (once per storage and
-    view), unknown for dangling ones, empty otherwise. A dtype or shape change between the
-    view read and the owner's live tensor is appended to `notes`, one text per storage and
+             moved_to: dict, moved_by: dict, snapshot: OwnerSnapshot,
+             notes: list[BlindSpot]) -> pd.Categorical:
+    """`impact` per edge (`graphtrace.verdict.impact_of`, once per storage and view) for
+    stale and diverged edges, unknown for dangling ones, empty otherwise. A moved owner's
+    dtype or shape change since capture is appended to `notes`, one text per storage and
     view, naming the owners."""
+    owners = snapshot.owners
     names = ["", *IMPACTS]
     codes = np.where(verdict == DANGLING, names.index("unknown"), 0)
     items = recorder.views.items
@@ -331,8 +236,12 @@ def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndar
     for i in np.flatnonzero((verdict == STALE) | (verdict == DIVERGED)).tolist():
         k = sid, v = int(sids[i]), int(views[i])
         if k not in cache:
-            impact, note = (_impact(recorder.storages, sid, items[v], moved_to[sid])
-                            if sid in moved_to else ("unknown", ""))
+            if sid in moved_to:
+                owner = snapshot.view_of(sid, *moved_by[sid])
+                impact, note = impact_of(recorder.storages.upgrade(sid), View(*items[v]),
+                                         moved_to[sid], View(*owner) if owner else None)
+            else:
+                impact, note = "unknown", ""
             cache[k] = names.index(impact)
             if note:
                 found = sorted(owners.get(sid, ()))
@@ -345,129 +254,30 @@ def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndar
     return pd.Categorical.from_codes(codes, names)
 
 
-def _writes(access: np.ndarray) -> np.ndarray:
-    """Which accesses write (in place or as a fresh output): two compares, where np.isin
-    over int8 accesses takes ~100x longer (a sort or table per call)."""
-    return (access == WRITE) | (access == FACTORY)
-
-
-def _edge_runs(raw: dict, n_storages: int) -> tuple[np.ndarray, np.ndarray]:
-    """The rows that read or write (not views), ordered by (graph, storage, row), and where
-    each edge's run of them starts: every per-edge value is a reduce over its run."""
-    touched = np.flatnonzero(raw["access"] != VIEW)
-    key = raw["graph_id"][touched] * max(n_storages, 1) + raw["storage_id"][touched]
-    order = np.argsort(key, kind="stable")  # stable: rows ascend within a run
-    rows, key = touched[order], key[order]
-    new = np.empty(len(rows), dtype=bool)
-    new[:1] = True
-    np.not_equal(key[1:], key[:-1], out=new[1:])
-    return rows, np.flatnonzero(new)
-
-
-def _edges(raw: dict, accesses: pd.DataFrame, names: list, nbytes: np.ndarray,
-           n_storages: int) -> tuple[dict, np.ndarray, np.ndarray, tuple]:
-    """Edge columns up to `shape`, each edge's first access row, the access row it
-    describes (its first read, else its first write), and its runs (`_edge_runs`)."""
-    rows, starts = _edge_runs(raw, n_storages)
-    access = raw["access"][rows]
-    first_rows = rows[starts]
-    big = np.iinfo(np.int64).max
-    if len(starts):
-        first_read = np.minimum.reduceat(np.where(access == READ, rows, big), starts)
-        has_write = np.logical_or.reduceat(_writes(access), starts)
-    else:
-        first_read, has_write = np.empty(0, np.int64), np.empty(0, bool)
-    has_read = first_read != big
-    view_row = np.where(has_read, first_read, first_rows)
+def _edges(found: CaptureEdges, raw: dict, accesses: pd.DataFrame, names: list,
+           nbytes: np.ndarray) -> dict:
+    """Edge columns up to `shape`, from the capture's edges (graphtrace.edges)."""
+    rows, starts = found.rows, found.starts
     new = np.zeros(len(rows), dtype=bool)
     new[starts] = True
     run = np.cumsum(new)  # the run of each row, from 1
     run -= 1
     names_arr = np.asarray(names, dtype=object)
-    sids = raw["storage_id"][first_rows]
-    edges = {
-        "graph_id": raw["graph_id"][first_rows],
-        "graph": accesses["graph"].array[first_rows],  # categoricals: a take of their codes
+    sids, view_row = found.storage_id, found.view_row
+    return {
+        "graph_id": found.graph_id,
+        "graph": accesses["graph"].array[found.first_row],  # categoricals: a take of codes
         "storage_id": sids,
         "access": pd.Categorical.from_codes(  # EDGE_ACCESSES: read, read+write, write
-            np.where(has_read, np.where(has_write, 1, 0), 2), list(EDGE_ACCESSES)),
+            np.where(found.has_read, np.where(found.has_write, 1, 0), 2), list(EDGE_ACCESSES)),
         "ops": _joined_runs(raw["op"][rows], run, names_arr),
         "args": _joined_runs(raw["arg"][rows], run, names_arr),
-        "module": accesses["module"].array[first_rows],
+        "module": accesses["module"].array[found.first_row],
         "data_ptr": accesses["data_ptr"].to_numpy()[view_row],
         "nbytes": nbytes[sids] if len(sids) else sids,
         "dtype": accesses["dtype"].array[view_row],
         "shape": accesses["shape"].array[view_row],
     }
-    return edges, first_rows, view_row, (rows, starts)
-
-
-# Note [write before read]
-# ~~~~~~~~~~~~~~~~~~~~~~~~
-# A storage a graph overwrites before it reads it is the graph's own: each replay recomputes
-# what it then reads, whoever owned it at capture time. Legacy `torch.nn.utils.weight_norm`
-# recomputes `weight` in a forward pre-hook and keeps it as an attribute: after the next eager
-# call the attribute holds another tensor, yet every replay rewrites the captured one first.
-# An edge's `origin` is `internal` when its first access in that graph overwrites a dense byte
-# range that holds every later read of the graph from that storage, else `external`. An
-# overwrite is a fresh output (factory), an `out=` argument, or the target of a pure
-# overwrite (aten::copy_, fill_, zero_); other in-place ops (`add_`) read what they write.
-# An owned storage whose every edge is internal is `stable` (vocab.verdict_of), its owners'
-# statuses still listed in `owners`: no false alarm for what no replay reads stale.
-_OVERWRITES = ("aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_")
-
-
-def _view_extents(items: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per interned view: first and past-the-end byte of what it spans, and whether it
-    covers that span densely (no holes, no overlap)."""
-    n = len(items)
-    lo, hi, dense = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
-    for i, (dtype, shape, stride, offset) in enumerate(items):
-        size = dtype.itemsize
-        numel, extent = 1, 1
-        ok = True
-        for d, st in zip(shape, stride):
-            numel *= d
-            if st < 0:
-                ok = False
-            extent += (d - 1) * st
-        if numel == 0:
-            extent = 0
-        lo[i] = offset * size
-        hi[i] = lo[i] + extent * size
-        dense[i] = ok and numel == extent
-    return lo, hi, dense
-
-
-def _internal_edges(raw: dict, runs: tuple, names: list, views: list) -> np.ndarray:
-    """Per edge: does its graph overwrite the storage before reading it? (Note [write before
-    read])."""
-    rows, starts = runs
-    if not len(starts):
-        return np.zeros(0, dtype=bool)
-    access = raw["access"][rows]
-    ids = {n: i for i, n in enumerate(names)}
-    first = rows[starts]
-    first_access = raw["access"][first]
-    over = first_access == FACTORY
-    out_id = ids.get("out", -1)
-    pure = [ids[n] for n in _OVERWRITES if n in ids]
-    over |= (first_access == WRITE) & ((raw["arg"][first] == out_id) | np.isin(raw["op"][first], pure))
-    if not over.any():
-        return over
-    lo, hi, dense = _view_extents(views)
-    v = raw["view"][rows]
-    reads = access == READ
-    big = np.iinfo(np.int64).max
-    read_lo = np.minimum.reduceat(np.where(reads, lo[v], big), starts)
-    read_hi = np.maximum.reduceat(np.where(reads, hi[v], -1), starts)
-    fv = raw["view"][first]
-    # the first access must also come before any read of the same op (rows of one op are
-    # args first, so a read in the same op as a fresh output was read before it was made)
-    first_seq = raw["seq"][first]
-    read_seq = np.minimum.reduceat(np.where(reads, raw["seq"][rows], big), starts)
-    return (over & dense[fv] & (read_lo >= lo[fv]) & (read_hi <= hi[fv])
-            & (read_seq > first_seq))
 
 
 def _storages(table, alive: np.ndarray, nbytes: np.ndarray, access: np.ndarray,
@@ -551,29 +361,27 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     n_storages = len(table.handles)
     alive = table.alive_mask()
     nbytes = np.frombuffer(table.nbytes, dtype=np.int64) if n_storages else np.empty(0, np.int64)
-    edges, first_rows, view_row, runs = _edges(raw, accesses, rec.names.items, nbytes,
-                                               n_storages)
-    sids = edges["storage_id"]
-    internal = _internal_edges(raw, runs, rec.names.items, rec.views.items)
+    found = capture_edges(raw, n_storages, rec.names.items, rec.views.items)
+    edges = _edges(found, raw, accesses, rec.names.items, nbytes)
+    sids, internal, view_row = found.storage_id, found.internal, found.view_row
     # a storage is internal when every edge of it is (Note [write before read])
-    internal_storage = (np.bincount(sids, weights=internal, minlength=n_storages)
-                        == np.bincount(sids, minlength=n_storages))
+    internal_storage = found.internal_storages(n_storages)
 
     # -- owners, verdicts, impact: per storage, then onto the edges ----------------------------
     edge_sids = np.flatnonzero(np.bincount(sids, minlength=n_storages))  # sorted, no hashing
     with _gc_paused():
-        owners, moved_to = _resolve_owners(table.handles, snapshot.owners, edge_sids,
+        owners, moved_to, moved_by = _resolve_owners(table.handles, snapshot.owners, edge_sids,
                                            _live_paths(models, snapshot, rec.fail))
     edges.update(_owner_columns(_per_storage(owners, alive, internal_storage), sids))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(np.where(internal, 1, 0), list(ORIGINS))
     notes: list[BlindSpot] = []
-    edges["impact"] = _impacts(rec, verdict, sids, raw["view"][view_row], moved_to,
-                               snapshot.owners, notes)
+    edges["impact"] = _impacts(rec, verdict, sids, raw["view"][view_row], moved_to, moved_by,
+                               snapshot, notes)
     _add(spots, notes)
     edges.update(edge_columns(provenance, table, sids, verdict, owners, moved_to))
 
-    storages = _storages(table, alive, nbytes, raw["access"], sids, first_rows)
+    storages = _storages(table, alive, nbytes, raw["access"], sids, found.first_row)
     if rec.opaque:
         opaque_sids = np.fromiter(rec.opaque, dtype=np.int64)
         storages.loc[opaque_sids, "device"] = "opaque"

@@ -4,9 +4,9 @@ where their capture-time owners point?
 ``guard = t.guard()`` keeps, for every *owned* storage a captured graph reads or writes, a
 weak handle to it and its owner paths; nothing else from the trace and nothing alive (models
 by weak reference). ``guard.check()`` re-resolves just those paths on the live model(s)
-(`graphtrace.owners.resolve_path`) and classifies each storage with the rule
-`graphtrace.vocab.verdict_of`, the rule diff applies, so the verdicts agree with
-``t.diff()``; it returns one row per problem edge (graph, storage). ``guard.enforce()``
+(`graphtrace.owners.resolve_path`) and asks the verdict engine (graphtrace.verdict) what each
+storage is, as diff does, so verdicts and impacts agree with ``t.diff()`` by construction;
+it returns one row per problem edge (graph, storage). ``guard.enforce()``
 raises `StaleGraphError` listing them. ``guard.to_json(path)`` writes the required-storage
 manifest (docs/guard.md) that ``load_guard(path, model=...)`` reads back, here or in an
 engine without graphtrace.
@@ -30,11 +30,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphtrace import __version__
-from graphtrace.opaque import is_opaque, storage_of
+from graphtrace.opaque import storage_of
 from graphtrace.owners import PathSet, resolve_path
-from graphtrace.tracing import GraphtraceError
-from graphtrace.vocab import (GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED, ORPHANED,
-                              verdict_of)
+from graphtrace.errors import GraphtraceError
+from graphtrace.verdict import View, impact_of, owner_status, verdict_of
+from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED
 
 if TYPE_CHECKING:
     from graphtrace.owners import OwnerSnapshot
@@ -44,7 +44,7 @@ __all__ = ["Guard", "StaleGraphError", "load_guard", "guard_of",
            "models_changed", "describe", "empty_problems", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "graphtrace.guard"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # "internal" and the views were added within version 1 (optional keys)
 
 # Note [guard identity]
 # ~~~~~~~~~~~~~~~~~~~~~
@@ -90,7 +90,10 @@ class Guard:
                  storages: list[dict], source: str = "trace"):
         """`storages`: per required storage a dict with keys storage_id, data_ptr, nbytes,
         device, dtype, shape, alive (bool), graphs (graph ids), owners ((model, path, kind)
-        sorted), ref (a StorageWeakRef or None)."""
+        sorted), ref (a StorageWeakRef or None), and optionally internal (every graph
+        overwrites it before reading it: Note [write before read]), views (the View each
+        graph read, aligned with graphs) and owner_views ({(model, path): the owner's View at
+        capture}): what the verdict engine's rule and impact need."""
         self._model_names = list(models)
         self._models: dict[str, weakref.ref | None] = {n: None for n in self._model_names}
         self.graphs: dict[int, str] = dict(graphs)
@@ -104,9 +107,14 @@ class Guard:
         self._dead = [not s["alive"] for s in storages]  # freed before the guard was made
         self._graph_ids = [tuple(s["graphs"]) for s in storages]
         self._refs: list[StorageWeakRef | None] = [s.get("ref") for s in storages]
+        self._internal = [bool(s.get("internal", False)) for s in storages]
+        self._views: list[list[View | None]] = [
+            list(s.get("views") or [None] * len(s["graphs"])) for s in storages]
         # owner rows, flat: (storage index, model, path, kind); sorted by index, model, path
         self._owners: list[tuple[int, str, str, str]] = [
             (i, m, p, k) for i, s in enumerate(storages) for m, p, k in s["owners"]]
+        self._owner_views: list[View | None] = [
+            (s.get("owner_views") or {}).get((m, p)) for s in storages for m, p, _ in s["owners"]]
         # per model: its owner paths resolved together, and the owner rows they answer
         rows: dict[str, list[int]] = {}
         for r, (_, m, _, _) in enumerate(self._owners):
@@ -167,40 +175,28 @@ class Guard:
         (columns: graphtrace.vocab.GUARD_COLUMNS; verdicts: GUARD_PROBLEMS); empty when
         every captured storage is still where its owners point."""
         models = self._live_models()
-        refs, ptrs, nbytes = self._refs, self._ptrs, self._nbytes
-        statuses: list[str] = []
-        live_ptrs: list[int | None] = []
-        bad: set[int] = set()
+        refs, ptrs, nbytes, dead = self._refs, self._ptrs, self._nbytes, self._dead
         tensors: list = [None] * len(self._owners)
         for name, (paths, rows) in self._paths.items():
             for r, tensor in zip(rows, paths.resolve(models[name])):
                 tensors[r] = tensor
+        statuses: list[str] = []
+        live_ptrs: list[int | None] = []
+        bad: set[int] = set()
         for (i, _, _, _), tensor in zip(self._owners, tensors):
-            if tensor is None:
-                statuses.append(ORPHANED)
-                live_ptrs.append(None)
-                bad.add(i)
-                continue
-            try:
-                storage = storage_of(tensor)  # an opaque handle's proxy storage too
-                ref = refs[i]
-                if ref is not None:
-                    same = storage._cdata == ref.cdata
-                else:
-                    same = (not self._dead[i] and storage.data_ptr() == ptrs[i]
-                            and storage.nbytes() == nbytes[i])
-                ptr = 0 if is_opaque(tensor) else tensor.data_ptr()  # as diff reports it
-            except Exception:  # no storage (meta, functional wrappers): not the captured one
-                same, ptr = False, None
-            statuses.append(HOLDS if same else MOVED)
+            ref = refs[i]
+            status, ptr = owner_status(tensor, ref.cdata if ref is not None else None,
+                                       data_ptr=ptrs[i], nbytes=nbytes[i], dead=dead[i])
+            statuses.append(status)
             live_ptrs.append(ptr)
-            if not same:
+            if status != HOLDS:
                 bad.add(i)
         if not bad:
             return empty_problems()
-        return self._problems(bad, statuses, live_ptrs)
+        return self._problems(bad, statuses, live_ptrs, tensors)
 
-    def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list) -> pd.DataFrame:
+    def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list,
+                  tensors: list) -> pd.DataFrame:
         by_storage: dict[int, list[int]] = {}
         for row, (i, *_rest) in enumerate(self._owners):
             if i in bad:
@@ -211,20 +207,32 @@ class Guard:
             st = [statuses[r] for r in owner_rows]
             ref = self._refs[i]
             alive = (not ref.expired()) if ref is not None else not self._dead[i]
-            verdict = verdict_of(st, alive)
+            verdict = verdict_of(st, alive, self._internal[i])
             if verdict not in GUARD_PROBLEMS:
                 continue
-            moved = [live_ptrs[r] for r in owner_rows if statuses[r] == MOVED
-                     and live_ptrs[r] is not None]
+            moved = [r for r in owner_rows if statuses[r] == MOVED]
+            moved_ptrs = [live_ptrs[r] for r in moved if live_ptrs[r] is not None]
             known = [live_ptrs[r] for r in owner_rows if live_ptrs[r] is not None]
-            live = moved[0] if moved else (known[0] if known else pd.NA)
+            live = moved_ptrs[0] if moved_ptrs else (known[0] if known else pd.NA)
             kinds = sorted({self._owners[r][3] for r in owner_rows})
-            for g in self._graph_ids[i]:
+            old = _upgrade(ref) if verdict in ("stale", "diverged") else None
+            impacts: dict[View | None, str] = {}
+            for g, view in zip(self._graph_ids[i], self._views[i]):
+                if verdict in ("stale", "diverged"):
+                    if view not in impacts:
+                        impacts[view] = (impact_of(old, view, tensors[moved[0]],
+                                                   self._owner_views[moved[0]])[0]
+                                         if old is not None and view is not None and moved
+                                         else "unknown")
+                    impact = impacts[view]
+                else:
+                    impact = "unknown" if verdict == "dangling" else pd.NA
                 rows.append((g, self.graphs.get(g, ""), self._sids[i], self._ptrs[i],
                              self._nbytes[i], self._dtypes[i], self._shapes[i],
                              "; ".join(self._owners[r][2] for r in owner_rows),
-                             ";".join(kinds), ";".join(st), live, verdict,
+                             ";".join(kinds), ";".join(st), live, verdict, impact,
                              "storage" if ref is not None else "data_ptr"))
+            del old
         rows.sort(key=lambda r: (r[0], r[2]))  # by graph, then storage
         columns = dict(zip(GUARD_COLUMNS, map(list, zip(*rows)))) if rows else {
             c: [] for c in GUARD_COLUMNS}
@@ -254,8 +262,11 @@ class Guard:
     def to_dict(self) -> dict:
         """The manifest as plain JSON data (format in docs/guard.md)."""
         owners: dict[int, list] = {}
-        for i, m, p, k in self._owners:
-            owners.setdefault(i, []).append({"model": m, "path": p, "kind": k})
+        for (i, m, p, k), view in zip(self._owners, self._owner_views):
+            entry = {"model": m, "path": p, "kind": k}
+            if view is not None:
+                entry["view"] = _view_json(view)
+            owners.setdefault(i, []).append(entry)
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -269,6 +280,8 @@ class Guard:
                  "nbytes": self._nbytes[i], "device": self._devices[i],
                  "dtype": self._dtypes[i], "shape": self._shapes[i],
                  "alive": not self._dead[i], "graphs": list(self._graph_ids[i]),
+                 "internal": self._internal[i],
+                 "views": [_view_json(v) if v is not None else None for v in self._views[i]],
                  "owners": owners.get(i, [])}
                 for i in range(len(self._sids))],
         }
@@ -311,6 +324,40 @@ class Guard:
                 f"{len(self._owners)} owners, {len(self.graphs)} graphs, "
                 f"models {self._model_names} ({len(attached)} attached), "
                 f"identity {self.identity}>")
+
+
+def _upgrade(ref: StorageWeakRef | None) -> torch.UntypedStorage | None:
+    """A strong reference to the captured storage for a value check, None if it was freed or
+    is known by address only; dropped by the caller right after the check."""
+    if ref is None or ref.expired():
+        return None
+    try:
+        return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    except Exception:
+        return None
+
+
+def _view_json(view: View) -> dict:
+    return {"dtype": str(view.dtype).removeprefix("torch."), "shape": list(view.shape),
+            "stride": list(view.stride), "offset": view.offset}
+
+
+def _view_from_json(data: object, fail, where: str) -> View | None:
+    if data is None:
+        return None
+    try:
+        dtype = getattr(torch, data["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError
+        shape, stride, offset = data["shape"], data["stride"], data["offset"]
+        if not (all(isinstance(x, int) for x in [*shape, *stride, offset])
+                and len(shape) == len(stride)):
+            raise TypeError
+    except (TypeError, KeyError, AttributeError):
+        raise fail(f"{where} must be null or an object with \"dtype\" (a torch dtype name), "
+                   f"\"shape\" and \"stride\" (int lists of one length) and an int \"offset\"; "
+                   f"got {data!r}") from None
+    return View(dtype, tuple(shape), tuple(stride), offset)
 
 
 def _storage(tensor: torch.Tensor | None) -> torch.UntypedStorage | None:
@@ -373,7 +420,7 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
     """The guard of `recorder`'s captures (ids from `first_graph`): their owned storages by
     weak handle, with the capture-time owners `snapshot` holds (updated first with the
     storages it has not matched yet, as diff does), checked against `models`."""
-    from graphtrace.encoding import READ, VIEW
+    from graphtrace.edges import capture_edges
     from graphtrace.frames import raw_accesses
 
     rec = recorder
@@ -389,37 +436,36 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
         rec.fail("owner snapshot", exc)
     owners = snapshot.owners
     raw = raw_accesses(rec)
-    touched = (raw["access"] != VIEW) & (raw["graph_id"] >= first_graph)
-    sids_all = raw["storage_id"][touched]
-    owned = np.fromiter(owners.keys(), dtype=np.int64, count=len(owners))
-    keep = np.isin(sids_all, owned)
-    rows = np.flatnonzero(touched)[keep]
-    sids = raw["storage_id"][rows]
-    graph_ids = raw["graph_id"][rows]
-    # the view each storage is described by: its first read, else its first write (as diff)
-    is_read = raw["access"][rows] == READ
-    order = np.lexsort((rows, ~is_read, sids))  # by storage, reads first, then row order
-    first = np.r_[True, sids[order][1:] != sids[order][:-1]] if len(order) else np.empty(0, bool)
-    view_of = dict(zip(sids[order][first].tolist(), raw["view"][rows][order][first].tolist()))
-    pairs = np.unique(np.stack([sids, graph_ids]), axis=1) if len(sids) else np.empty((2, 0), int)
-    graphs_of: dict[int, list[int]] = {}
-    for sid, g in zip(pairs[0].tolist(), pairs[1].tolist()):
-        graphs_of.setdefault(sid, []).append(g)
-
     table = rec.storages
-    data_ptrs, nbytes, devices = table.data_ptrs, table.nbytes, table.devices
     views = rec.views.items
+    found = capture_edges(raw, len(table.handles), rec.names.items, views)
+    # the edges of owned storages in the guarded graphs, by storage then graph (diff's edges)
+    owned = np.fromiter(owners.keys(), dtype=np.int64, count=len(owners))
+    keep = np.flatnonzero((found.graph_id >= first_graph) & np.isin(found.storage_id, owned))
+    keep = keep[np.lexsort((found.graph_id[keep], found.storage_id[keep]))]
+    edges_of: dict[int, list[int]] = {}
+    for e, sid in zip(keep.tolist(), found.storage_id[keep].tolist()):
+        edges_of.setdefault(sid, []).append(e)
+    view_ids = raw["view"][found.view_row]
+
+    data_ptrs, nbytes, devices = table.data_ptrs, table.nbytes, table.devices
     storages = []
-    for sid in sorted(graphs_of):
-        dtype, shape, _stride, _offset = views[view_of[sid]]
+    for sid, edges in edges_of.items():
+        dtype, shape, _stride, _offset = views[view_ids[edges[0]]]  # described as diff does
         strong = table.upgrade(sid)
         ref = StorageWeakRef(strong) if strong is not None else None
         del strong  # never kept: the guard holds the weak handle only
+        sid_owners = sorted(owners[sid])
+        owner_views = {(m, p): View(*v) for m, p, _ in sid_owners
+                       if (v := snapshot.view_of(sid, m, p)) is not None}
         storages.append({
             "storage_id": sid, "data_ptr": data_ptrs[sid], "nbytes": nbytes[sid],
             "device": devices[sid], "dtype": str(dtype).removeprefix("torch."),
             "shape": str(tuple(shape)), "alive": ref is not None, "ref": ref,
-            "graphs": graphs_of[sid], "owners": sorted(owners[sid])})
+            "graphs": found.graph_id[edges].tolist(),
+            "internal": bool(found.internal[edges].all()),
+            "views": [View(*views[v]) for v in view_ids[edges].tolist()],
+            "owners": sid_owners, "owner_views": owner_views})
     graphs = {c.graph_id: c.label for c in rec.captures if c.graph_id >= first_graph}
     guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace")
     for name, model in models.items():
@@ -485,16 +531,27 @@ def _from_dict(data: object, where: str) -> Guard:
                 raise fail(f"storages[{k}][{key!r}] must be {tp.__name__}, got {s.get(key)!r}")
         if not all(g in graphs for g in s["graphs"]):
             raise fail(f"storages[{k}] names a graph id not in \"graphs\"")
-        owners = []
+        owners, owner_views = [], {}
         for j, o in enumerate(s["owners"]):
             if not (isinstance(o, dict) and o.get("model") in models
                     and isinstance(o.get("path"), str) and isinstance(o.get("kind"), str)):
                 raise fail(f"storages[{k}].owners[{j}] needs \"model\" (one of \"models\"), "
                            "\"path\" and \"kind\"")
             owners.append((o["model"], o["path"], o["kind"]))
+            view = _view_from_json(o.get("view"), fail, f"storages[{k}].owners[{j}].view")
+            if view is not None:
+                owner_views[(o["model"], o["path"])] = view
         if not owners:
             raise fail(f"storages[{k}] has no owner")
-        storages.append({**s, "owners": sorted(owners), "ref": None})
+        if not isinstance(s.get("internal", False), bool):
+            raise fail(f"storages[{k}]['internal'] must be bool, got {s['internal']!r}")
+        views = s.get("views")
+        if views is not None and not (isinstance(views, list) and len(views) == len(s["graphs"])):
+            raise fail(f"storages[{k}]['views'] must be a list with one entry per graph")
+        views = [_view_from_json(v, fail, f"storages[{k}].views[{j}]")
+                 for j, v in enumerate(views or [None] * len(s["graphs"]))]
+        storages.append({**s, "owners": sorted(owners), "ref": None, "views": views,
+                         "owner_views": owner_views})
     return Guard(models=models, graphs=graphs, storages=storages, source=where)
 
 

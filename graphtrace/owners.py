@@ -54,7 +54,7 @@ from torch import nn
 
 from graphtrace._compat import free_weak_ref, storage_weak_ref
 from graphtrace.attribution import is_wrapper as is_attribution_wrapper
-from graphtrace.opaque import storage_of
+from graphtrace.opaque import is_opaque, storage_of
 
 __all__ = ["OwnerKind", "Owner", "OwnerSnapshot", "PathSet", "walk_owners", "resolve_path",
            "named_modules"]
@@ -578,11 +578,14 @@ class OwnerSnapshot:
     the walks they made had to cut (depth, size) as texts, for the report's blind spots.
     """
 
-    __slots__ = ("owners", "native", "_walks", "_checked", "_matched")
+    __slots__ = ("owners", "native", "_views", "_walks", "_checked", "_matched")
 
     def __init__(self, native=None):
         self.native = native  # graphtrace.native's module: the moved check's fast path
         self.owners: dict[int, set[Owner]] = {}
+        # (storage id, model, path) -> the owner tensor's (dtype, shape, stride, offset) when
+        # it was matched: what the verdict engine's impact compares against (Note [impact])
+        self._views: dict[tuple[int, str, str], tuple] = {}
         self._walks: dict[str, tuple[dict[int, list], _Handles, dict[str, int], list]] = {}
         self._checked = 0  # storages below this id were matched to owners
         self._matched: dict[str, set[str]] = {}  # per model: the paths `owners` holds
@@ -608,15 +611,25 @@ class OwnerSnapshot:
                 self._walks.pop(name)
             walked = name not in self._walks
             by_storage = self._walk(name, model, cut)
+            views = self._walks[name][4]
             matched = self._matched.setdefault(name, set())
             for sid, handle in new.matching(by_storage):
                 for path, owner_kind in by_storage[handle]:
                     self.owners.setdefault(sid, set()).add((name, path, owner_kind))
                     matched.add(path)
+                    view = views.get(path)
+                    if view is not None:
+                        self._views.setdefault((sid, name, path), view)
             if walked:  # the next capture's check, ready with the walk (once per walk), and
                 self._matched_paths(name)[1].resolve(model)  # its registry steps learned
         self._checked = new.end
         return cut
+
+    def view_of(self, sid: int, model: str, path: str) -> tuple | None:
+        """The (dtype, shape, stride, storage offset) of the tensor owner `path` of `model`
+        reached when it was matched to storage `sid`; None for an opaque handle or an owner
+        not matched by this snapshot."""
+        return self._views.get((sid, model, path))
 
     def live_owners(self, models: Mapping[str, nn.Module]) -> dict[str, dict[str, object]]:
         """Per model: each owner path matched to a captured storage -> what it reaches on the
@@ -659,6 +672,7 @@ class OwnerSnapshot:
         cached = self._walks.get(name)
         if cached is None:
             by_storage: dict[int, list] = {}
+            views: dict[str, tuple] = {}  # path -> its tensor's geometry, at walk time
             keep = []  # the walked tensors' storages' weak handles stay unique while we hold them
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", RuntimeWarning)
@@ -672,8 +686,14 @@ class OwnerSnapshot:
                     continue
                 by_storage.setdefault(storage._cdata, []).append((path, owner_kind))
                 keep.append(storage_weak_ref(storage))
+                if not is_opaque(tensor):
+                    try:
+                        views[path] = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                                       tensor.storage_offset())
+                    except Exception:  # no strides (sparse, opaque wrappers): no geometry
+                        pass
             paths = {path: cdata for cdata, found in by_storage.items() for path, _ in found}
             cached = self._walks[name] = (by_storage,
                                           _Handles(keep, free_weak_ref),
-                                          paths, [None, None, None, 0])
+                                          paths, [None, None, None, 0], views)
         return cached[0]

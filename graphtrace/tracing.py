@@ -23,14 +23,12 @@ from graphtrace.blindspots import BlindSpot
 from graphtrace.compiled import CompiledPatch
 from graphtrace.derived import DerivedCopies
 from graphtrace.encoding import REPLAY_FRESH
+from graphtrace.errors import GraphtraceError
 from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
 
 __all__ = ["GraphtraceError", "Trace", "EmulatedGraph", "trace", "capture", "active_trace"]
 
-
-class GraphtraceError(RuntimeError):
-    """Misuse of the graphtrace API (raised to the caller, never from inside a traced op)."""
 
 
 _active_lock = threading.Lock()
@@ -585,6 +583,23 @@ class Trace:
         return self
 
     # -- provenance --------------------------------------------------------------------------
+    def models_changed(self) -> None:
+        """The watched models were updated (weights pushed, holders rebuilt): captures from
+        now on match their storages to owners on a fresh walk of each model."""
+        from graphtrace.guard import models_changed
+
+        models_changed(self.owner_snapshot, self.models)
+
+    def record_error(self, where: str, exc: BaseException) -> None:
+        """Count an internal error of an integration around this trace (raised when strict),
+        as the recorder counts its own: it reaches the report's `errors`."""
+        self.recorder.fail(where, exc)
+
+    @property
+    def saw_compiled(self) -> bool:
+        """Whether a compiled region (torch.compile) was called inside a capture."""
+        return bool(self.compiled_regions.seen)
+
     @property
     def provenance_recording(self) -> bool:
         """Is provenance on and not paused (its dispatch mode on the opening thread)?"""
@@ -630,7 +645,7 @@ class Trace:
 
     def diff(self):
         """Resolve capture-time owners on the live model(s) and classify every edge."""
-        from graphtrace.compiled import blind_spots, coverage
+        from graphtrace.compiled import blind_spots, region_ownership
         from graphtrace.diff import diff
 
         models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
@@ -639,8 +654,8 @@ class Trace:
             spots += self.derived.check(models)
         extra = {}
         if self.compiled_regions.seen and self.recorder.captures and self.models:
-            self._match_owners()  # coverage counts owners: match the newest storages first
-            rows = coverage(self)
+            self._match_owners()  # region_ownership counts owners: match the newest storages first
+            rows = region_ownership(self)
             if rows:  # per capture and compiled region: what was attributed (compiled.py)
                 extra["compiled"] = rows
                 known = {s.text for s in spots}

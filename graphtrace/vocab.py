@@ -2,18 +2,15 @@
 
 Every list of verdicts, statuses, impacts, access kinds and frame columns in graphtrace is
 read from here, and so are the tables in docs/internals.md (a test compares them).
-`verdict_of` is the rule in scalar form: the reference that diff's vectorised path is
-tested against.
+The rule that gives each edge its verdict is graphtrace.verdict's (the verdict engine).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
-
 __all__ = [
     "VERDICTS", "STALE_VERDICTS", "IMPACTS", "ORIGINS", "OWNER_STATUSES", "OWNER_KINDS",
     "ACCESS_KINDS", "EDGE_ACCESSES", "FRAMES", "SCHEMA", "COLUMNS", "COLUMN_KINDS",
-    "HOLDS", "MOVED", "ORPHANED", "verdict_of", "BEFORE_TRACE", "NOT_RECORDED",
+    "HOLDS", "MOVED", "ORPHANED", "BEFORE_TRACE", "NOT_RECORDED",
     "PROVENANCE_MARKS", "FIXES", "FIX_KINDS", "GUARD_PROBLEMS", "GUARD_SCHEMA", "GUARD_COLUMNS",
     "GUARD_IDENTITIES", "BLIND_SPOT_KINDS", "BLIND_SPOT_FIELDS",
 ]
@@ -110,37 +107,9 @@ GUARD_SCHEMA: tuple[tuple[str, str], ...] = (
     ("graph_id", "int"), ("graph", "str"), ("storage_id", "int"), ("data_ptr", "int"),
     ("nbytes", "int"), ("dtype", "str"), ("shape", "str"), ("owners", "str"),
     ("owner_kinds", "str"), ("statuses", "str"), ("live_data_ptr", "Int"), ("verdict", "str"),
-    ("identity", "str"),
+    ("impact", "str?"), ("identity", "str"),
 )
 GUARD_COLUMNS: list[str] = [c for c, _ in GUARD_SCHEMA]
-
-
-def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False) -> str:
-    """The verdict of one captured storage from its capture-time owners' statuses now.
-
-    The scalar statement of the rule (diff applies it vectorised, per storage):
-    no owner -> unowned; an owned storage that every graph overwrites before it reads it
-    (`internal`: origin internal on all its edges) -> stable, whatever its owners did, since
-    each replay recomputes what it then reads (legacy weight_norm's `weight`, recomputed in
-    a forward pre-hook and kept as an attribute); otherwise some hold and some do not ->
-    diverged; all hold -> stable; some moved -> stale if the captured storage is alive,
-    else dangling; all orphaned -> orphaned.
-    """
-    statuses = list(statuses)
-    bad = set(statuses) - set(OWNER_STATUSES)
-    if bad:
-        raise ValueError(f"unknown owner status {sorted(bad)[0]!r} (statuses are "
-                         f"{', '.join(OWNER_STATUSES)})")
-    if not statuses:
-        return "unowned"
-    if internal:
-        return "stable"
-    holds = [s == HOLDS for s in statuses]
-    if any(holds):
-        return "stable" if all(holds) else "diverged"
-    if MOVED in statuses:
-        return "stale" if alive else "dangling"
-    return "orphaned"
 
 
 # -- docs ------------------------------------------------------------------------------------

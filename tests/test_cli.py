@@ -137,7 +137,7 @@ def test_report_json(capsys):
 
 @pytest.mark.parametrize("table, rows, first_col", [
     (None, 7, "graph_id"), ("stale", 7, "graph_id"), ("edges", 18, "graph_id"),
-    ("summary", 6, "verdict"), ("coverage", 2, "graph_id"),
+    ("summary", 6, "verdict"), ("ownership", 2, "graph_id"),
 ])
 def test_report_csv(capsys, table, rows, first_col):
     argv = ["report", str(FIXTURE), "--csv"] + ([table] if table else [])

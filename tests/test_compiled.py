@@ -75,13 +75,13 @@ def registered(model) -> set[str]:
     return {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
 
 
-def coverage(model, fn_eager, fn_compiled, x) -> tuple[set, set, object]:
+def owned_reads_eager_and_compiled(model, fn_eager, fn_compiled, x) -> tuple[set, set, object]:
     eager, _, _ = run_traced(model, fn_eager, x)
     compiled, _, _ = run_traced(model, fn_compiled, x)
     return owned_read(eager), owned_read(compiled), compiled
 
 
-# --------------------------------------------------------------------------- coverage 1.00
+# --------------------------------------------------------------------------- owned reads, eager = compiled
 
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 def test_small_net_compiled_reads_every_parameter_eager_reads(backend, writer):
@@ -89,9 +89,9 @@ def test_small_net_compiled_reads_every_parameter_eager_reads(backend, writer):
     c = torch.compile(m, backend=backend)
     with torch.no_grad():
         c(TOKENS)  # compiled before the trace opens
-    eager, compiled, report = coverage(m, m, c, TOKENS)
+    eager, compiled, report = owned_reads_eager_and_compiled(m, m, c, TOKENS)
     assert eager == registered(m)
-    assert compiled == eager  # coverage 1.00
+    assert compiled == eager  # every owned read eager makes
     assert set(report.edges["verdict"].astype(str)) <= {"stable", "unowned"}
     if backend == "inductor":
         (row,) = report.meta["compiled"]
@@ -114,7 +114,7 @@ def demo(variant: str, breaking: bool = False, n_layers: int = 2):
 def test_demo_model_compiled_reads_every_parameter_eager_reads():
     m, c = demo("fixed")
     x = m.make_input(2)
-    eager, compiled, report = coverage(m, m, c, x)
+    eager, compiled, report = owned_reads_eager_and_compiled(m, m, c, x)
     assert eager and compiled == eager
     assert {p for p in eager if "input_layernorm" in p} == {
         f"layers.{i}.input_layernorm.weight" for i in range(2)}  # read only by fused code
@@ -133,8 +133,8 @@ def test_transformers_llama_compiled_reads_every_parameter_and_buffer_eager_read
     c = torch.compile(m, backend="inductor")
     with torch.no_grad():
         c(ids)
-    eager, compiled, report = coverage(m, lambda i: m(i).logits, lambda i: c(i).logits, ids)
-    assert compiled == eager  # coverage 1.00
+    eager, compiled, report = owned_reads_eager_and_compiled(m, lambda i: m(i).logits, lambda i: c(i).logits, ids)
+    assert compiled == eager  # every owned read eager makes
     assert "model.embed_tokens.weight" in compiled
     assert {f"model.layers.{i}.input_layernorm.weight" for i in range(2)} <= compiled
     assert any("inv_freq" in p for p in compiled)  # the rotary buffer

@@ -269,3 +269,20 @@ def test_module_imports_without_torch():
     code = ("import sys; import graphtrace.coverage; "
             "assert 'torch' not in sys.modules, 'graphtrace.coverage imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_coverage_has_one_meaning():
+    """Only this module's kernel-pointer measure is called coverage: no function anywhere in
+    the package is named plain `coverage`, and `graphtrace.analysis` (now `graphtrace.explore`,
+    apart from the analysis/ scripts) is gone."""
+    import ast
+    from pathlib import Path
+
+    pkg = Path(cov.__file__).resolve().parent
+    plain = [f"{p.relative_to(pkg.parent)}:{node.lineno}" for p in sorted(pkg.rglob("*.py"))
+             for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "coverage"]
+    assert not plain, plain
+    named = [n for n in cov.__all__ if "coverage" in n.lower()]
+    assert set(named) == {"kernel_coverage", "graph_coverage", "format_coverage", "CoverageResult"}
+    assert not (pkg / "analysis.py").exists()

@@ -1,4 +1,7 @@
-"""The docs list the words and columns graphtrace.vocab defines, no more, no fewer, in order."""
+"""The docs match the code: the words and columns graphtrace.vocab defines, no more, no fewer,
+in order; the layout table against the tree (described in docs/internals.md only); the README
+as a short front door whose links resolve and whose example runs; every command-line option
+the docs name exists; the vLLM page names every variable and option the adapter reads."""
 
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ from graphtrace import vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERNALS = ROOT / "docs" / "internals.md"
+VLLM_DOC = ROOT / "docs" / "vllm.md"
 README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def section(text: str, heading: str) -> str:
@@ -89,13 +94,36 @@ def _package_entries() -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("doc", [INTERNALS, README], ids=["internals", "readme"])
-def test_layout_tables_name_every_module(doc):
-    layout = section(doc.read_text(), "Layout")
+def test_internals_layout_names_every_module():
+    layout = section(INTERNALS.read_text(), "Layout")
     missing = [entry for entry in _package_entries() if f"`{entry}`" not in layout]
-    assert not missing, f"{doc.name}'s Layout table does not name {missing}"
+    assert not missing, f"internals.md's Layout table does not name {missing}"
     for named in re.findall(r"`(graphtrace/[\w/.]+)`", layout):
-        assert (ROOT / named).exists(), f"{doc.name}'s Layout names {named}, which does not exist"
+        assert (ROOT / named).exists(), f"internals.md's Layout names {named}, which does not exist"
+    for folder in _tracked_top_level_folders():
+        assert f"| `{folder}/` |" in layout, f"internals.md's Layout does not name {folder}/"
+
+
+def _tracked_top_level_folders() -> list[str]:
+    """The repository's top-level folders under version control (graphtrace/ has its rows)."""
+    proc = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        pytest.skip("not a git checkout")
+    tops = {line.split("/")[0] for line in proc.stdout.splitlines() if "/" in line}
+    folders = sorted(f for f in tops if not f.startswith(".") and f != "graphtrace")
+    assert {"analysis", "tests", "docs", "notebooks"} <= set(folders), folders
+    return folders
+
+
+def test_the_layout_is_described_in_one_place_only():
+    for doc in DOCS:
+        if doc == INTERNALS:
+            continue
+        text = doc.read_text()
+        assert not re.search(r"^#+ Layout\b", text, re.M), f"{doc.name} has a Layout section"
+        rows = re.findall(r"^\| `graphtrace/[\w/.]+` \|", text, re.M)
+        assert not rows, f"{doc.name} describes modules in a table: {rows[:3]}"
+    assert "docs/internals.md#layout" in README.read_text()
 
 
 def _env_reads(path: Path) -> set[str]:
@@ -135,26 +163,130 @@ def _env_reads(path: Path) -> set[str]:
     return found
 
 
-def test_readme_names_every_variable_the_vllm_package_reads():
+def test_vllm_doc_names_every_variable_the_vllm_package_reads():
     files = sorted((ROOT / "graphtrace" / "vllm").glob("*.py")) + [
         ROOT / "graphtrace" / "provenance.py"]  # the plugin's trace reads it
     read = set().union(*(_env_reads(f) for f in files))
     assert {"GRAPHTRACE_VLLM", "GRAPHTRACE_VLLM_DIR", "VLLM_ENABLE_V1_MULTIPROCESSING",
             "GRAPHTRACE_PROVENANCE"} <= read  # the scan sees constants and literals
-    text = section(README.read_text(), "Inside a real vLLM")
-    missing = sorted(v for v in read if f"`{v}`" not in text)
-    assert not missing, f"README's vLLM section does not name {missing}"
+    text = section(VLLM_DOC.read_text(), "Worker processes: the plugin")
+    missing = sorted(v for v in read if f"| `{v}` |" not in text)
+    assert not missing, f"docs/vllm.md's variable table does not name {missing}"
 
 
-def test_readme_documents_every_trace_llm_option():
+def test_vllm_doc_documents_every_trace_llm_option():
     import inspect
 
     from graphtrace.vllm.adapter import VllmTrace
 
-    text = section(README.read_text(), "Inside a real vLLM")
+    text = section(VLLM_DOC.read_text(), "In process: `trace_llm`")
     options = [p for p in inspect.signature(VllmTrace.__init__).parameters if p != "self"]
     assert options and not [p for p in options if f"| `{p}` |" not in text]
     for method in ("capture", "capture_dummy", "reload", "generate"):
         params = [p for p in inspect.signature(getattr(VllmTrace, method)).parameters
                   if p != "self"]
         assert f"vt.{method}(" in text and all(p in text for p in params), method
+
+
+# --------------------------------------------------------------------------- the README
+
+def test_readme_is_a_short_front_door():
+    text = README.read_text()
+    assert len(text.splitlines()) < 150
+    first = text.splitlines()[:5]
+    assert first[:3] == ["# graphtrace", "", "```bash"]
+    assert first[3].startswith("make demo ") and "`graphtrace demo`" in first[3]
+    assert first[4].startswith("make test ") and "test suite" in first[4]
+    make = (ROOT / "Makefile").read_text()
+    assert re.search(r"^demo: .*\n\t.*graphtrace demo$", make, re.M)
+    assert re.search(r"^test: .*\n\t.*-m pytest", make, re.M)
+    assert "never run on a GPU" in section(text, "Limits that matter")
+
+
+def _extras() -> set[str]:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+               ["optional-dependencies"])
+
+
+def test_readme_installs_only_extras_pyproject_defines():
+    named = re.findall(r"pip install -e '?\.\[([\w,]+)\]", README.read_text())
+    assert named
+    for group in named:
+        assert set(group.split(",")) <= _extras(), group
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_relative_links_resolve(doc):
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+        assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which is missing"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_anchor_links_name_real_headings(doc):
+    for target, anchor in re.findall(r"\]\(([^)#:]*)#([^)]+)\)", doc.read_text()):
+        page = doc.parent / target if target else doc
+        slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", page.read_text(), re.M)}
+        assert anchor in slugs, f"{doc.name} links to {target}#{anchor}: no such heading"
+
+
+def _parser_options() -> set[str]:
+    import argparse
+
+    from analysis import gpu_check
+    from graphtrace import cli
+    from graphtrace.demo import runner
+
+    demo = argparse.ArgumentParser()
+    runner.add_arguments(demo)
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = [demo, gpu_check.build_parser(), *sub.choices.values()]
+    return {o for p in parsers for a in p._actions for o in a.option_strings}
+
+
+@pytest.mark.parametrize("name", ["README.md", "cases.md", "reports.md", "gpu.md"])
+def test_every_option_the_docs_name_exists(name):
+    doc = README if name == "README.md" else ROOT / "docs" / name
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", doc.read_text()))
+    assert named - {"--help"} <= _parser_options(), sorted(named - _parser_options())
+
+
+def test_readme_example_runs(tmp_path, monkeypatch):
+    """The README's example, with a tiny model, a copy-in-place reload and `out/` in tmp."""
+    torch = pytest.importorskip("torch")
+    code = re.search(r"```python\n(.*?)```", section(README.read_text(), "Example"), re.S).group(1)
+    assert len(code.strip().splitlines()) <= 11
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    new = {k: v + 1 for k, v in model.state_dict().items()}
+
+    def reload_weights(m):
+        with torch.no_grad():
+            m.load_state_dict(new)  # copies into the registered storages: nothing stale
+
+    monkeypatch.chdir(tmp_path)
+    scope = {"model": model, "x": torch.randn(3, 4), "reload_weights": reload_weights}
+    with torch.no_grad():
+        exec(compile(code, "README.md", "exec"), scope)
+    report = scope["report"]
+    assert len(report.edges) and report.stale.empty
+    assert (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.slow
+def test_readme_demo_table_is_what_the_demo_prints(capsys):
+    """The closing table in the README is the default demo's own summary, line for line."""
+    pytest.importorskip("torch")
+    from graphtrace.demo import runner
+
+    block = re.search(r"```\n(variant .*?)```", section(README.read_text(), "The demo"), re.S)
+    table = block.group(1).rstrip("\n").splitlines()
+    assert runner.main(["--device", "cpu", "--backend", "builtin", "--quiet", "--out", ""]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    start = printed.index(table[0])
+    assert printed[start:start + len(table)] == table

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def demo_dir(tmp_path_factory) -> Path:
            "--out", str(out)]
     for v in DEMO_VARIANTS:
         cmd += ["--variant", v]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     for v in DEMO_VARIANTS:
         for s in ("new-weights", "same-weights"):
@@ -95,7 +96,8 @@ def demo_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def kernel_env(tmp_path, monkeypatch, demo_dir) -> Path:
     """A ``python3`` kernelspec running this interpreter, found first through JUPYTER_PATH;
-    Jupyter and IPython state kept in tmp_path; the demo folder passed to the kernel."""
+    Jupyter and IPython state kept in tmp_path; the demo folder passed to the kernel; this
+    checkout first on the kernel's path (as pytest's ``pythonpath``), not an installed copy."""
     spec_dir = tmp_path / "jupyter" / "kernels" / "python3"
     spec_dir.mkdir(parents=True)
     (spec_dir / "kernel.json").write_text(json.dumps({
@@ -108,6 +110,8 @@ def kernel_env(tmp_path, monkeypatch, demo_dir) -> Path:
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
     monkeypatch.setenv("GRAPHTRACE_REPORT_DIR", str(demo_dir))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     monkeypatch.delenv("MPLBACKEND", raising=False)
     work = tmp_path / "work"
     work.mkdir()
@@ -134,7 +138,8 @@ def test_notebook_executes(path, kernel_env, demo_dir):
                      if c.cell_type == "code" and PLOT_CALL.search(c.source))
     # A probe, run after the notebook's own cells: which interpreter and report folder.
     nb.cells.append(nbformat.v4.new_code_cell(
-        "import os, sys\nprint(sys.executable)\nprint(os.environ['GRAPHTRACE_REPORT_DIR'])"))
+        "import os, sys, graphtrace\nprint(sys.executable)\n"
+        "print(os.environ['GRAPHTRACE_REPORT_DIR'])\nprint(graphtrace.__file__)"))
     client = nbclient.NotebookClient(
         nb, kernel_name="python3", timeout=CELL_TIMEOUT_S, startup_timeout=60,
         resources={"metadata": {"path": str(kernel_env)}})
@@ -146,6 +151,7 @@ def test_notebook_executes(path, kernel_env, demo_dir):
     probe = "".join(o.get("text", "") for o in nb.cells[-1].outputs).split("\n")
     assert Path(probe[0]).resolve() == Path(sys.executable).resolve()
     assert probe[1] == str(demo_dir)
+    assert Path(probe[2]).resolve().parent == ROOT / "graphtrace"  # the checkout under test
 
     # Every cell that calls a plot helper shows its figure, as a real PNG.
     pngs = [b for c in nb.cells if c.cell_type == "code" for o in c.outputs
@@ -189,9 +195,9 @@ def demo_reports(demo_dir):
 
 
 HELPERS = {
-    "verdicts_per_layer": lambda an, r: an.plot_verdicts_per_layer(r),
-    "stale_subgraph": lambda an, r: an.draw_stale_subgraph(r, "layers.0"),
-    "read_matrix": lambda an, r: an.plot_read_matrix(r),
+    "verdicts_per_layer": lambda ex, r: ex.plot_verdicts_per_layer(r),
+    "stale_subgraph": lambda ex, r: ex.draw_stale_subgraph(r, "layers.0"),
+    "read_matrix": lambda ex, r: ex.plot_read_matrix(r),
 }
 
 
@@ -200,10 +206,10 @@ def test_demo_figures_render_to_png(demo_reports, helper):
     """The plot helpers on real demo reports: non-empty PNGs that show the verdicts found
     (red stale reads for the bug, orange diverged for the rejected fix, neither for the fix)."""
     pytest.importorskip("matplotlib")
-    from graphtrace import analysis as an
+    from graphtrace import explore as ex
 
-    colors = an.VERDICT_COLORS
-    img = {v: _render(HELPERS[helper](an, r)) for v, r in demo_reports.items()}
+    colors = ex.VERDICT_COLORS
+    img = {v: _render(HELPERS[helper](ex, r)) for v, r in demo_reports.items()}
     assert _pixels(img["unfixed-partial"], colors["stale"]) > 20
     assert _pixels(img["rejected-fix"], colors["diverged"]) > 20
     for verdict in ("stale", "dangling", "diverged"):

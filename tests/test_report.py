@@ -307,14 +307,14 @@ def test_load_report_is_torch_free(tmp_path):
     code = f"""
 import importlib, pkgutil, sys
 sys.modules["torch"] = None  # any import of torch now fails
-import graphtrace.report as rep, graphtrace.analysis as an, graphtrace.cli as cli
+import graphtrace.report as rep, graphtrace.explore as ex, graphtrace.cli as cli
 subs = [m.name for m in pkgutil.iter_modules(rep.__path__, "graphtrace.report.")]
 assert {{"graphtrace.report.core", "graphtrace.report.io"}} <= set(subs), subs
 for name in subs:
     importlib.import_module(name)
 r = rep.load_report({str(FIXTURE)!r})
 assert r.counts()["stale"] == 4, r.counts()
-r.graph; r.summary(by="layer"); an.coverage(r); an.stale_by(r, "op")
+r.graph; r.summary(by="layer"); ex.ownership_by_graph(r); ex.stale_by(r, "op")
 back = rep.load_report(r.to_csv({str(tmp_path / 'out')!r}))
 assert len(back.edges) == 18
 assert cli.main(["report", {str(FIXTURE)!r}]) == 0

@@ -1,6 +1,6 @@
 """Reports under bad input: every defect a folder or frame can have is one ReportError that
 names the file (or frame), the column and the first bad row; to_csv is atomic; the CLI
-says one line; coverage counts storages apart from edges.
+says one line; ownership_by_graph counts storages apart from edges.
 
 See Note [What a report folder guarantees] in graphtrace/report/io.py.
 """
@@ -20,8 +20,8 @@ import pandas as pd
 import pytest
 
 import graphtrace.report.io as report_io
-from graphtrace.analysis import coverage
 from graphtrace.cli import main
+from graphtrace.explore import ownership_by_graph
 from graphtrace.report import MANIFEST, Report, ReportError, load_report
 from graphtrace.vocab import (
     ACCESS_KINDS,
@@ -595,7 +595,7 @@ def _bad_folders(tmp_path: Path, original: Report) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("mode", [[], ["--json"], ["--csv"], ["--csv", "coverage"],
+@pytest.mark.parametrize("mode", [[], ["--json"], ["--csv"], ["--csv", "ownership"],
                                   ["--fail-on-stale"]], ids=lambda m: " ".join(m) or "text")
 def test_cli_bad_folders_one_line_exit_2(tmp_path, original, capsys, mode):
     for case, folder in _bad_folders(tmp_path, original).items():
@@ -650,9 +650,9 @@ def test_report_command_works_without_torch():
     assert json.loads(p.stdout)["n_edges"] == 18
 
 
-# --------------------------------------------------------------------------- coverage
+# --------------------------------------------------------------------------- ownership by graph
 
-def test_coverage_counts_a_storage_touched_only_through_a_view(original):
+def test_ownership_by_graph_counts_a_storage_touched_only_through_a_view(original):
     """Graph 1 makes a view of a storage (s15) it never reads or writes: one storage more
     than its edges; graph 0 is unchanged."""
     acc = original.accesses.astype({c: object for c in ("graph", "op", "module", "arg",
@@ -672,14 +672,14 @@ def test_coverage_counts_a_storage_touched_only_through_a_view(original):
     meta["graphs"] = [dict(g, n_ops=3, n_accesses=9) if g["graph_id"] == 1 else g
                       for g in meta["graphs"]]
     r = Report.from_frames(acc, sto, original.owners, original.edges, meta)
-    cov = coverage(r).set_index("graph_id")
+    cov = ownership_by_graph(r).set_index("graph_id")
     assert cov.loc[1, ["accesses", "storages", "edges", "owned"]].tolist() == [9, 7, 6, 3]
     assert cov.loc[0, ["accesses", "storages", "edges", "owned"]].tolist() == [17, 12, 12, 7]
-    before = coverage(original).set_index("graph_id")
+    before = ownership_by_graph(original).set_index("graph_id")
     assert before.loc[1, "storages"] == before.loc[1, "edges"] == 6
 
 
-def test_coverage_of_a_real_trace_with_a_view_only_storage():
+def test_ownership_by_graph_of_a_real_trace_with_a_view_only_storage():
     torch = pytest.importorskip("torch")
     import graphtrace as gt
 
@@ -698,7 +698,7 @@ def test_coverage_of_a_real_trace_with_a_view_only_storage():
         with gt.capture("g"):
             model(torch.randn(2, 4))
     r = t.diff()
-    cov = coverage(r).iloc[0]
+    cov = ownership_by_graph(r).iloc[0]
     edge_sids = set(r.edges["storage_id"])
     access_sids = set(r.accesses["storage_id"])
     assert len(access_sids - edge_sids) == 1

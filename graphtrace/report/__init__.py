@@ -4,7 +4,7 @@ This package imports no torch: a report folder written on a GPU machine is read 
 analysed anywhere (``load_report``), in Jupyter, in a terminal or in a project's pytest.
 Its modules: ``core`` (``Report``), ``canonical`` (the canonical form below), ``io``
 (folders), ``validate`` (vocabularies, keys, references and meta types every Report is
-checked for), ``grouping`` (group keys of ``summary(by=...)`` and :mod:`graphtrace.analysis`)
+checked for), ``grouping`` (group keys of ``summary(by=...)`` and :mod:`graphtrace.explore`)
 and ``check`` (``assert_no_stale``). This docstring is the one description of the format.
 
 Frames (columns in docs/internals.md) are kept in one canonical form so that a report and
@@ -86,7 +86,7 @@ __all__ = [
     "load_report",
     "read_graphml",
     "assert_no_stale",
-    # grouping helpers (shared with graphtrace.analysis and the CLI)
+    # grouping helpers (shared with graphtrace.explore and the CLI)
     "GROUPINGS",
     "UNKNOWN_MODULE",
     "NO_OWNER",

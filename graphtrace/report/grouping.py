@@ -1,6 +1,6 @@
 """Group keys of a report's edges: layers, display names of graphs, ``summary(by=...)``.
 
-Public because :mod:`graphtrace.analysis` groups and sorts the same way as
+Public because :mod:`graphtrace.explore` groups and sorts the same way as
 ``Report.summary``; everything here is a function of frames, never of a Report.
 """
 

@@ -51,7 +51,8 @@ import torch
 from torch import nn
 
 import graphtrace as gt
-from graphtrace.tracing import GraphtraceError, active_trace
+from graphtrace.errors import GraphtraceError
+from graphtrace.tracing import active_trace
 from graphtrace.vllm import blind, hooks
 
 logger = logging.getLogger("graphtrace.vllm")
@@ -375,7 +376,7 @@ class VllmTrace:
         except Exception as exc:
             if self.strict:
                 raise
-            self.trace.recorder.fail("vllm blind spot scan", exc)
+            self.trace.record_error("vllm blind spot scan", exc)
 
     # -- captures ----------------------------------------------------------------------------
     def capture(self, label: str = "forward", *, forwards: int = 1, skip: int = 0) -> _ForwardCapture:
@@ -469,7 +470,7 @@ class VllmTrace:
         """``graphtrace`` diff of everything captured against the live vLLM model(s)."""
         for worker, name in self._workers:  # layers rebuilt by a reload can add blind spots
             self._scan_blind_spots(hooks.worker_model(worker), name)
-        if not self.trace.compiled_regions.seen:  # the core records compiled regions; none seen
+        if not self.trace.saw_compiled:  # the core records compiled regions; none seen
             for spot in self.blind_spots:
                 if spot["kind"] == "compiled":
                     self.trace.add_blind_spot(blind.record(spot))

@@ -181,7 +181,7 @@ class _WorkerGuard:
         self.last: dict | None = None
 
     def refresh(self):
-        captures = _session.trace.recorder.captures
+        captures = _session.trace.captures
         if self.guard is None or len(captures) != self.n_graphs:
             if len(captures) <= self.first_graph:
                 self.guard = None
@@ -260,10 +260,8 @@ def _guard_after_update(obj, method: str) -> None:
                 failure = sys.exc_info()
                 _guard_failed("writing the guard check after " + method)
     try:
-        from graphtrace.guard import models_changed
-
         # graphs captured after this update: their owners from a fresh walk
-        models_changed(_session.trace.owner_snapshot, _session.trace.models)
+        _session.trace.models_changed()
     except Exception:
         _guard_failed("refreshing owners after " + method)
     if action == "warn":
@@ -399,14 +397,12 @@ def _recapture(state: _WorkerGuard, problems):
     """
     from graphtrace.vllm.adapter import capture_dummy_run
 
-    captures = _session.trace.recorder.captures
+    captures = _session.trace.captures
     if any(c.kind == "cuda" for c in captures[state.first_graph:]):
         logger.error("graphtrace: GRAPHTRACE_GUARD=recapture: vLLM 0.32 has no public API "
                      "to re-capture CUDA graphs; failing the update instead")
         return problems
-    from graphtrace.guard import models_changed
-
-    models_changed(_session.trace.owner_snapshot, _session.trace.models)  # the updated model's
+    _session.trace.models_changed()  # the updated model's
     worker = _session.worker
     dummy = [c.label for c in captures[state.first_graph:] if c.info.get("dummy_run")]
     _session.graphs.clear()  # the emulated graphs: the old storages die with them
@@ -466,7 +462,7 @@ def _final_report(worker, trigger: str) -> None:
     if _session is None or "shutdown" in _written:
         return
     try:
-        if not _session.trace.recorder.captures:
+        if not _session.trace.captures:
             logger.info("graphtrace: nothing was captured in pid %d; no report", os.getpid())
             _written["shutdown"] = ""
             return
@@ -523,7 +519,7 @@ def rpc_capture(worker, label: str = "decode", forwards: int = 1, skip: int = 0)
 
     cap = _ForwardCapture(_session, label, forwards, skip, auto_close=True)
     cap.open()
-    return len(_session.trace.recorder.captures)
+    return len(_session.trace.captures)
 
 
 def rpc_capture_dummy(worker, label: str = "dummy_decode", num_tokens: int | None = None) -> int:
@@ -533,7 +529,7 @@ def rpc_capture_dummy(worker, label: str = "dummy_decode", num_tokens: int | Non
     from graphtrace.vllm.adapter import capture_dummy_run
 
     capture_dummy_run(_session, _unwrap(worker), label, num_tokens, True)
-    return len(_session.trace.recorder.captures)
+    return len(_session.trace.captures)
 
 
 def rpc_status(worker=None) -> dict:
@@ -545,7 +541,7 @@ def rpc_status(worker=None) -> dict:
            "rank": hooks.worker_rank(w) if w is not None else None}
     if _session is not None:
         out.update(models=list(_session.trace.models),
-                   graphs=[c.label for c in _session.trace.recorder.captures],
+                   graphs=[c.label for c in _session.trace.captures],
                    blind_spots=len(_session.blind_spots), written=dict(_written))
     return out
 

@@ -29,7 +29,7 @@ from graphtrace.vocab import STALE_VERDICTS, VERDICTS
 __all__ = [
     "KINDS", "FLIPS", "RELOADS", "Expect", "Variant", "buggy_and_fixed", "Case", "Outcome",
     "Finding", "VariantResult", "check", "run_variant", "run_case", "format_case", "summary_line",
-    "readme_table"
+    "markdown_table"
 ]
 
 KINDS = ("buggy", "fixed", "control")
@@ -287,8 +287,8 @@ def summary_line(case: Case, results: list[VariantResult]) -> str:
     return f"{case.name:<34} {'ok' if ok else 'MISMATCH':<8} " + "; ".join(found)
 
 
-def readme_table(cases) -> str:
-    """The README's table of cases, generated from the case modules' data."""
+def markdown_table(cases) -> str:
+    """The table of cases in docs/cases.md, generated from the case modules' data."""
     lines = ["| case | reference | what is rebound, what held it | variants: expected |",
              "|---|---|---|---|"]
     for c in cases:

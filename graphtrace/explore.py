@@ -1,7 +1,10 @@
 """Torch-free helpers on a :class:`~graphtrace.report.Report`, for notebooks and plots.
 
+(Named ``graphtrace.analysis`` before; the top-level ``analysis/`` folder holds benchmark and
+audit scripts, not this.)
+
 Each helper is a small stateless function of a report. Frames first: ``stale_by``,
-``coverage``, ``verdicts_per_layer``, ``read_matrix`` return DataFrames; ``stale_subgraph``
+``ownership_by_graph``, ``verdicts_per_layer``, ``read_matrix`` return DataFrames; ``stale_subgraph``
 returns a networkx graph. Drawing second: ``plot_verdicts_per_layer``,
 ``draw_stale_subgraph``, ``plot_read_matrix`` each return a matplotlib ``Figure`` (made
 with the Agg canvas, never pyplot, so nothing opens a window); pass ``ax=`` to draw into an
@@ -30,7 +33,7 @@ __all__ = [
     "VERDICT_COLORS",
     "layer_of",
     "stale_by",
-    "coverage",
+    "ownership_by_graph",
     "verdicts_per_layer",
     "read_matrix",
     "stale_subgraph",
@@ -96,7 +99,7 @@ def _blind_spot_counts(report: Report, graphs: pd.DataFrame) -> list[int]:
     return counts
 
 
-def coverage(report: Report) -> pd.DataFrame:
+def ownership_by_graph(report: Report) -> pd.DataFrame:
     """What each captured graph saw, and how much of it has a known owner.
 
     Columns: ``graph_id``, ``graph``, ``kind`` (emulated/cuda), ``ops``, ``accesses``

@@ -1,4 +1,4 @@
-"""Analysis helpers: exact frames on the fixture report, subgraphs, figures as PNG."""
+"""graphtrace.explore: exact frames on the fixture report, subgraphs, figures as PNG."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from graphtrace import analysis as an
+from graphtrace import explore as ex
 from graphtrace.report import STALE_VERDICTS, VERDICTS, Report, load_report
 
 FIXTURE = Path(__file__).parent / "data" / "reload_report"
@@ -34,20 +34,20 @@ def _expected(rows: dict, name: str) -> pd.DataFrame:
                "decode_bs8": [2, 1, 0, 3, 1, 1, 1, 3, 1]}),
 ])
 def test_stale_by(report, by, rows):
-    pd.testing.assert_frame_equal(an.stale_by(report, by), _expected(rows, by))
+    pd.testing.assert_frame_equal(ex.stale_by(report, by), _expected(rows, by))
 
 
 def test_stale_by_empty_and_bad_grouping(report):
     e = report.edges
     clean = Report(edges=e[~e.verdict.isin(STALE_VERDICTS)])
-    out = an.stale_by(clean, "layer")
+    out = ex.stale_by(clean, "layer")
     assert out.empty and list(out.columns) == STALE_COLS and out.index.name == "layer"
     with pytest.raises(ValueError, match="by must be one of"):
-        an.stale_by(report, "colour")
+        ex.stale_by(report, "colour")
 
 
-def test_coverage(report):
-    cov = an.coverage(report)
+def test_ownership_by_graph(report):
+    cov = ex.ownership_by_graph(report)
     expected = pd.DataFrame({
         "graph_id": [0, 1], "graph": ["decode_bs1", "decode_bs8"],
         "kind": ["emulated", "emulated"], "ops": [5, 2], "accesses": [17, 7],
@@ -60,29 +60,29 @@ def test_coverage(report):
     assert cov["blind_spots"].dtype == np.int64
 
 
-def test_coverage_per_graph_blind_spots_and_empty_graph(report):
+def test_ownership_by_graph_per_graph_blind_spots_and_empty_graph(report):
     meta = dict(report.meta)
     meta["blind_spots"] = ["global", {"graph": "decode_bs8", "message": "triton kernel"}]
     meta["graphs"] = meta["graphs"] + [{"graph_id": 2, "label": "prefill", "kind": "cuda",
                                         "n_ops": 0, "n_accesses": 0, "thread": "t"}]
     r = Report(report.accesses, report.storages, report.owners, report.edges, meta)
-    cov = an.coverage(r).set_index("graph")
+    cov = ex.ownership_by_graph(r).set_index("graph")
     assert cov["blind_spots"].to_dict() == {"decode_bs1": 1, "decode_bs8": 2, "prefill": 1}
     assert cov.loc["prefill", "edges"] == 0 and np.isnan(cov.loc["prefill", "owned_fraction"])
 
 
 def test_verdicts_per_layer(report):
-    pd.testing.assert_frame_equal(an.verdicts_per_layer(report), report.summary(by="layer"))
+    pd.testing.assert_frame_equal(ex.verdicts_per_layer(report), report.summary(by="layer"))
 
 
 def test_read_matrix(report):
-    m = an.read_matrix(report)
+    m = ex.read_matrix(report)
     assert list(m.index) == ["decode_bs1", "decode_bs8"]
     assert list(m.columns) == list(range(15))
     assert m.loc["decode_bs1", 2] == "stale" and m.loc["decode_bs8", 4] == "dangling"
     assert m.loc["decode_bs1", 6] == "orphaned" and pd.isna(m.loc["decode_bs8", 0])
     assert int(m.notna().to_numpy().sum()) == 18
-    s = an.read_matrix(report, stale_only=True)
+    s = ex.read_matrix(report, stale_only=True)
     assert list(s.columns) == [2, 3, 4, 5]
     assert s.loc["decode_bs1"].tolist() == ["stale", "stale", "dangling", "diverged"]
     assert s.loc["decode_bs8"].iloc[:3].tolist() == ["stale", "stale", "dangling"]
@@ -102,7 +102,7 @@ def test_read_matrix(report):
     ("lm_head", set()),
 ])
 def test_stale_subgraph(report, target, nodes):
-    H = an.stale_subgraph(report, target)
+    H = ex.stale_subgraph(report, target)
     assert set(H.nodes) == nodes
     assert H is not report.graph and H.is_multigraph()
     for u, v, d in H.edges(data=True):
@@ -111,7 +111,7 @@ def test_stale_subgraph(report, target, nodes):
 
 
 def test_stale_subgraph_all(report):
-    H = an.stale_subgraph(report)
+    H = ex.stale_subgraph(report)
     kinds = pd.Series(dict(H.nodes(data="kind"))).value_counts().to_dict()
     assert kinds == {"graph": 2, "storage": 4, "owner": 5}
     stale = sorted((u, v) for u, v, d in H.edges(data=True) if d.get("stale"))
@@ -132,11 +132,11 @@ def _check_png(path: Path) -> None:
 
 
 @pytest.mark.parametrize("draw", [
-    lambda r: an.plot_verdicts_per_layer(r),
-    lambda r: an.draw_stale_subgraph(r),
-    lambda r: an.draw_stale_subgraph(r, "layers.1"),
-    lambda r: an.plot_read_matrix(r),
-    lambda r: an.plot_read_matrix(r, stale_only=True),
+    lambda r: ex.plot_verdicts_per_layer(r),
+    lambda r: ex.draw_stale_subgraph(r),
+    lambda r: ex.draw_stale_subgraph(r, "layers.1"),
+    lambda r: ex.plot_read_matrix(r),
+    lambda r: ex.plot_read_matrix(r, stale_only=True),
 ], ids=["verdicts_per_layer", "stale_subgraph", "stale_subgraph_layer", "read_matrix",
         "read_matrix_stale"])
 def test_figures_render_to_png(report, tmp_path, draw):
@@ -153,27 +153,27 @@ def test_figures_on_empty_report_and_given_axes(tmp_path):
     from matplotlib.figure import Figure
 
     empty = Report()
-    for fig in (an.plot_verdicts_per_layer(empty), an.draw_stale_subgraph(empty),
-                an.plot_read_matrix(empty)):
+    for fig in (ex.plot_verdicts_per_layer(empty), ex.draw_stale_subgraph(empty),
+                ex.plot_read_matrix(empty)):
         fig.savefig(tmp_path / "e.png")
         assert (tmp_path / "e.png").stat().st_size > 0
     fig = Figure()
     ax1, ax2 = fig.subplots(1, 2)
     rep = load_report(FIXTURE)
-    assert an.plot_verdicts_per_layer(rep, ax=ax1) is fig
-    assert an.plot_read_matrix(rep, ax=ax2) is fig
+    assert ex.plot_verdicts_per_layer(rep, ax=ax1) is fig
+    assert ex.plot_read_matrix(rep, ax=ax2) is fig
 
 
 def test_verdict_colors_cover_every_verdict():
-    assert set(an.VERDICT_COLORS) == set(VERDICTS)
+    assert set(ex.VERDICT_COLORS) == set(VERDICTS)
 
 
 def test_repeated_graph_labels_stay_apart(report):
     acc = report.accesses.assign(graph="decode")
     edges = report.edges.assign(graph="decode")
     r = Report(acc, report.storages, report.owners, edges)
-    m = an.read_matrix(r)
+    m = ex.read_matrix(r)
     assert list(m.index) == ["decode#0", "decode#1"]
     assert m.loc["decode#1", 4] == "dangling" and pd.isna(m.loc["decode#1", 0])
     assert list(r.summary(by="graph").index) == ["decode#0", "decode#1"]
-    assert an.stale_by(r, "graph")["total"].to_dict() == {"decode#0": 4, "decode#1": 3}
+    assert ex.stale_by(r, "graph")["total"].to_dict() == {"decode#0": 4, "decode#1": 3}

@@ -1,0 +1,218 @@
+"""The verdict engine: the one place that decides what a captured storage's edges are.
+
+`t.diff()` (every edge of a trace), `Guard.check()` (the required storages, live or loaded
+from JSON) and every integration built on them call these functions; nothing else decides a
+verdict, an owner's status or an impact:
+
+- `owner_status`: does a capture-time owner, resolved on the live model, still hold the
+  captured storage (identity by weak handle, or by address and size where only that is
+  known: Note [guard identity] in graphtrace/guard.py)?
+- `verdict_of` (scalar) and `storage_verdicts` (vectorised, per storage): the rule, from the
+  owners' statuses, whether the captured storage is alive and whether every graph overwrites
+  it before reading it (Note [write before read] in graphtrace/edges.py).
+- `impact_of`: for a stale or diverged storage, do the values the graph reads differ from
+  what its owner holds now (Note [impact])?
+
+tests/test_verdict.py checks the two forms of the rule against each other, and
+tests/test_differential.py checks diff and guard against each other on every scenario.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+import numpy as np
+import torch
+
+from graphtrace.opaque import is_opaque, storage_of
+from graphtrace.vocab import HOLDS, MOVED, ORPHANED, OWNER_STATUSES, VERDICTS
+
+__all__ = ["View", "owner_status", "verdict_of", "storage_verdicts", "impact_of"]
+
+# verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
+_V = {v: v for v in VERDICTS}
+STABLE, STALE, DANGLING, DIVERGED, ORPHANED_VERDICT, UNOWNED = (
+    _V[v] for v in ("stable", "stale", "dangling", "diverged", "orphaned", "unowned"))
+
+
+class View(NamedTuple):
+    """A tensor's geometry on its storage: what a graph read, or what an owner held."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "View":
+        return cls(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                   tensor.storage_offset())
+
+
+# -- owner status ----------------------------------------------------------------------------
+
+def owner_status(tensor: object, cdata: int | None = None, *, data_ptr: int = 0,
+                 nbytes: int = 0, dead: bool = False) -> tuple[str, int | None]:
+    """(status, live data_ptr) of one capture-time owner whose path now reaches `tensor`.
+
+    The captured storage is known by its StorageImpl address `cdata` (a live weak handle keeps
+    it unique: exact identity), or, where `cdata` is None, by `data_ptr` and `nbytes` only
+    (`dead`: it was freed before that was recorded, so nothing holds it). `tensor` None: the
+    path no longer resolves (orphaned). An owner reaching something without a storage (meta,
+    functional wrappers) does not hold the captured storage. The live pointer is 0 for an
+    opaque handle and None where unknown."""
+    if tensor is None:
+        return ORPHANED, None
+    try:
+        if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:  # most owners
+            storage, ptr = tensor.untyped_storage(), tensor.data_ptr()
+        else:
+            storage = storage_of(tensor)  # an opaque handle's proxy storage too
+            ptr = 0 if is_opaque(tensor) else tensor.data_ptr()
+        if cdata is not None:
+            same = storage._cdata == cdata
+        else:
+            same = not dead and storage.data_ptr() == data_ptr and storage.nbytes() == nbytes
+    except Exception:  # no storage (meta, functional wrappers): not the captured one
+        return MOVED, None
+    return (HOLDS if same else MOVED), ptr
+
+
+# -- the rule --------------------------------------------------------------------------------
+
+def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False) -> str:
+    """The verdict of one captured storage from its capture-time owners' statuses now.
+
+    No owner -> unowned; an owned storage that every graph overwrites before it reads it
+    (`internal`: origin internal on all its edges) -> stable, whatever its owners did, since
+    each replay recomputes what it then reads (legacy weight_norm's `weight`, recomputed in
+    a forward pre-hook and kept as an attribute); otherwise some hold and some do not ->
+    diverged; all hold -> stable; some moved -> stale if the captured storage is alive,
+    else dangling; all orphaned -> orphaned.
+    """
+    statuses = list(statuses)
+    bad = set(statuses) - set(OWNER_STATUSES)
+    if bad:
+        raise ValueError(f"unknown owner status {sorted(bad)[0]!r} (statuses are "
+                         f"{', '.join(OWNER_STATUSES)})")
+    if not statuses:
+        return UNOWNED
+    if internal:
+        return STABLE
+    holds = [s == HOLDS for s in statuses]
+    if any(holds):
+        return STABLE if all(holds) else DIVERGED
+    if MOVED in statuses:
+        return STALE if alive else DANGLING
+    return ORPHANED_VERDICT
+
+
+def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray,
+                     internal: np.ndarray | None = None) -> np.ndarray:
+    """`verdict_of`, vectorised: per storage, its verdict (an object array).
+
+    `status`: the owner statuses of all storages, one run per storage in storage order;
+    `n_owners`: each storage's run length (0: no owner, unowned); `alive`: whether each
+    captured storage is still alive; `internal`: whether every graph overwrites it before
+    reading it (default: none is)."""
+    n_owners = np.asarray(n_owners, dtype=np.int64)
+    internal = (np.zeros(len(n_owners), dtype=bool) if internal is None
+                else np.asarray(internal, dtype=bool))
+    if (len(status) != n_owners.sum() or len(alive) != len(n_owners)
+            or len(internal) != len(n_owners) or (n_owners < 0).any()):
+        raise ValueError(f"storage_verdicts needs one status per owner ({len(status)} for "
+                         f"{n_owners.sum()} owners) and one alive and internal flag per "
+                         f"storage ({len(alive)}, {len(internal)} for {len(n_owners)} storages)")
+    verdict = np.full(len(n_owners), UNOWNED, dtype=object)
+    owned = n_owners > 0
+    if not owned.any():
+        return verdict
+    status = np.asarray(status, dtype=object)
+    bad = set(np.unique(status).tolist()) - set(OWNER_STATUSES)
+    if bad:
+        raise ValueError(f"unknown owner status {sorted(map(str, bad))[0]!r} (statuses are "
+                         f"{', '.join(OWNER_STATUSES)})")
+    starts = np.cumsum(n_owners[owned]) - n_owners[owned]  # runs of owned storages only
+    holds_row = status == HOLDS
+    holds = np.logical_or.reduceat(holds_row, starts)
+    moved = np.logical_or.reduceat(status == MOVED, starts)
+    verdict[owned] = np.select(
+        [internal[owned], holds & ~np.logical_and.reduceat(holds_row, starts), holds,
+         moved & np.asarray(alive, dtype=bool)[owned], moved],
+        [STABLE, DIVERGED, STABLE, STALE, DANGLING], default=ORPHANED_VERDICT)
+    return verdict
+
+
+# -- impact ----------------------------------------------------------------------------------
+
+# Note [impact]
+# ~~~~~~~~~~~~~
+# A stale or diverged edge is `manifest` when the values the graph reads (its view of the
+# captured storage) differ from what the moved owner holds now, `latent` when they are equal
+# (a same-weights reload: wrong only after the next real update), `unknown` where graphtrace
+# cannot compare (an opaque handle, a freed or meta storage, dtypes without comparison).
+# The graph's view is compared with *the same view* of the owner's live tensor: the view is
+# placed on the live storage at the same position relative to the owner's tensor as it had
+# at capture (`owner`: the owner's capture-time View), so a transposed read (`weight.t()` for
+# aten::mm) compares transposed with transposed, and a shape or dtype the view has is never
+# mistaken for a change of the owner. A change is named (the note) only when the owner's own
+# dtype or shape differs from its capture-time one: a dtype move compares values cast to a
+# common dtype; a shape change is `manifest` (the graph reads a tensor of another shape than
+# the model holds). Without the owner's capture-time View (an older manifest), the view is
+# placed at its captured storage offset.
+
+def impact_of(old: torch.UntypedStorage | None, view: View, live: object,
+              owner: View | None = None) -> tuple[str, str]:
+    """(impact, note) of a graph that reads `view` of the captured storage `old` while its
+    owner now holds `live` (Note [impact]); `owner`: the owner's capture-time View. The note
+    names a dtype or shape change of the owner since capture ("" if none)."""
+    if old is None or live is None or is_opaque(live):  # opaque: identity only
+        return "unknown", ""
+    try:
+        new_storage = live.untyped_storage()
+        if new_storage.device.type == "meta":
+            return "unknown", ""  # a reload that failed half-way left the model without data
+    except Exception:
+        return "unknown", ""
+    note = _change_note(owner, live)
+    if owner is not None and tuple(live.shape) != owner.shape:
+        return "manifest", note  # the graph reads a tensor of another shape than the model holds
+    offset, stride = view.offset, view.stride
+    if owner is not None:
+        same_place = (view.dtype == owner.dtype and tuple(live.stride()) == owner.stride)
+        if not same_place:  # another layout (or a reinterpreting view): compare whole tensors
+            view = owner
+            offset, stride = live.storage_offset(), tuple(live.stride())
+        else:
+            offset = live.storage_offset() + (view.offset - owner.offset)
+    try:
+        was = torch.empty(0, dtype=view.dtype, device=old.device).set_(
+            old, view.offset, view.shape, view.stride)
+        now = torch.empty(0, dtype=live.dtype, device=new_storage.device).set_(
+            new_storage, offset, view.shape, stride)
+    except Exception:  # the live storage does not hold the view: the graph reads other data
+        return "manifest", note or "the live tensor does not hold the view the graph reads"
+    try:
+        was, now = was.cpu(), now.cpu()
+        if was.dtype != now.dtype:
+            common = torch.promote_types(was.dtype, now.dtype)
+            was, now = was.to(common), now.to(common)
+        same = torch.equal(was, now)
+    except Exception:  # dtypes without comparison kernels: say so rather than guess
+        return "unknown", note
+    return ("latent" if same else "manifest"), note
+
+
+def _change_note(owner: View | None, live: torch.Tensor) -> str:
+    if owner is None:
+        return ""
+    notes = []
+    if live.dtype != owner.dtype:
+        notes.append(f"dtype {_dtype_name(owner.dtype)} -> {_dtype_name(live.dtype)}")
+    if tuple(live.shape) != owner.shape:
+        notes.append(f"shape {owner.shape} -> {tuple(live.shape)}")
+    return "; ".join(notes)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,423 @@
+"""diff and guard against each other: one verdict engine, so on every reload scenario
+`guard.check()` (live, and loaded from its JSON manifest before the update) and `t.diff()` give
+the same (graph, storage, verdict) problems and the same impact where both give one.
+
+Each scenario also states what it must find (`problems`: the verdicts among the problem
+edges; `impacts`: the impacts of the stale-like ones), so the two cannot agree on nothing.
+New scenario tests elsewhere go through `assert_agree` too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import graphtrace as gt
+from graphtrace.vocab import GUARD_PROBLEMS
+from tests.test_blind_spots import QuantizedPacked as Packed  # weight (3, 4), packed params
+from tests.test_diff import Model
+
+X = torch.rand(2, 8, generator=torch.Generator().manual_seed(3))
+
+
+def assert_agree(t, guards, report=None) -> tuple[set, dict]:
+    """diff's problem edges == every guard's check; impacts equal where both give one.
+    Returns (the problem set, {(graph, storage): impact} of the diff)."""
+    report = report if report is not None else t.diff()
+    e = report.edges
+    bad = e[e["verdict"].astype(str).isin(GUARD_PROBLEMS)]
+    expected = set(zip(bad["graph_id"].tolist(), bad["storage_id"].tolist(),
+                       bad["verdict"].astype(str)))
+    impacts = {(g, s): str(i) for g, s, i in zip(bad["graph_id"], bad["storage_id"],
+                                                 bad["impact"].astype(object))
+               if isinstance(i, str)}
+    for guard in guards:
+        p = guard.check()
+        got = set(zip(p["graph_id"].tolist(), p["storage_id"].tolist(), p["verdict"]))
+        assert got == expected, f"{guard!r}: guard {sorted(got)} != diff {sorted(expected)}"
+        for g, s, i in zip(p["graph_id"], p["storage_id"], p["impact"].astype(object)):
+            if isinstance(i, str) and i != "unknown" and impacts.get((g, s), "unknown") != "unknown":
+                assert i == impacts[(g, s)], f"impact of graph {g} storage {s}: guard {i}, " \
+                                             f"diff {impacts[(g, s)]}"
+    return expected, impacts
+
+
+# -- models beyond tests.test_diff.Model (a parameter read through .t(), a buffer, a partial,
+# a closure, a dict and a dataclass holder in each of two layers) ---------------------------
+
+class ListHolder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = [torch.rand(8), torch.rand(8)]
+
+    def forward(self, x):
+        return x * self.table[0] + self.table[1]
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight  # tied, as language models do
+
+    def forward(self, x):
+        return self.head(torch.relu(x))
+
+
+class WeightNormed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            self.fc = torch.nn.utils.weight_norm(nn.Linear(8, 8))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@dataclasses.dataclass
+class Settings:
+    scale: torch.Tensor
+
+
+class ConfigHolder(nn.Module):
+    """A config object shared by two layers (the same holder reached by two paths)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.a.settings = self.b.settings = Settings(torch.rand(8))
+
+    def forward(self, x):
+        return self.b(self.a(x) * self.a.settings.scale) * self.b.settings.scale
+
+
+# -- updates --------------------------------------------------------------------------------
+
+def _new(model: nn.Module, seed: int = 11, same: bool = False) -> dict[str, torch.Tensor]:
+    """New values for every registered tensor (the same values with `same`)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v.detach().clone() if same else torch.rand(v.shape, generator=g).to(v.dtype))
+            for k, v in model.state_dict().items()}
+
+
+def copy_in_place(same=False):
+    def update(m, keep):
+        with torch.no_grad():
+            for k, v in _new(m, same=same).items():
+                m.state_dict()[k].copy_(v)
+    return update
+
+
+def assign(same=False):
+    def update(m, keep):
+        m.load_state_dict(_new(m, same=same), assign=True)
+    return update
+
+
+def data_swap(m, keep):
+    for p in m.parameters():
+        p.data = torch.rand_like(p)
+
+
+def swap_tensors(m, keep):
+    layer = m.layers[0]
+    torch.utils.swap_tensors(layer.weight, nn.Parameter(torch.rand_like(layer.weight)))
+
+
+def rebind(*holders: str, freed: bool = False):
+    """Rebuild the named holders of tests.test_diff.Model's layers with new tensors."""
+    def update(m, keep):
+        fresh = Model(21)
+        for layer, new in zip(m.layers, fresh.layers):
+            for h in holders:
+                if h == "fn":
+                    layer.kernel.fn = new.kernel.fn
+                elif h == "lam":
+                    layer.kernel.lam = new.kernel.lam
+                elif h == "gate":
+                    layer.kernel.tables["gate"] = new.kernel.tables["gate"]
+                elif h == "config":
+                    layer.config = new.config
+                elif h == "weight":
+                    layer.weight = new.weight
+                elif h == "scale":
+                    layer.scale = new.scale
+        if freed:  # capture artifacts dropped: the old tensors die
+            keep.clear()
+            gc.collect()
+    return update
+
+
+def diverge(m, keep):
+    m.layers[0].kernel.tables["gate"] = torch.rand(8)  # the alias keeps the captured one
+
+
+def alias_gate(m):
+    m.layers[0].gate_alias = m.layers[0].kernel.tables["gate"]
+    return m
+
+
+def orphan_config(m, keep):
+    del m.layers[1].config
+
+
+def orphan_key(m, keep):
+    del m.layers[0].kernel.tables["gate"]
+
+
+def restore(m, keep):
+    old = m.layers[0].kernel.tables["gate"]
+    m.layers[0].kernel.tables["gate"] = torch.rand(8)
+    m.layers[0].kernel.tables["gate"] = old  # rebound, then put back
+
+
+def same_storage(m, keep):
+    old = m.layers[0].kernel.tables["gate"]
+    m.layers[0].kernel.tables["gate"] = old.view(2, 4).view(-1)  # a new tensor, same storage
+
+
+def replace_layer(m, keep):
+    m.layers[1] = Model(31).layers[1]
+
+
+def to_dtype(dtype, same=True):
+    def update(m, keep):
+        m.to(dtype)  # new storages for every parameter; the graphs keep the old ones
+        if not same:
+            with torch.no_grad():
+                for v in m.state_dict().values():
+                    v.add_(1)
+    return update
+
+
+def pad(m, keep):
+    w = m.layers[0].weight
+    padded = torch.zeros(8, 16)
+    padded[:, :8] = w.detach()
+    w.data = padded  # same Parameter object, new storage of another shape (vLLM #46009)
+
+
+def to_meta(m, keep):
+    m.layers[0].weight = nn.Parameter(torch.empty(8, 8, device="meta"))  # a failed reload
+
+
+def list_rebind(m, keep):
+    m.table[0] = torch.rand(8)
+
+
+def list_copy(m, keep):
+    with torch.no_grad():
+        m.table[0].copy_(torch.rand(8))
+
+
+def untie(m, keep):
+    m.head.weight = nn.Parameter(m.embed.weight.detach().clone())
+
+
+def retie(m, keep):
+    w = nn.Parameter(torch.rand_like(m.embed.weight))
+    m.embed.weight = w
+    m.head.weight = w
+
+
+def weight_norm_update(rebind_v=False):
+    def update(m, keep):
+        with torch.no_grad():
+            if rebind_v:
+                m.fc.weight_v = nn.Parameter(m.fc.weight_v * 2)
+            else:
+                m.fc.weight_v.mul_(2)
+                m.fc.weight_g.add_(1)
+        m(X)  # an eager forward recomputes `weight` into a new attribute tensor
+    return update
+
+
+def shared_config(m, keep):
+    m.a.settings = m.b.settings = Settings(torch.rand(8))
+
+
+def shared_config_one(m, keep):
+    m.a.settings = Settings(torch.rand(8))  # b's path still reaches the captured tensor
+
+
+def requantize(m, keep):
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(3, 4))
+    m.process()  # a new packed object: the graphs keep reading the old one
+
+
+def requantize_freed(m, keep):
+    requantize(m, keep)
+    keep.clear()
+    gc.collect()
+
+
+@dataclasses.dataclass
+class Scenario:
+    build: Callable[[], nn.Module]
+    update: Callable
+    problems: set                 # verdicts among diff's problem edges
+    impacts: set = dataclasses.field(default_factory=set)  # impacts of stale-like edges
+    compiled: bool = False
+    needs: str = ""
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "copy": Scenario(Model, copy_in_place(), set()),
+    "copy-same-values": Scenario(Model, copy_in_place(same=True), set()),
+    "assign": Scenario(Model, assign(), {"stale"}, {"manifest"}),
+    "assign-same-values": Scenario(Model, assign(same=True), {"stale"}, {"latent"}),
+    "data-swap": Scenario(Model, data_swap, {"stale"}, {"manifest"}),
+    "swap-tensors": Scenario(Model, swap_tensors, {"stale"}, {"manifest"}),
+    "partial": Scenario(Model, rebind("fn"), {"stale"}, {"manifest"}),
+    "closure": Scenario(Model, rebind("lam"), {"stale"}, {"manifest"}),
+    "dict": Scenario(Model, rebind("gate"), {"stale"}, {"manifest"}),
+    "dataclass": Scenario(Model, rebind("config"), {"stale"}, {"manifest"}),
+    "parameter-replaced": Scenario(Model, rebind("weight"), {"stale"}, {"manifest"}),
+    "buffer-replaced": Scenario(Model, rebind("scale"), {"stale"}, {"manifest"}),
+    "all-holders": Scenario(Model, rebind("fn", "lam", "gate", "config"), {"stale"},
+                            {"manifest"}),
+    "freed": Scenario(Model, rebind("fn", "gate", freed=True), {"dangling"}, {"unknown"}),
+    "diverged": Scenario(lambda: alias_gate(Model()), diverge, {"diverged"}, {"manifest"}),
+    "orphaned-attribute": Scenario(Model, orphan_config, {"orphaned"}),
+    "orphaned-key": Scenario(Model, orphan_key, {"orphaned"}),
+    "rebound-and-restored": Scenario(Model, restore, set()),
+    "new-tensor-same-storage": Scenario(Model, same_storage, set()),
+    "layer-replaced": Scenario(Model, replace_layer, {"stale"}, {"manifest"}),
+    "dtype-move-same-values": Scenario(Model, to_dtype(torch.float64), {"stale"}, {"latent"}),
+    "dtype-move-new-values": Scenario(Model, to_dtype(torch.float64, same=False), {"stale"},
+                                      {"manifest"}),
+    "shape-change": Scenario(Model, pad, {"stale"}, {"manifest"}),
+    "meta-after-failed-reload": Scenario(Model, to_meta, {"stale"}, {"unknown"}),
+    "list-rebound": Scenario(ListHolder, list_rebind, {"stale"}, {"manifest"}),
+    "list-copied": Scenario(ListHolder, list_copy, set()),
+    "tied-untied": Scenario(Tied, untie, {"diverged"}, {"latent"}),
+    "tied-both-rebound": Scenario(Tied, retie, {"stale"}, {"manifest"}),
+    "write-before-read": Scenario(WeightNormed, weight_norm_update(), set()),
+    "write-before-read-source-rebound": Scenario(WeightNormed, weight_norm_update(rebind_v=True),
+                                                 {"stale"}, {"manifest"}),
+    "shared-holder-rebound": Scenario(ConfigHolder, shared_config, {"stale"}, {"manifest"}),
+    "shared-holder-one-path": Scenario(ConfigHolder, shared_config_one, {"diverged"},
+                                       {"manifest"}),
+    "opaque-requantized": Scenario(Packed, requantize, {"stale"}, {"unknown"}, needs="fbgemm"),
+    "opaque-requantized-freed": Scenario(Packed, requantize_freed, {"dangling"}, {"unknown"},
+                                         needs="fbgemm"),
+    "opaque-unchanged": Scenario(Packed, lambda m, keep: None, set(), needs="fbgemm"),
+    "compiled-rebind": Scenario(Model, rebind("gate", "config"), {"stale"}, {"manifest"},
+                                compiled=True),
+    "compiled-copy": Scenario(Model, copy_in_place(), set(), compiled=True),
+}
+
+
+def _run(name: str, tmp_path):
+    sc = SCENARIOS[name]
+    if sc.needs == "fbgemm" and "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("no fbgemm quantized engine")
+    torch.manual_seed(0)
+    model = sc.build().eval()
+    forward = torch.compile(model, backend="inductor") if sc.compiled else model
+    width = 4 if isinstance(model, Packed) else 8
+    keep = []
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        for label, batch in (("decode", torch.rand(2, width)), ("prefill", torch.rand(4, width))):
+            with gt.capture(label) as g:
+                forward(batch)
+            keep.append(g)
+    guard = t.guard()
+    path = guard.to_json(tmp_path / "guard.json")
+    loaded = gt.load_guard(path, model)  # loaded and attached before the update
+    with torch.no_grad() if name != "write-before-read" else torch.enable_grad():
+        sc.update(model, keep)
+    return sc, (model, keep), t, [guard, loaded]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_guard_and_diff_agree(name, tmp_path):
+    sc, alive, t, guards = _run(name, tmp_path)  # the model and graphs kept alive
+    report = t.diff()
+    problems, impacts = assert_agree(t, guards, report)
+    assert {v for _, _, v in problems} == sc.problems
+    stale_like = {i for (g, s), i in impacts.items()}
+    assert stale_like == sc.impacts
+    if name in ("dtype-move-same-values", "assign-same-values"):
+        kinds = [b.kind for b in report.blind_spot_records] if hasattr(
+            report, "blind_spot_records") else [b["kind"] for b in report.meta["blind_spots"]]
+        notes = [b["text"] for b in report.meta["blind_spots"] if b["kind"] == "dtype/shape change"]
+        assert not any("shape" in n.split(":")[1] for n in notes), notes
+        if name == "dtype-move-same-values":
+            assert notes and all("dtype float32 -> float64" in n for n in notes)
+            assert "dtype/shape change" in kinds
+        else:
+            assert notes == []
+
+
+def test_there_are_at_least_thirty_scenarios_and_every_verdict_is_reached():
+    assert len(SCENARIOS) >= 30
+    reached = set().union(*(s.problems for s in SCENARIOS.values()))
+    assert reached == set(GUARD_PROBLEMS)
+    assert {"latent", "manifest", "unknown"} <= set().union(*(s.impacts for s in SCENARIOS.values()))
+
+
+# -- a transformers Llama (tiny config, random init): the most common read, weight.t() -------
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (1, 8))
+    keep = []
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        with gt.capture("prefill") as g:
+            model(ids)
+        keep.append(g)
+    return model, t, keep
+
+
+def _weights(report):
+    e = report.edges
+    return e[e["owner_kinds"].astype(str).str.contains("parameter")]
+
+
+@pytest.mark.slow
+def test_llama_same_weights_assign_is_stale_latent_with_no_shape_note(tmp_path):
+    model, t, keep = _llama()
+    guard = t.guard()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(sd, assign=True)
+    report = t.diff()
+    w = _weights(report)
+    assert len(w) >= 2 * 7 + 3  # every linear of both layers, the norms, embedding and head
+    assert set(w["verdict"].astype(str)) == {"stale"}
+    assert set(w["impact"].astype(str)) == {"latent"}
+    assert [b for b in report.meta["blind_spots"] if b["kind"] == "dtype/shape change"] == []
+    problems, impacts = assert_agree(t, [guard], report)
+    assert set(guard.check()["impact"]) == {"latent"}
+
+
+@pytest.mark.slow
+def test_llama_moved_to_float64_notes_the_dtype_and_no_shape(tmp_path):
+    model, t, keep = _llama()
+    guard = t.guard()
+    model.to(torch.float64)  # new storages; the graph keeps the old float32 ones alive
+    report = t.diff()
+    w = _weights(report)
+    assert set(w["verdict"].astype(str)) == {"stale"}
+    assert set(w["impact"].astype(str)) == {"latent"}
+    notes = [b["text"] for b in report.meta["blind_spots"] if b["kind"] == "dtype/shape change"]
+    moved = report.stale["storage_id"].nunique()  # the weights and the rotary buffer
+    assert moved > w["storage_id"].nunique() - 1 and len(notes) == moved  # one note each
+    assert all("dtype float32 -> float64" in n and "shape" not in n.split(":", 1)[1]
+               for n in notes), notes
+    assert_agree(t, [guard], report)
