@@ -2,10 +2,14 @@
 PYTHON ?= python3
 VENV   ?= .venv
 VLLM_VENV ?= .venv-vllm
+# The newest torch the registry serves (the CUDA build, ~6 GB; pyproject's range ends at it)
+NEXT_VENV ?= .venv-torch-next
+TORCH_NEXT ?= 2.14.1
 PY     := $(VENV)/bin/python
 VPY    := $(VLLM_VENV)/bin/python
+NPY    := $(NEXT_VENV)/bin/python
 
-.PHONY: demo test test-vllm audit-vllm bench notebooks clean
+.PHONY: demo test test-torch-next test-vllm lint audit-vllm bench notebooks clean
 
 # The native recorder (graphtrace/csrc) is compiled once per torch build by
 # `python -m graphtrace.native` into torch's extension cache (~20 s).
@@ -14,6 +18,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 -e '.[dev,notebooks]'
 	$(PY) -m graphtrace.native
+	touch $@
+
+# The same default suite on the newest torch in pyproject's range, in its own environment.
+$(NEXT_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(NEXT_VENV)
+	$(NPY) -m pip install -q --upgrade pip
+	$(NPY) -m pip install -q torch==$(TORCH_NEXT) -e '.[dev,notebooks]'
+	$(NPY) -m graphtrace.native
 	touch $@
 
 # vLLM's CPU build in its own environment (3.4 GB), pinned by a constraints file.
@@ -32,6 +44,13 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+test-torch-next: $(NEXT_VENV)/.installed
+	$(NPY) -m pytest -q
+
+# pyflakes (F) and import order (I) over the package, the tests and the analysis scripts
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check graphtrace tests analysis
+
 test-vllm: $(VLLM_VENV)/.installed
 	GRAPHTRACE_REQUIRE_VLLM=1 $(VPY) -m pytest -q -m vllm tests
 
@@ -49,4 +68,4 @@ bench: $(VENV)/.installed
 	$(PY) analysis/bench_scale.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) graphtrace-report
+	rm -rf $(VENV) $(VLLM_VENV) $(NEXT_VENV) graphtrace-report

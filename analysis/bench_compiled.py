@@ -34,11 +34,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _common import ROOT, revision, write_results
-
 import graphtrace as gt
+from _common import ROOT, revision, write_results
 from graphtrace.compiled import CompiledPatch
-
 
 # CPU time of this thread (kernels run on it: one intra-op thread): on a shared, loaded machine
 # wall-clock differences of a few percent drown in other processes' load

@@ -57,9 +57,9 @@ import torch
 from torch import nn
 
 import graphtrace as gt
+from _common import Results, best_of, revision, rss
 from graphtrace.encoding import ACCESS_FIELDS, FACTORY, VIEW, pack_slot
 from graphtrace.recorder import _Plan
-from _common import Results, best_of, revision, rss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_scale.txt"
 HEADER = "trace + diff + report at scale"
@@ -330,7 +330,7 @@ def run_size(source: str, n: int, blocks: int, pool: int, per_graph: int, repeat
     if repeat > 1:
         t_more, report = best_of(t.diff, repeat - 1)
         t_diff = min(t_diff, t_more)
-    t_acc, acc = best_of(lambda: t.accesses, repeat)
+    t_acc, acc = best_of(lambda t=t: t.accesses, repeat)  # t is deleted below
     build = frames_alone(report)
     t_rest, _ = best_of(build, repeat)
     del acc

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from _common import write_results
-
 from graphtrace.vocab import STALE_VERDICTS, VERDICTS
 
 __all__ = ["CASES", "md_table", "run_case", "case_section", "main"]
@@ -57,9 +56,10 @@ def md_table(df, index: bool = False) -> str:
 
 
 def run_case(name: str, spec: dict, workdir: Path, reports: Path | None) -> dict:
+    from vllm import LLM
+
     import graphtrace.vllm as gv
     from graphtrace.vllm import tiny
-    from vllm import LLM
 
     model_dir = workdir / spec["kind"]
     if not (model_dir / "config.json").exists():

@@ -45,7 +45,6 @@ from __future__ import annotations
 # A finding is reported against vLLM only after the source line that rebinds or holds the
 # tensor has been read (FINDING_SOURCES below); a stale edge whose owner is made by the
 # harness would be a stand-in artifact, and is listed as such.
-
 import argparse
 import contextlib
 import csv
@@ -199,9 +198,7 @@ ACT_DTYPE = _Default(ACT_DTYPE)
 def make_scheme(k: KernelInfo):
     """(scheme, quant-method class, activation dtype) that selects `k` in vLLM's own code."""
     from compressed_tensors.quantization import QuantizationArgs
-
-    from vllm.model_executor.layers.quantization.compressed_tensors import (
-        compressed_tensors as ct)
+    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors as ct
     from vllm.model_executor.layers.quantization.compressed_tensors import schemes as s
 
     method = ct.CompressedTensorsLinearMethod
@@ -243,10 +240,8 @@ def make_scheme(k: KernelInfo):
         return s.CompressedTensorsW8A8Mxfp8(), method, torch.bfloat16
     if k.family == "mxfp6":
         from vllm.model_executor.layers.quantization.quark.quark import QuarkLinearMethod
-        from vllm.model_executor.layers.quantization.quark.schemes.quark_ocp_mx import (
-            QuarkOCP_MX)
-        from vllm.model_executor.layers.quantization.utils.quant_utils import (
-            kMxfp6E3M2Static)
+        from vllm.model_executor.layers.quantization.quark.schemes.quark_ocp_mx import QuarkOCP_MX
+        from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp6E3M2Static
 
         return QuarkOCP_MX(kMxfp6E3M2Static, None), QuarkLinearMethod, torch.bfloat16
     raise NotImplementedError(f"no driver for family {k.family!r}")
@@ -447,9 +442,12 @@ def capture_reload_diff(res: Outcome, model, x, load_new) -> None:
     """The audit's common tail: capture the apply under graphtrace, reload new weights
     through vLLM's layerwise reload (`load_new` runs the weight loaders), diff, flip test.
     `res.stage` names the step running, so a failure is reported at the right one."""
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
     import graphtrace as gt
-    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                         initialize_layerwise_reload)
 
     inputs = x if isinstance(x, tuple) else (x,)
     with torch.no_grad():

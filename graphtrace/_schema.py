@@ -8,6 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from graphtrace._compat import (
+    Argument,
+    ClassType,
+    JitType,
+    OpOverload,
+    is_traceable_wrapper_subclass,
+    op_schema,
+)
+
 # Accesses and return-slot kinds are ints of the record encoding (graphtrace.encoding).
 from graphtrace.encoding import OUT_ALIAS, OUT_FRESH, OUT_MUTATED, READ, VIEW, WRITE
 
@@ -34,9 +43,9 @@ class OpInfo:
         self.opaque = opaque
 
 
-def op_name(func: torch._ops.OpOverload) -> str:
+def op_name(func: OpOverload) -> str:
     """`aten::mm`, `aten::add.Tensor`, `graphtrace::permute_cols` (overload only when not default)."""
-    schema = func._schema
+    schema = op_schema(func)
     return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
 
 
@@ -44,15 +53,15 @@ def _carries_tensors(type_str: str) -> bool:
     return "Tensor" in type_str
 
 
-def _carries_objects(t: torch._C.JitType) -> bool:
+def _carries_objects(t: JitType) -> bool:
     """A ScriptObject argument (`__torch__.torch.classes.quantized.LinearPackedParamsBase`),
     also inside Optional[...] or a list."""
-    if isinstance(t, torch._C.ClassType):
+    if isinstance(t, ClassType):
         return True
     return any(_carries_objects(c) for c in t.containedTypes())
 
 
-def _access_of(arg: torch._C.Argument) -> int:
+def _access_of(arg: Argument) -> int:
     info = arg.alias_info
     if info is None:
         return READ
@@ -60,8 +69,8 @@ def _access_of(arg: torch._C.Argument) -> int:
     return WRITE if info.is_write else VIEW
 
 
-def parse_schema(func: torch._ops.OpOverload) -> OpInfo:
-    schema = func._schema
+def parse_schema(func: OpOverload) -> OpInfo:
+    schema = op_schema(func)
     positional = []
     by_keyword = {}
     opaque = False
@@ -106,8 +115,6 @@ NO_TENSORS = frozenset({type(None), bool, int, float, complex, str, torch.dtype,
 def plain_tensors(t: torch.Tensor):
     """The plain tensors inside a traceable wrapper subclass (or the tensor itself): what an
     op really reads or writes when it is handed a subclass such as TwoTensor."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         for name in names:

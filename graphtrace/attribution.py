@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from graphtrace._compat import DYNAMO_CACHE, dynamo_cache_entries, dynamo_skip_code
 from graphtrace.recorder import module_stack
 
 MODES = ("forward", "hooks", "off")
@@ -67,10 +68,9 @@ def _dynamo_skips_wrapper() -> None:
         return
     _frame_skipped = True
     try:
-        from torch._dynamo.eval_frame import skip_code
-    except Exception:  # a torch without Dynamo: nothing compiles frames
+        dynamo_skip_code(forward.__code__)
+    except (ImportError, AttributeError):  # a torch without Dynamo: nothing compiles frames
         return
-    skip_code(forward.__code__)
 
 
 def compiled_inside(model: torch.nn.Module) -> set[int]:
@@ -80,9 +80,7 @@ def compiled_inside(model: torch.nn.Module) -> set[int]:
     each inlined module's `__dict__` having no `forward`, so an instance wrapper there would
     make Dynamo compile again; hooks are not guarded. A compiled entry module itself may keep
     a wrapper: Dynamo skips the wrapper's frame and enters at the class forward, unguarded."""
-    try:
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-    except Exception:
+    if not DYNAMO_CACHE:  # warned at import (graphtrace._compat)
         return set()
     compiled_codes: dict = {}
 
@@ -91,7 +89,7 @@ def compiled_inside(model: torch.nn.Module) -> set[int]:
         if code is None:
             return False
         if code not in compiled_codes:
-            compiled_codes[code] = bool(_debug_get_cache_entry_list(code))
+            compiled_codes[code] = bool(dynamo_cache_entries(code))
         return compiled_codes[code]
 
     inside: set[int] = set()

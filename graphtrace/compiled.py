@@ -50,9 +50,15 @@ import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from torch._C import _get_dispatch_stack_at, _len_torch_dispatch_stack
-from torch.utils._python_dispatch import _disable_current_modes
 
+from graphtrace._compat import (
+    disable_current_modes,
+    dispatch_stack_at,
+    dispatch_stack_len,
+    load_caching_autotuner,
+    load_compiled_fx_graph,
+    load_output_graph,
+)
 from graphtrace.blindspots import BlindSpot
 from graphtrace.encoding import READ, REPLAY_FRESH, WRITE, pack_code
 from graphtrace.opaque import is_opaque
@@ -240,8 +246,8 @@ def _recording_mode(trace) -> Any:
     """This thread's innermost graphtrace recording mode of `trace`, if one is recording
     (looked at from the top of the stack, where it usually is: once per compiled call)."""
     recorder = trace.recorder
-    for i in range(_len_torch_dispatch_stack() - 1, -1, -1):
-        mode = _get_dispatch_stack_at(i)
+    for i in range(dispatch_stack_len() - 1, -1, -1):
+        mode = dispatch_stack_at(i)
         if isinstance(mode, RecordingMode) and mode.recorder is recorder:
             return mode
     return None
@@ -285,7 +291,7 @@ class CompiledPatch:
 
     def install(self) -> None:
         try:
-            from torch._inductor.output_code import CompiledFxGraph
+            CompiledFxGraph = load_compiled_fx_graph()
         except Exception as exc:  # a torch without Inductor: nothing compiled to see
             self.trace.add_blind_spot(f"compiled: Inductor's boundary could not be hooked "
                                       f"({type(exc).__name__}: {exc}); reads of compiled code "
@@ -295,13 +301,13 @@ class CompiledPatch:
         self._wrap(CompiledFxGraph, "__call__", self._make_call)
         self._wrap(CompiledFxGraph, "post_compile", self._make_post_compile)
         try:
-            from torch._dynamo.output_graph import OutputGraph
+            OutputGraph = load_output_graph()
             self._wrap(OutputGraph, "call_user_compiler", self._make_user_compiler)
         except Exception:  # names fall back to positions
             pass
         if torch.cuda.is_available():
             try:
-                from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+                CachingAutotuner = load_caching_autotuner()
                 self._wrap(CachingAutotuner, "run", self._make_triton_run)
             except Exception as exc:
                 self.trace.add_blind_spot(f"compiled: Triton launches cannot be hooked "
@@ -434,7 +440,7 @@ class CompiledPatch:
             values += tuple(args[i] for i in mutated)
         flags = mode.writer.record(region, values, None, out)
         if emulated is not None:
-            with _disable_current_modes():  # keep() makes aliases: ops no mode may record
+            with disable_current_modes():  # keep() makes aliases: ops no mode may record
                 emulated.keep(_Replay(graph, len(args)), values, {}, out, flags | REPLAY_FRESH)
         capture = mode.capture
         if region.stats_capture is capture:  # this capture's stats, kept on the region

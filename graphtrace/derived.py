@@ -31,8 +31,8 @@ from typing import Callable, Mapping
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import _disable_current_modes
 
+from graphtrace._compat import disable_current_modes, version_counter
 from graphtrace.blindspots import BlindSpot
 from graphtrace.opaque import storage_of
 from graphtrace.owners import resolve_path
@@ -44,7 +44,7 @@ SAMPLE = 1 << 16  # elements hashed per source weight at most
 
 def fingerprint(tensor: torch.Tensor) -> tuple:
     """(version counter, value hash) of `tensor` (Note [derived copies])."""
-    with _disable_current_modes(), torch.no_grad():
+    with disable_current_modes(), torch.no_grad():
         flat = tensor.detach().reshape(-1)
         if flat.numel() > SAMPLE:
             flat = flat[:: -(-flat.numel() // SAMPLE)]
@@ -52,7 +52,7 @@ def fingerprint(tensor: torch.Tensor) -> tuple:
             flat = torch.view_as_real(flat).reshape(-1)
         values = (torch.hash_tensor(flat).view(torch.int64).item(),
                   float(flat.to(torch.float64).sum()) if flat.numel() else 0.0)
-    return tensor._version, values
+    return version_counter(tensor), values
 
 
 @dataclass

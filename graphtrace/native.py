@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import inspect
 import os
 import sys
 import threading
@@ -92,10 +91,12 @@ def _clear_stale_lock(folder: Path) -> None:
 
 def _build() -> ModuleType:
     import torch  # noqa: F401  (the extension links against it: import it first)
-    from torch.utils.cpp_extension import _get_build_directory, load
+    from torch.utils.cpp_extension import load
+
+    from graphtrace._compat import extension_build_directory
 
     name = _name()
-    folder = Path(_get_build_directory(name, verbose=False))
+    folder = Path(extension_build_directory(name))
     built = folder / f"{name}.so"
     if built.exists():
         # The name hashes the source and the torch build, so a built file is current: import
@@ -113,23 +114,16 @@ def _build() -> ModuleType:
 def calls_op_directly(cls: type) -> bool:
     """Is `cls.__call__` exactly `return self._op(*args, **kwargs)` (torch's OpOverload)? Then
     the native dispatch may call `_op` itself (Note [native dispatch]); a torch whose
-    `__call__` does more keeps its own."""
-    def reference(self, /, *args, **kwargs):
-        return self._op(*args, **kwargs)
+    `__call__` does more (2.14) keeps its own. (graphtrace._compat.calls_op_directly.)"""
+    from graphtrace._compat import calls_op_directly
 
-    code = getattr(getattr(cls, "__call__", None), "__code__", None)
-    want = reference.__code__
-    signature = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS  # (not CO_NESTED: where defined)
-    return (code is not None and code.co_code == want.co_code and code.co_names == want.co_names
-            and code.co_posonlyargcount == want.co_posonlyargcount
-            and code.co_argcount == want.co_argcount
-            and code.co_flags & signature == want.co_flags & signature)
+    return calls_op_directly(cls)
 
 
 def configure_dispatch(module: ModuleType) -> ModuleType:
     """Tell the loaded extension whether it may call an OpOverload's `_op` itself (as this
-    torch's OpOverload.__call__ does; `calls_op_directly`). Done at load."""
-    from torch._ops import OpOverload
+    torch's OpOverload.__call__ does; `calls_op_directly`, asked now). Done at load."""
+    from graphtrace._compat import OpOverload
 
     setter = getattr(module, "configure", None)
     if setter is not None:

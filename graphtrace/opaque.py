@@ -10,6 +10,8 @@ import weakref
 
 import torch
 
+from graphtrace._compat import script_type_name
+
 __all__ = ["is_opaque", "proxy_storage", "storage_of", "type_name"]
 
 # Note [opaque handles]
@@ -38,7 +40,7 @@ def is_opaque(x: object) -> bool:
 def type_name(obj: torch.ScriptObject) -> str:
     """`__torch__.torch.classes.quantized.LinearPackedParamsBase` -> `quantized.LinearPackedParamsBase`."""
     try:
-        name = obj._type().qualified_name()
+        name = script_type_name(obj)
     except Exception:
         return type(obj).__name__
     return name.removeprefix("__torch__.torch.classes.")

@@ -52,6 +52,7 @@ from typing import Iterable, Iterator, Literal, Mapping, Sequence
 import torch
 from torch import nn
 
+from graphtrace._compat import free_weak_ref, storage_weak_ref
 from graphtrace.attribution import is_wrapper as is_attribution_wrapper
 from graphtrace.opaque import is_opaque, storage_of
 
@@ -684,7 +685,7 @@ class OwnerSnapshot:
                 except Exception:
                     continue
                 by_storage.setdefault(storage._cdata, []).append((path, owner_kind))
-                keep.append(storage._weak_ref())
+                keep.append(storage_weak_ref(storage))
                 if not is_opaque(tensor):
                     try:
                         views[path] = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
@@ -693,6 +694,6 @@ class OwnerSnapshot:
                         pass
             paths = {path: cdata for cdata, found in by_storage.items() for path, _ in found}
             cached = self._walks[name] = (by_storage,
-                                          _Handles(keep, torch.UntypedStorage._free_weak_ref),
+                                          _Handles(keep, free_weak_ref),
                                           paths, [None, None, None, 0], views)
         return cached[0]

@@ -19,11 +19,22 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 import pandas as pd
 import torch
-from torch._C import _get_dispatch_stack_at, _len_torch_dispatch_stack
-from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
-                                          _pop_mode, _push_mode)
-from torch.utils._pytree import tree_iter
 
+from graphtrace._compat import (
+    PROVENANCE,
+    PROVENANCE_OFF,
+    TorchDispatchMode,
+    TorchIncompatible,
+    current_dispatch_mode_stack,
+    dispatch_stack_at,
+    dispatch_stack_len,
+    free_weak_ref,
+    pop_mode,
+    push_mode,
+    storage_weak_ref,
+    tree_iter,
+    weak_ref_expired,
+)
 from graphtrace._schema import NO_TENSORS, plain_tensors
 from graphtrace.sites import format_site, suggest_fix
 from graphtrace.vocab import BEFORE_TRACE, FIXES, NOT_RECORDED, STALE_VERDICTS
@@ -80,7 +91,7 @@ def enabled_by_default() -> bool:
     """GRAPHTRACE_PROVENANCE: on unless "0", "off", "false" or "no"."""
     value = os.environ.get(ENV, "").strip().lower()
     if value in ("", "1", "on", "true", "yes"):
-        return True
+        return PROVENANCE  # off where this torch lacks what it needs (warned at import)
     if value in ("0", "off", "false", "no"):
         return False
     raise ValueError(f"{ENV}={value!r}: use 1 or 0")
@@ -173,7 +184,7 @@ class ProvenanceTable:
         address = storage._cdata
         if address in self.index:
             return
-        self.index[address] = (storage._weak_ref(), site)
+        self.index[address] = (storage_weak_ref(storage), site)
         self.n_added += 1
         young = self.young
         young.append(address)
@@ -189,7 +200,7 @@ class ProvenanceTable:
 
     def _drop_dead(self, addresses: Iterable[int]) -> None:
         index = self.index
-        expired, free = torch.UntypedStorage._expired, torch.UntypedStorage._free_weak_ref
+        expired, free = weak_ref_expired, free_weak_ref
         for address in addresses:
             entry = index.get(address)
             if entry is not None and expired(entry[0]):
@@ -210,7 +221,7 @@ class ProvenanceTable:
         return None if entry is None else entry[1]
 
     def release(self) -> None:
-        free = torch.UntypedStorage._free_weak_ref
+        free = free_weak_ref
         index, self.index = self.index, {}
         for handle, _ in index.values():
             free(handle)
@@ -277,6 +288,8 @@ class Provenance:
         thread."""
         from graphtrace.owners import walk_owners
 
+        if not PROVENANCE:  # asked for explicitly on a torch without it: say why
+            raise TorchIncompatible(PROVENANCE_OFF)
         for model in models.values():
             with warnings.catch_warnings():  # what the walk cuts is reported by the owner walk
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -299,12 +312,12 @@ class Provenance:
                 "the trace was closed on another thread than it was opened on: provenance "
                 "stays paused on the opening thread"))
         else:
-            stack = _get_current_dispatch_mode_stack()
+            stack = current_dispatch_mode_stack()
             if self.mode in stack:
-                above = [_pop_mode() for _ in range(len(stack) - 1 - stack.index(self.mode))]
+                above = [pop_mode() for _ in range(len(stack) - 1 - stack.index(self.mode))]
                 self.mode.__exit__(None, None, None)
                 for mode in reversed(above):
-                    _push_mode(mode)
+                    push_mode(mode)
             self.mode.paused = True
         self.thread = None
         self._suspended = None
@@ -315,9 +328,9 @@ class Provenance:
         under the capture). Returns what `resume` undoes."""
         if self.thread != threading.get_ident():
             return None
-        top = _len_torch_dispatch_stack() - 1
-        if top >= 0 and _get_dispatch_stack_at(top) is self.mode:
-            _pop_mode()
+        top = dispatch_stack_len() - 1
+        if top >= 0 and dispatch_stack_at(top) is self.mode:
+            pop_mode()
             return "popped"
         if not self.mode.paused:
             self.mode.paused = True
@@ -326,7 +339,7 @@ class Provenance:
 
     def resume(self, token: str | None) -> None:
         if token == "popped":
-            _push_mode(self.mode)
+            push_mode(self.mode)
         elif token == "flag":
             self.mode.paused = False
 

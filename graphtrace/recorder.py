@@ -19,14 +19,32 @@ from typing import Iterator, Mapping, Protocol, runtime_checkable
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_iter
 
+from graphtrace._compat import (
+    TorchDispatchMode,
+    free_weak_ref,
+    storage_from_weak_ref,
+    storage_weak_ref,
+    tree_iter,
+    weak_ref_expired,
+)
 from graphtrace._schema import op_info, plain_tensors
+from graphtrace.encoding import (
+    ACCESS_FIELDS,
+    ACCESS_MASK,
+    FACTORY,
+    OUT_MUTATED,
+    READ,
+    REPLAY_FRESH,
+    REPLAY_WROTE,
+    SID_SHIFT,
+    VIEW,
+    WRITE,
+    pack_code,
+    pack_slot,
+    with_access,
+)
 from graphtrace.opaque import proxy_storage, type_name
-from graphtrace.encoding import (ACCESS_FIELDS, ACCESS_MASK, FACTORY, OUT_MUTATED, READ,
-                                 REPLAY_FRESH, REPLAY_WROTE, SID_SHIFT, VIEW, WRITE, pack_code,
-                                 pack_slot, with_access)
 
 __all__ = ["RecordingMode", "Writer", "PyWriter", "Recorder", "Capture", "StorageTable",
            "Registered", "Interner", "module_stack"]
@@ -129,7 +147,7 @@ class StorageTable:
         with self._lock:
             sid = self._index.get(storage._cdata)
             if sid is None:
-                handle = storage._weak_ref()
+                handle = storage_weak_ref(storage)
                 sid = len(self._handles)
                 self._handles.append(handle)
                 self._data_ptrs.append(storage.data_ptr())
@@ -207,13 +225,13 @@ class StorageTable:
     def alive(self, sid: int) -> bool:
         if self._native is not None:
             return self._native.alive(sid)
-        return not torch.UntypedStorage._expired(self._handles[sid])
+        return not weak_ref_expired(self._handles[sid])
 
     def alive_mask(self) -> np.ndarray:
         """One bool per storage id: still alive."""
         if self._native is not None:
             return np.frombuffer(self._native.alive_mask(), dtype=bool).copy()
-        expired = torch.UntypedStorage._expired
+        expired = weak_ref_expired
         return np.fromiter((not expired(h) for h in self._handles), dtype=bool,
                            count=len(self._handles))
 
@@ -223,7 +241,7 @@ class StorageTable:
             return self._native.upgrade(sid)
         if not self.alive(sid):
             return None
-        return torch.UntypedStorage._new_with_weak_ptr(self._handles[sid])
+        return storage_from_weak_ref(self._handles[sid])
 
     def release(self) -> None:
         """Free every weak handle (the trace is done with these storages)."""
@@ -231,7 +249,7 @@ class StorageTable:
             self._sync()
             self._native.release()  # it owns the handles; the columns are copies
         else:
-            free = torch.UntypedStorage._free_weak_ref
+            free = free_weak_ref
             for handle in self._handles:
                 free(handle)
         self._handles = array("q")

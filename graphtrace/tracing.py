@@ -12,19 +12,18 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_map_only
 
+from graphtrace._compat import disable_current_modes, tree_map_only
 from graphtrace._schema import NO_TENSORS
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
-from graphtrace.derived import DerivedCopies
 from graphtrace.compiled import CompiledPatch
-from graphtrace.errors import GraphtraceError
+from graphtrace.derived import DerivedCopies
 from graphtrace.encoding import REPLAY_FRESH
+from graphtrace.errors import GraphtraceError
 from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
 
@@ -117,7 +116,7 @@ class EmulatedGraph:
         return alias
 
     def replay(self) -> None:
-        with torch.no_grad(), _disable_current_modes():
+        with torch.no_grad(), disable_current_modes():
             for func, args, kwargs, out, replay_flags in self._ops:
                 result = func(*args, **kwargs)
                 if replay_flags & REPLAY_FRESH:
@@ -646,9 +645,8 @@ class Trace:
 
     def diff(self):
         """Resolve capture-time owners on the live model(s) and classify every edge."""
-        from graphtrace.diff import diff
-
         from graphtrace.compiled import blind_spots, region_ownership
+        from graphtrace.diff import diff
 
         models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
         spots = list(self.blind_spots)

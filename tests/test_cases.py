@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from graphtrace.demo import runner
-from graphtrace.demo.cases import CASES, Expect, get, select
-from graphtrace.demo.cases import spec
+from graphtrace.demo.cases import CASES, Expect, get, select, spec
 from graphtrace.vocab import STALE_VERDICTS
 
 ALL = [(c.name, v.name) for c in CASES.values() for v in c.variants]

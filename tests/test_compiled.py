@@ -8,8 +8,8 @@ model is built once per module.
 from __future__ import annotations
 
 import functools
-import types
 import importlib.util
+import types
 
 import pytest
 import torch

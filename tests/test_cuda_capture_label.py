@@ -18,13 +18,19 @@ import graphtrace as gt
 
 
 class FakeGraph(CUDAGraph):
-    """A CUDAGraph that a CPU torch lets us make (its base refuses to instantiate)."""
+    """A CUDAGraph never constructed: the trace uses only its identity (and isinstance)."""
 
-    def __new__(cls):
-        return object.__new__(cls)
 
-    def __init__(self):
-        pass
+def fake_graph() -> FakeGraph:
+    """A FakeGraph allocated without running a constructor. A CPU torch's CUDAGraph base is a
+    dummy whose constructor raises; a CUDA build's is a C (pybind11) type whose constructor
+    initialises CUDA, which fails without a GPU, and it refuses `object.__new__` ("not safe")
+    but its own `__new__` only allocates. `FakeGraph()` cannot be used there: pybind11 checks
+    that the C constructor ran."""
+    try:
+        return object.__new__(FakeGraph)           # the dummy base (CPU build)
+    except TypeError:
+        return CUDAGraph.__bases__[0].__new__(FakeGraph)  # torch._C._CUDAGraph (CUDA build)
 
 
 def _capture_on(t, graph, x):
@@ -38,7 +44,7 @@ def _capture_on(t, graph, x):
 
 def test_label_reaches_the_cuda_capture():
     x = torch.ones(4)
-    g, other = FakeGraph(), FakeGraph()
+    g, other = fake_graph(), fake_graph()
     with gt.trace(strict=True) as t:
         with gt.capture("decode", cuda_graph=g) as yielded:
             assert yielded is g
@@ -53,7 +59,7 @@ def test_label_reaches_the_cuda_capture():
 
 def test_label_is_for_this_thread_only():
     x = torch.ones(4)
-    g = FakeGraph()
+    g = fake_graph()
     with gt.trace(strict=True) as t:
         with gt.capture("decode", cuda_graph=g):
             worker = threading.Thread(target=_capture_on, args=(t, g, x))
@@ -64,7 +70,7 @@ def test_label_is_for_this_thread_only():
 
 
 def test_context_without_its_capture_is_an_error():
-    g = FakeGraph()
+    g = fake_graph()
     with gt.trace() as t:
         with pytest.raises(gt.GraphtraceError, match=r"capture\('decode', cuda_graph=...\) closed "
                                                      r"without capturing its graph"):
@@ -85,9 +91,9 @@ def test_argument_validation():
     with pytest.raises(TypeError, match="cuda_graph must be a torch.cuda.CUDAGraph, got str"):
         gt.capture("decode", cuda_graph="g")
     with pytest.raises(TypeError, match="capture label must be a str"):
-        gt.capture(3, cuda_graph=FakeGraph())
+        gt.capture(3, cuda_graph=fake_graph())
     with pytest.raises(gt.GraphtraceError, match="inside `with graphtrace.trace"):
-        with gt.capture("decode", cuda_graph=FakeGraph()):
+        with gt.capture("decode", cuda_graph=fake_graph()):
             pass
 
 

@@ -9,8 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from graphtrace.demo import ops
-from graphtrace.demo.kernels import (KERNELS, VARIANTS, dequantize_reference, pack_int4_rows,
-                                     replace_parameter, unpack_int4_rows, weight_loader)
+from graphtrace.demo.kernels import (
+    KERNELS,
+    VARIANTS,
+    dequantize_reference,
+    pack_int4_rows,
+    replace_parameter,
+    unpack_int4_rows,
+    weight_loader,
+)
 from graphtrace.demo.model import DemoModel, make_checkpoint
 from graphtrace.demo.reload import reload
 

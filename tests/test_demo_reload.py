@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -75,8 +74,10 @@ def test_vllm_reload_restores_the_construction_time_set():
     PWAL) is not counted as loadable, and a layer processes as soon as its last checkpoint
     tensor arrives."""
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-    from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
-                                                                   get_layerwise_info)
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        get_layerwise_info,
+    )
 
     model = DemoModel("fixed", n_layers=2, seed=0, reload_backend="vllm")
     layer0 = model.layers[0].mlp.down_proj

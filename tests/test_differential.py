@@ -10,7 +10,6 @@ New scenario tests elsewhere go through `assert_agree` too.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 from typing import Callable
 

@@ -15,7 +15,6 @@ import graphtrace as gt
 from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS
 from tests.test_diff import Model, reload  # the diff's model and reload: every holder kind
 
-
 X = torch.rand(2, 8, generator=torch.Generator().manual_seed(5))
 
 

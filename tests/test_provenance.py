@@ -12,7 +12,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 import graphtrace as gt
-from graphtrace.demo import kernels, reload as demo_reload
+from graphtrace.demo import kernels
+from graphtrace.demo import reload as demo_reload
 from graphtrace.demo.runner import _perm_edges, run_scenario
 from graphtrace.provenance import ProvenanceMode
 from graphtrace.sites import Frame, format_site, parse_site, suggest_fix

@@ -15,7 +15,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import graphtrace as gt
 from graphtrace.demo import ops
 
-
 pytestmark = pytest.mark.usefixtures("writer")  # every test on both writers
 
 

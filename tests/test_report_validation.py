@@ -8,7 +8,6 @@ See Note [What a report folder guarantees] in graphtrace/report/io.py.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import os
 import random
@@ -21,8 +20,8 @@ import pandas as pd
 import pytest
 
 import graphtrace.report.io as report_io
-from graphtrace.explore import ownership_by_graph
 from graphtrace.cli import main
+from graphtrace.explore import ownership_by_graph
 from graphtrace.report import MANIFEST, Report, ReportError, load_report
 from graphtrace.vocab import (
     ACCESS_KINDS,
@@ -173,6 +172,7 @@ def test_duplicate_keys_next_to_each_other(tmp_path):
                               "duplicate key (")
 
     import torch
+
     import graphtrace as gt
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))

@@ -132,7 +132,7 @@ def test_replay_of_a_capture_with_grad_on_keeps_grad_off():
     x = torch.ones(2, 4, requires_grad=True)
     with gt.trace(model, strict=True):
         with torch.enable_grad(), gt.capture("g") as g:
-            out = model(x)
+            model(x)
     g.replay()
     assert model.weight.grad is None
 

@@ -7,7 +7,6 @@ import itertools
 
 import numpy as np
 import pytest
-
 import torch
 
 from graphtrace.verdict import View, impact_of, owner_status, storage_verdicts, verdict_of

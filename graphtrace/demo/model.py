@@ -23,8 +23,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels import (KERNELS, PACK_FACTOR, LayerConfig, WNA16ActOrderLinearMethod,
-                      pack_int4_rows, weight_loader)
+from .kernels import (
+    KERNELS,
+    PACK_FACTOR,
+    LayerConfig,
+    WNA16ActOrderLinearMethod,
+    pack_int4_rows,
+    weight_loader,
+)
 
 __all__ = [
     "RMSNorm", "ActOrderLinear", "DemoMLP", "DemoDecoderLayer", "make_checkpoint",

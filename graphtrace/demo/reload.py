@@ -157,8 +157,10 @@ def _check_names(model, checkpoint) -> None:
 
 
 def _reload_vllm(model, checkpoint) -> None:
-    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                         initialize_layerwise_reload)
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
 
     _register_vllm_quant_methods(model)
     initialize_layerwise_reload(model)

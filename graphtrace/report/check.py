@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 import pandas as pd
 
 from graphtrace.report.canonical import is_na
+from graphtrace.report.core import Report
 from graphtrace.report.grouping import split_joined
 from graphtrace.vocab import STALE_VERDICTS, VERDICTS
-
-if TYPE_CHECKING:
-    from graphtrace.report.core import Report
 
 __all__ = ["assert_no_stale"]
 

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
+from graphtrace.blindspots import BlindSpot
 from graphtrace.report.canonical import (
     _STR,
     ReportError,
@@ -18,19 +19,15 @@ from graphtrace.report.canonical import (
     _plain_meta,
     is_na,
 )
-from graphtrace.report.check import assert_no_stale
 from graphtrace.report.grouping import _crosstab
 from graphtrace.report.io import (
     FORMAT_VERSION,
-    _fail,
     _fail_in_frame,
     _read_folder,
     _write_folder,
 )
 from graphtrace.report.validate import check_frames, check_meta
-from graphtrace.blindspots import BlindSpot
-from graphtrace.vocab import (BLIND_SPOT_FIELDS, FRAMES, HOLDS, IMPACTS, STALE_VERDICTS,
-                              VERDICTS)
+from graphtrace.vocab import BLIND_SPOT_FIELDS, FRAMES, HOLDS, IMPACTS, STALE_VERDICTS, VERDICTS
 
 __all__ = ["Report", "load_report"]
 
@@ -343,6 +340,8 @@ class Report:
     # ---- checks
     def check(self, *, allow: Iterable[str] | str = ()) -> None:
         """``assert_no_stale(self, allow=allow)``."""
+        from graphtrace.report.check import assert_no_stale  # check.py imports this module
+
         assert_no_stale(self, allow=allow)
 
     # ---- display

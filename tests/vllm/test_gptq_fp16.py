@@ -22,9 +22,10 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 
 @pytest.fixture(scope="module")
 def run(tiny_gptq_dir):
+    from vllm import LLM
+
     import graphtrace.vllm as gv
     from graphtrace.vllm import tiny
-    from vllm import LLM
 
     ns = types.SimpleNamespace()
     with gv.trace_llm(strict=True) as vt:

@@ -32,9 +32,10 @@ def _edges_by_owner(report):
 
 @pytest.fixture(scope="module")
 def run(tiny_llama_dir):
+    from vllm import LLM
+
     import graphtrace.vllm as gv
     from graphtrace.vllm import tiny
-    from vllm import LLM
 
     ns = types.SimpleNamespace()
     with gv.trace_llm(strict=True) as vt:

@@ -13,9 +13,10 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def run(tiny_llama_dir):
+    from vllm import LLM
+
     import graphtrace.vllm as gv
     from graphtrace.vllm import tiny
-    from vllm import LLM
 
     ns = types.SimpleNamespace()
     with gv.trace_llm(strict=True) as vt:
@@ -36,11 +37,11 @@ def _file_of(module_name: str) -> str:
 
 
 def test_onednn_handle_sites_point_into_vllm_cpu_linear_code(run):
-    from graphtrace.sites import parse_site
-    from graphtrace.vocab import FIXES
-
     import vllm._custom_ops as custom_ops
     from vllm.model_executor.layers import utils as layer_utils
+
+    from graphtrace.sites import parse_site
+    from graphtrace.vocab import FIXES
 
     e = run.report.edges
     handles = e[e["owners"].astype(str).str.endswith(".handler_tensor")]

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import NAMESPACE
-from .harness import (CaseModel, capture_reload_diff, make_param, reload_inplace,
-                      reload_layerwise)
+from .harness import CaseModel, capture_reload_diff, make_param, reload_inplace, reload_layerwise
 from .spec import Outcome
 
 __all__ = ["dense_moe", "silu_and_mul", "FusedMoEMethodBase", "UnquantizedMoEMethod", "FusedMoE",

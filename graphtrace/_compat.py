@@ -1,0 +1,230 @@
+"""Every private torch API graphtrace uses, in one place (Note [torch compatibility]).
+
+graphtrace records through torch internals: the dispatch-mode stack, pytree, raw storage weak
+handles, OpSchema types, Dynamo's and Inductor's classes. The rest of the package imports them
+from here, under public names, and never from torch directly (tests/test_layers.py checks that).
+This module looks each one up once, at import, and binds it: a hot path calls the very function
+it called before (`storage_weak_ref(s)` is `torch.UntypedStorage._weak_ref`), with no layer
+in between.
+
+Note [torch compatibility]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Tested on torch `TESTED_TORCH` (pyproject's range; `make test` and `make test-torch-next`).
+What a torch outside it lacks is handled by what depends on it:
+
+- recording itself (`TorchDispatchMode`, `disable_current_modes`, pytree, storage weak handles,
+  `StorageBase._cdata`, schema types): nothing can be recorded without them, so importing this
+  module raises `TorchIncompatible`, an ImportError naming each missing API. `import graphtrace`
+  does not import torch, so reading reports (`gt.load_report`) still works.
+- optional features fail open: their flag below is False, one `TorchCompatWarning` at import
+  names what is missing and which feature is off, and the names they need are bound to
+  stand-ins that raise `TorchIncompatible` with the same message if called anyway.
+  `PROVENANCE` (creation sites, provenance.py: off by default then), `DYNAMO_CACHE` (which
+  modules Dynamo compiled: attribution.py keeps forward wrappers off them).
+- Dynamo and Inductor classes (`load_compiled_fx_graph` and the like) are looked up when first
+  needed, not here: importing torch._dynamo takes seconds, and a trace that never meets
+  compiled code must not pay that. Their callers already fail open (a blind spot, or plain
+  positions instead of Dynamo's names).
+- `OP_CALLS_OP_DIRECTLY`: the native dispatch calls an OpOverload's `_op` itself only while
+  `OpOverload.__call__` is exactly `return self._op(*args, **kwargs)` (torch 2.13); torch 2.14
+  checks a Python dispatcher first, so there the native dispatch calls the OpOverload (the same
+  records, one Python frame more per op).
+
+One private attribute is read in place, not through here: `storage._cdata` (a StorageImpl's
+address, the identity of every storage graphtrace records). It is read once per tensor per op
+on the hot path, where a call would cost more than the read; this module checks that it
+exists, and tests/test_layers.py allows that one attribute (with nn.Module's registries).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import operator
+import warnings
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "TESTED_TORCH", "TorchIncompatible", "TorchCompatWarning", "missing",
+    # recording (required)
+    "TorchDispatchMode", "disable_current_modes", "is_traceable_wrapper_subclass",
+    "tree_iter", "tree_map_only", "OpOverload", "JitType", "ClassType", "Argument",
+    "op_schema", "storage_weak_ref", "weak_ref_expired", "free_weak_ref",
+    "storage_from_weak_ref", "version_counter", "script_type_name",
+    "dispatch_stack_len", "dispatch_stack_at",
+    # provenance
+    "PROVENANCE", "PROVENANCE_OFF", "current_dispatch_mode_stack", "push_mode", "pop_mode",
+    # Dynamo's cache (attribution)
+    "DYNAMO_CACHE", "dynamo_cache_entries",
+    # the native dispatch
+    "OP_CALLS_OP_DIRECTLY", "calls_op_directly",
+    # looked up on first use (Dynamo, Inductor, the C++ extension builder)
+    "load_compiled_fx_graph", "load_output_graph", "load_caching_autotuner",
+    "dynamo_skip_code", "extension_build_directory",
+]
+
+TESTED_TORCH = ">=2.13,<2.15"
+
+
+class TorchIncompatible(ImportError):
+    """This torch lacks a private API a graphtrace feature needs (Note [torch compatibility])."""
+
+
+class TorchCompatWarning(RuntimeWarning):
+    """An optional graphtrace feature is off: this torch lacks what it needs."""
+
+
+_missing: dict[str, list[str]] = {}  # feature -> the torch APIs it lacks
+
+
+def missing() -> dict[str, list[str]]:
+    """Per graphtrace feature that is off on this torch, the torch APIs it lacks ({} on a
+    tested torch)."""
+    return {feature: list(apis) for feature, apis in _missing.items()}
+
+
+def _message(feature: str) -> str:
+    return (f"graphtrace: {feature} is off: torch {torch.__version__} lacks "
+            f"{', '.join(_missing[feature])} (graphtrace is tested on torch {TESTED_TORCH})")
+
+
+def _lookup(feature: str, path: str) -> Any:
+    """`module.attr[.attr...]` under torch, or None (noted as missing for `feature`)."""
+    module, _, attrs = path.partition(":")
+    try:
+        value = importlib.import_module(module)
+        for attr in attrs.split(".") if attrs else ():
+            value = getattr(value, attr)
+        return value
+    except (ImportError, AttributeError):
+        _missing.setdefault(feature, []).append(f"{module}.{attrs}" if attrs else module)
+        return None
+
+
+def _unavailable(feature: str) -> Callable[..., Any]:
+    def unavailable(*args, **kwargs):
+        raise TorchIncompatible(_message(feature))
+
+    return unavailable
+
+
+# -- recording: required ----------------------------------------------------------------------
+_REC = "recording"
+TorchDispatchMode = _lookup(_REC, "torch.utils._python_dispatch:TorchDispatchMode")
+disable_current_modes = _lookup(_REC, "torch.utils._python_dispatch:_disable_current_modes")
+is_traceable_wrapper_subclass = _lookup(
+    _REC, "torch.utils._python_dispatch:is_traceable_wrapper_subclass")
+tree_iter = _lookup(_REC, "torch.utils._pytree:tree_iter")
+tree_map_only = _lookup(_REC, "torch.utils._pytree:tree_map_only")
+OpOverload = _lookup(_REC, "torch._ops:OpOverload")
+JitType = _lookup(_REC, "torch._C:Type")  # (named JitType in torch's stubs only)
+ClassType = _lookup(_REC, "torch._C:ClassType")
+Argument = _lookup(_REC, "torch._C:Argument")
+# the raw weak handle of a storage (an int: its StorageImpl's address, kept allocated while
+# held), whether it expired, its release, and a strong storage back from a live one
+storage_weak_ref = _lookup(_REC, "torch:UntypedStorage._weak_ref")
+weak_ref_expired = _lookup(_REC, "torch:UntypedStorage._expired")
+free_weak_ref = _lookup(_REC, "torch:UntypedStorage._free_weak_ref")
+storage_from_weak_ref = _lookup(_REC, "torch:UntypedStorage._new_with_weak_ptr")
+_lookup(_REC, "torch._C:StorageBase._cdata")  # read in place (see above): only checked
+# which recording mode is on top of this thread's dispatch stack (recorder, compiled regions)
+dispatch_stack_len = _lookup(_REC, "torch._C:_len_torch_dispatch_stack")
+dispatch_stack_at = _lookup(_REC, "torch._C:_get_dispatch_stack_at")
+_lookup(_REC, "torch._C:TensorBase._version")
+_lookup(_REC, "torch._C:FunctionSchema")
+if _REC in _missing:
+    raise TorchIncompatible(
+        f"graphtrace cannot record on torch {torch.__version__}: it lacks "
+        f"{', '.join(_missing[_REC])} (graphtrace is tested on torch {TESTED_TORCH}; reports "
+        "can still be read without recording: graphtrace.load_report)")
+
+op_schema = operator.attrgetter("_schema")      # an OpOverload's FunctionSchema
+version_counter = operator.attrgetter("_version")  # a tensor's in-place version counter
+
+
+def script_type_name(obj: torch.ScriptObject) -> str:
+    """A ScriptObject's TorchScript class name (`__torch__.torch.classes.ns.Name`)."""
+    return obj._type().qualified_name()
+
+
+# -- provenance: optional ---------------------------------------------------------------------
+_PROV = "provenance (creation sites of storages made outside captures)"
+current_dispatch_mode_stack = _lookup(
+    _PROV, "torch.utils._python_dispatch:_get_current_dispatch_mode_stack")
+push_mode = _lookup(_PROV, "torch.utils._python_dispatch:_push_mode")
+pop_mode = _lookup(_PROV, "torch.utils._python_dispatch:_pop_mode")
+PROVENANCE = _PROV not in _missing
+PROVENANCE_OFF = "" if PROVENANCE else _message(_PROV)  # why, where it is off
+if not PROVENANCE:
+    current_dispatch_mode_stack = push_mode = pop_mode = _unavailable(_PROV)
+
+# -- Dynamo's code cache: optional ------------------------------------------------------------
+_DYN = ("which modules Dynamo compiled (forward wrappers may make modules compiled before the "
+        "trace recompile)")
+dynamo_cache_entries = _lookup(_DYN, "torch._C._dynamo.eval_frame:_debug_get_cache_entry_list")
+DYNAMO_CACHE = _DYN not in _missing
+if not DYNAMO_CACHE:
+    dynamo_cache_entries = _unavailable(_DYN)
+
+
+# -- the native dispatch's direct call --------------------------------------------------------
+def calls_op_directly(cls: type) -> bool:
+    """Is `cls.__call__` exactly `return self._op(*args, **kwargs)` (torch's OpOverload)? Then
+    the native dispatch may call `_op` itself (Note [native dispatch]); a torch whose
+    `__call__` does more keeps its own."""
+    def reference(self, /, *args, **kwargs):
+        return self._op(*args, **kwargs)
+
+    code = getattr(getattr(cls, "__call__", None), "__code__", None)
+    want = reference.__code__
+    signature = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS  # (not CO_NESTED: where defined)
+    return (code is not None and code.co_code == want.co_code and code.co_names == want.co_names
+            and code.co_posonlyargcount == want.co_posonlyargcount
+            and code.co_argcount == want.co_argcount
+            and code.co_flags & signature == want.co_flags & signature)
+
+
+OP_CALLS_OP_DIRECTLY = calls_op_directly(OpOverload)
+
+
+# -- looked up on first use -------------------------------------------------------------------
+def load_compiled_fx_graph() -> type:
+    """Inductor's compiled graph (`__call__` is a compiled region's boundary). Imports
+    Inductor; raises ImportError or AttributeError where this torch has no such class."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    return CompiledFxGraph
+
+
+def load_output_graph() -> type:
+    """Dynamo's OutputGraph (`call_user_compiler` sees the graph's input names)."""
+    from torch._dynamo.output_graph import OutputGraph
+
+    return OutputGraph
+
+
+def load_caching_autotuner() -> type:
+    """Inductor's Triton launcher (`run` is one kernel launch)."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    return CachingAutotuner
+
+
+def dynamo_skip_code(code) -> None:
+    """Tell Dynamo to run `code`'s frames as they are (and look at the frames they call)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(code)
+
+
+def extension_build_directory(name: str) -> str:
+    """The folder torch's C++ extension builder uses for the extension `name`."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(name, verbose=False)
+
+
+for _feature in _missing:
+    warnings.warn(_message(_feature), TorchCompatWarning, stacklevel=2)
