@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -33,15 +33,20 @@ from graphtrace.edges import CaptureEdges, capture_edges
 from graphtrace.encoding import VIEW
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
 from graphtrace.owners import OwnerSnapshot, resolve_path
-from graphtrace.provenance import edge_columns
+from graphtrace.provenance import Provenance, edge_columns
+from graphtrace.recorder import Recorder
+from graphtrace.report import Report
 from graphtrace.verdict import View, impact_of, owner_status, storage_verdicts
-from graphtrace.vocab import (ACCESS_KINDS, COLUMNS, EDGE_ACCESSES, IMPACTS, MOVED, ORIGINS,
-                              OWNER_KINDS, VERDICTS)
-
-if TYPE_CHECKING:
-    from graphtrace.provenance import Provenance
-    from graphtrace.recorder import Recorder
-    from graphtrace.report import Report
+from graphtrace.vocab import (
+    ACCESS_KINDS,
+    COLUMNS,
+    EDGE_ACCESSES,
+    IMPACTS,
+    MOVED,
+    ORIGINS,
+    OWNER_KINDS,
+    VERDICTS,
+)
 
 __all__ = ["diff"]
 
@@ -337,8 +342,6 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     trace's creation sites (graphtrace.provenance), for `created_at` / `live_created_at`.
     `extra_meta`: more entries for the meta (the compiled regions' coverage,
     graphtrace.compiled)."""
-    from graphtrace.report import Report
-
     rec = recorder
     if not rec.captures:
         raise ValueError("nothing to diff: the trace recorded no capture. Capture inside "

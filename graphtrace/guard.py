@@ -22,7 +22,7 @@ import os
 import tempfile
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -30,15 +30,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphtrace import __version__
-from graphtrace.opaque import storage_of
-from graphtrace.owners import PathSet, resolve_path
+from graphtrace._compat import storage_from_weak_ref
 from graphtrace.errors import GraphtraceError
+from graphtrace.opaque import storage_of
+from graphtrace.owners import OwnerSnapshot, PathSet, resolve_path
+from graphtrace.recorder import Recorder
 from graphtrace.verdict import View, impact_of, owner_status, verdict_of
 from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED
-
-if TYPE_CHECKING:
-    from graphtrace.owners import OwnerSnapshot
-    from graphtrace.recorder import Recorder
 
 __all__ = ["Guard", "StaleGraphError", "load_guard", "guard_of",
            "models_changed", "describe", "empty_problems", "FORMAT", "FORMAT_VERSION"]
@@ -332,7 +330,7 @@ def _upgrade(ref: StorageWeakRef | None) -> torch.UntypedStorage | None:
     if ref is None or ref.expired():
         return None
     try:
-        return torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        return storage_from_weak_ref(ref.cdata)
     except Exception:
         return None
 

@@ -7,8 +7,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from graphtrace.demo.scenario import (Flip, Graph, Scenario, ScenarioError,  # noqa: E402
-                                      capture, changed_rows, run, same_rows)
+from graphtrace.demo.scenario import (  # noqa: E402
+    Flip,
+    Graph,
+    Scenario,
+    ScenarioError,
+    capture,
+    changed_rows,
+    run,
+    same_rows,
+)
 from graphtrace.vocab import STALE_VERDICTS  # noqa: E402
 
 

@@ -278,7 +278,7 @@ def _after_capture(sc: Scenario, variant, scenario, *, device, seed, backend, n_
     else:
         ckpt = model.make_checkpoint(seed + 1, seed + 2)
     t = time.perf_counter()
-    used = sc.reload(lambda m: reload(m, ckpt, backend=backend if backend != "auto" else "auto"))
+    used = sc.reload(lambda m, ckpt=ckpt: reload(m, ckpt, backend=backend))
     timings["reload"] = time.perf_counter() - t
     del ckpt
 
