@@ -15,12 +15,15 @@ from graphtrace._compat import (
     OpOverload,
     is_traceable_wrapper_subclass,
     op_schema,
+    tree_iter,
+    tree_map_only,
 )
 
 # Accesses and return-slot kinds are ints of the record encoding (graphtrace.encoding).
 from graphtrace.encoding import OUT_ALIAS, OUT_FRESH, OUT_MUTATED, READ, VIEW, WRITE
 
-__all__ = ["OpInfo", "op_name", "parse_schema", "op_info", "plain_tensors", "NO_TENSORS"]
+__all__ = ["OpInfo", "op_name", "parse_schema", "op_info", "plain_tensors", "tensors_in",
+           "map_tensors", "NO_TENSORS"]
 
 
 class OpInfo:
@@ -110,6 +113,55 @@ def op_info(func) -> OpInfo:
 # else it hands to pytree).
 NO_TENSORS = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device,
                         torch.layout, torch.memory_format, torch.Size})
+
+
+# Note [the tensor walker]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# The one walk over what an op takes or returns, for the recorder (which storages an op
+# touches), provenance (which storages an op made) and emulated graphs (pinning each tensor an
+# op saw). The shapes ops really use (a tensor, a scalar, a plain tuple, list or dict of them)
+# are walked here without pytree, which costs ~1 us per call; anything else (namedtuples,
+# tensor subclasses, registered containers) goes through pytree. `tensors_in` flattens
+# traceable wrapper subclasses to the plain tensors they hold (what an op really reads);
+# `map_tensors` hands each tensor, subclass or not, to its function whole.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def tensors_in(value: object, opaque: bool = False):
+    """The plain tensors in `value` (Note [the tensor walker]), and with `opaque` also the
+    opaque handles (torch.ScriptObject) it holds."""
+    tp = type(value)
+    if tp is torch.Tensor or tp is torch.nn.Parameter:
+        yield value
+        return
+    if tp in NO_TENSORS:
+        return
+    if tp is tuple or tp is list:
+        for item in value:
+            yield from tensors_in(item, opaque)
+        return
+    if tp is dict:
+        for item in value.values():
+            yield from tensors_in(item, opaque)
+        return
+    for item in tree_iter(value):
+        if isinstance(item, torch.Tensor):
+            yield from plain_tensors(item)
+        elif opaque and isinstance(item, torch.ScriptObject):
+            yield item
+
+
+def map_tensors(fn, value: object) -> object:
+    """`value` with every tensor in it replaced by `fn(tensor)` (Note [the tensor walker])."""
+    tp = type(value)
+    if tp is torch.Tensor or tp is torch.nn.Parameter:
+        return fn(value)
+    if tp in NO_TENSORS:
+        return value
+    if tp is tuple or tp is list:
+        mapped = [map_tensors(fn, v) for v in value]
+        return tuple(mapped) if tp is tuple else mapped
+    return tree_map_only(torch.Tensor, fn, value)  # subclasses, dicts, namedtuples
 
 
 def plain_tensors(t: torch.Tensor):

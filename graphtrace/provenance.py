@@ -32,10 +32,9 @@ from graphtrace._compat import (
     pop_mode,
     push_mode,
     storage_weak_ref,
-    tree_iter,
     weak_ref_expired,
 )
-from graphtrace._schema import NO_TENSORS, plain_tensors
+from graphtrace._schema import tensors_in
 from graphtrace.sites import format_site, suggest_fix
 from graphtrace.vocab import BEFORE_TRACE, FIXES, NOT_RECORDED, STALE_VERDICTS
 
@@ -122,37 +121,13 @@ def skipped_file(filename: str) -> bool:
     return False
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
 def _storages(obj) -> Iterable[torch.UntypedStorage]:
-    """The storages of the plain tensors in `obj` (nested containers, subclasses). Tensors,
-    scalars and plain tuples, lists and dicts of them (what ops take and return) are walked
-    here; anything else by pytree."""
-    tp = type(obj)
-    if tp in _PLAIN_TENSORS:
+    """The storages of the plain tensors in `obj` (the tensor walker: graphtrace._schema)."""
+    for t in tensors_in(obj):
         try:
-            yield obj.untyped_storage()
+            yield t.untyped_storage()
         except Exception:  # sparse and other storage-less layouts: nothing to note
-            pass
-        return
-    if tp in NO_TENSORS:
-        return
-    if tp is tuple or tp is list:
-        for item in obj:
-            yield from _storages(item)
-        return
-    if tp is dict:
-        for item in obj.values():
-            yield from _storages(item)
-        return
-    for x in tree_iter(obj):
-        if isinstance(x, torch.Tensor):
-            for t in plain_tensors(x):
-                try:
-                    yield t.untyped_storage()
-                except Exception:  # sparse and other storage-less layouts: nothing to note
-                    continue
+            continue
 
 
 class ProvenanceTable:

@@ -25,10 +25,9 @@ from graphtrace._compat import (
     free_weak_ref,
     storage_from_weak_ref,
     storage_weak_ref,
-    tree_iter,
     weak_ref_expired,
 )
-from graphtrace._schema import op_info, plain_tensors
+from graphtrace._schema import op_info, plain_tensors, tensors_in
 from graphtrace.encoding import (
     ACCESS_FIELDS,
     ACCESS_MASK,
@@ -409,9 +408,8 @@ class PyWriter:
                 (returns[i] if i < len(returns) else None, value) for i, value in enumerate(out))
             for name, value in named:
                 if name is not None:
-                    for item in tree_iter(value):
-                        if isinstance(item, torch.Tensor):
-                            fresh |= self._put_output(seq, name, item, inputs)
+                    for item in tensors_in(value):
+                        fresh |= self._put_output(seq, name, item, inputs)
         elif isinstance(out, torch.Tensor) and plan.returns and plan.returns[0] is not None:
             fresh = self._put_output(seq, plan.returns[0], out, inputs)
         if plan.may_alias:
@@ -451,16 +449,16 @@ class PyWriter:
         """Tensors inside subclasses and containers (Tensor[], Tensor?[]), and opaque handles:
         the slow path."""
         found = False
-        for item in (value,) if isinstance(value, torch.Tensor) else tree_iter(value):
-            if isinstance(item, torch.Tensor):
-                for t in plain_tensors(item):
-                    if t.layout is not _STRIDED:
-                        self._opaque(seq)
-                        continue
-                    inputs.append(self._row(seq, code, t))
-                    found = True
-            elif isinstance(item, torch.ScriptObject):
+        walked = plain_tensors(value) if isinstance(value, torch.Tensor) else tensors_in(
+            value, opaque=True)
+        for item in walked:
+            if isinstance(item, torch.ScriptObject):
                 inputs.append(self._opaque_row(seq, code, item))
+            elif item.layout is not _STRIDED:
+                self._opaque(seq)
+            else:
+                inputs.append(self._row(seq, code, item))
+                found = True
         return found and (code & ACCESS_MASK) == WRITE
 
     def _opaque_row(self, seq: int, code: int, obj: torch.ScriptObject) -> int:

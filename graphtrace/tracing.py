@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from graphtrace._compat import disable_current_modes, tree_map_only
-from graphtrace._schema import NO_TENSORS
+from graphtrace._compat import disable_current_modes
+from graphtrace._schema import map_tensors
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
 from graphtrace.compiled import CompiledPatch
@@ -77,18 +77,8 @@ class EmulatedGraph:
         self._ops.append((func, args, kwargs, pin(out), replay_flags))
 
     def _pin_value(self, value):
-        """`value` with each tensor in it pinned: the shapes ops take and return (a tensor, a
-        scalar, a plain tuple/list of them) walked here, anything else by pytree."""
-        cls = type(value)
-        if cls is torch.Tensor or cls is torch.nn.Parameter:
-            return self._alias(value)
-        if cls in NO_TENSORS:
-            return value
-        if cls is tuple or cls is list:
-            pin = self._pin_value
-            pinned = [pin(v) for v in value]
-            return tuple(pinned) if cls is tuple else pinned
-        return tree_map_only(torch.Tensor, self._pin, value)  # subclasses, dicts, namedtuples
+        """`value` with each tensor in it pinned (the tensor walker: graphtrace._schema)."""
+        return map_tensors(self._pin, value)
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
         """A plain alias of the storage, offset, size and stride `t` has now (`t` itself where
