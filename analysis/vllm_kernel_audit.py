@@ -439,39 +439,39 @@ def audit_kernel(k: KernelInfo) -> Outcome:
 
 
 def capture_reload_diff(res: Outcome, model, x, load_new) -> None:
-    """The audit's common tail: capture the apply under graphtrace, reload new weights
-    through vLLM's layerwise reload (`load_new` runs the weight loaders), diff, flip test.
-    `res.stage` names the step running, so a failure is reported at the right one."""
+    """The audit's common tail, on the scenario harness (graphtrace/demo/scenario.py): capture
+    the apply; with the trace closed, reload through vLLM's layerwise reload (`load_new` runs the
+    weight loaders); diff; flip test. `res.stage` names the step running, for a failure's row."""
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
 
-    import graphtrace as gt
+    from graphtrace.demo.scenario import Scenario
 
+    @torch.no_grad()
+    def reload(m) -> None:
+        initialize_layerwise_reload(m)
+        load_new()
+        finalize_layerwise_reload(m, model_config=None)
     inputs = x if isinstance(x, tuple) else (x,)
     with torch.no_grad():
         model(*inputs)                                  # warm-up, as before a capture
-        with gt.trace(model) as t:
-            with gt.capture("apply") as graph:
-                out = model(*inputs)
+    with Scenario(model, strict=False) as sc:
+        sc.capture([("apply", inputs)])
     res.stage = "reload"
-    with torch.no_grad():
-        initialize_layerwise_reload(model)
-        load_new()
-        finalize_layerwise_reload(model, model_config=None)
+    sc.reload(reload)                                   # after the trace: the reload untraced
     res.stage = "diff"
-    report = t.diff()
+    report = sc.diff()
     res.edges = report.edges["verdict"].value_counts().to_dict()
     stale = report.stale
-    for row in stale.itertuples():
-        res.findings.append((row.verdict, row.owners, int(row.nbytes), row.impact))
+    res.findings += [(r.verdict, r.owners, int(r.nbytes), r.impact) for r in stale.itertuples()]
     res.stage = "flip"
     if res.dropped:
         res.flip = ("not run: vLLM's reload dropped loads (Note [audit reload drops]), so the "
                     "layer holds uninitialized values that the stand-ins read")
     else:
-        res.flip = flip_test(res.kernel.name, model, graph, out, x, stale)
+        res.flip = flip_test(res.kernel.name, sc, stale)
     res.ran = True
     res.stage = ""
 
@@ -1095,16 +1095,16 @@ NO_FLIP = {
 }
 
 
-def flip_test(kernel: str, model, graph, out, x, stale) -> str:
+def flip_test(kernel: str, sc, stale) -> str:
     """For each moved owner of a stale edge: change the live tensor's values; a graph that
-    reads the captured storage replays the same output while eager code changes."""
+    reads the captured storage replays the same output while eager code changes (the
+    scenario's flip: a fresh replay and eager run are the baseline, restored after)."""
     from graphtrace.owners import resolve_path
 
     if stale.empty:
         return "n/a (no stale edge)"
     if kernel in NO_FLIP:
         return NO_FLIP[kernel]
-    inputs = x if isinstance(x, tuple) else (x,)
     paths = sorted({p for owners in stale["owners"] for p in owners.split("; ") if p})
     if any(p.endswith("handler_tensor") for p in paths):
         # The captured int64 is a pointer to a native oneDNN primitive that the old handler's
@@ -1115,19 +1115,19 @@ def flip_test(kernel: str, model, graph, out, x, stale) -> str:
     results = []
     with torch.no_grad():
         for path in paths:
-            live = resolve_path(model, path)
+            live = resolve_path(sc.model, path)
             if live is None:
                 results.append(f"{path}: orphaned")
                 continue
-            graph.replay()
-            replay0, eager0 = out.clone(), model(*inputs).clone()
-            saved = live.clone()
-            _perturb(live)
-            graph.replay()
-            replay1, eager1 = out.clone(), model(*inputs).clone()
-            live.copy_(saved)
-            replay_changed = not torch.equal(replay0, replay1)
-            eager_changed = not torch.equal(eager0, eager1)
+            saved = []
+
+            def perturb(m, live=live, saved=saved) -> None:
+                saved.append(live.clone())              # the values the baselines saw
+                _perturb(live)
+
+            f = sc.flip(perturb, restore=lambda m, live=live, saved=saved: live.copy_(saved[0]),
+                        eager=True)
+            replay_changed, eager_changed = f.changed > 0, f.eager_changed > 0
             word = ("stale read confirmed" if eager_changed and not replay_changed else
                     "graph reads the live tensor" if replay_changed else "no effect on output")
             results.append(f"{path}: {word} (eager {'changed' if eager_changed else 'same'}, "

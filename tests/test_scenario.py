@@ -154,6 +154,20 @@ def test_rows_compare_row_by_row():
     assert same_rows(a, b) == 2 and changed_rows(a, b) == 1
 
 
+@pytest.mark.parametrize("shape", [(), (3,), (3, 2), (3, 2, 2)])
+@pytest.mark.parametrize("change", [None, 0.5, float("nan"), -0.0])
+def test_any_changed_row_means_the_outputs_are_not_equal(shape, change):
+    # the kernel audit reads `changed > 0` as "the output changed" (it used torch.equal on
+    # whole outputs): the same answer for every shape, NaN included (NaN != NaN), -0.0 == 0.0
+    a = torch.zeros(shape, dtype=torch.bfloat16)
+    b = a.clone()
+    if change is not None:
+        b.view(-1)[-1] = change
+    assert (changed_rows(a, b) > 0) == (not torch.equal(a, b))
+    nan = torch.full(shape, float("nan"))
+    assert changed_rows(nan, nan.clone()) > 0 and not torch.equal(nan, nan.clone())
+
+
 # --------------------------------------------------------------------------------------
 # bad input: one clear ScenarioError
 # --------------------------------------------------------------------------------------
