@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 VPY    := $(VLLM_VENV)/bin/python
 NPY    := $(NEXT_VENV)/bin/python
 
-.PHONY: demo test test-torch-next test-vllm lint audit-vllm bench notebooks clean
+.PHONY: demo test test-torch-next test-vllm lint audit-vllm repro-vllm bench notebooks clean
 
 # The native recorder (graphtrace/csrc) is compiled once per torch build by
 # `python -m graphtrace.native` into torch's extension cache (~20 s).
@@ -59,6 +59,13 @@ test-vllm: $(VLLM_VENV)/.installed
 # .csv and .cpu.json (the CPU they were made on) (~10 min on two cores).
 audit-vllm: $(VLLM_VENV)/.installed
 	PYTHONPATH=$(CURDIR) $(VPY) analysis/vllm_kernel_audit.py
+
+# Standalone reproductions of the two vLLM 0.32 bugs the kernel audit found (analysis/repro/,
+# vLLM's code only, no graphtrace): each prints versions, CPU, expected vs got and a final
+# BUG REPRODUCED / NOT REPRODUCED line (exit 0 either way; 2 when a script fails) (~3 min).
+repro-vllm: $(VLLM_VENV)/.installed
+	$(VPY) analysis/repro/moe_reload_drops_loads.py
+	$(VPY) analysis/repro/cpu_int8_scale_after_reload.py
 
 notebooks: $(VENV)/.installed
 	$(PY) -m pytest -q tests/test_notebooks.py
