@@ -132,8 +132,7 @@ def write_checkpoint(d: Path) -> None:
 
 def build_model(d: Path):
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import (ensure_model_parallel_initialized,
-                                  init_distributed_environment)
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
 
