@@ -1435,6 +1435,14 @@ def finding_source(kernel: str, path: str) -> tuple[str, str] | None:
 # vLLM's own `can_load()` says will be dropped (column reload_dropped). Which tensors lose
 # their values depends on the order a trainer sends weights in. The stand-ins then read
 # uninitialized memory, so the flip test is not run for such a row.
+# What a real model does instead (analysis/repro/moe_reload_drops_loads.py, vLLM's own loader
+# and `reload_weights` from a sorted safetensors checkpoint): `RoutedExperts.load_weights`
+# looks the parameter up by name at call time (`getattr(self, param_name)`), which after the
+# early processing is the processed parameter, so a late load is not dropped at `can_load()`:
+# it lands on that parameter and raises (ValueError at fused_moe/routed_experts.py:955). The
+# first MoE layer's last expert has then been requantized with an uninitialized w3 scale and
+# every later layer is left on the meta device. The harness calls the loaders it collected
+# before the reload, which is why it sees the drop.
 RELOAD_DROP_SOURCE = (
     "vllm/model_executor/model_loader/reload/layerwise.py:217",
     "vLLM's layerwise reload processed the layer before these loads and dropped them "
