@@ -3,6 +3,7 @@ report folder, and the reload backends of the demo (vLLM's only where it is inst
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 from pathlib import Path
@@ -44,3 +45,16 @@ def reload_backend(request) -> str:
     if request.param == "vllm":
         request.getfixturevalue("vllm_installed")
     return request.param
+
+
+@pytest.fixture
+def gc_off():
+    """The garbage collector off: what must die must die by reference counting alone."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

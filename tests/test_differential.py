@@ -19,7 +19,7 @@ from torch import nn
 
 import graphtrace as gt
 from graphtrace.vocab import GUARD_PROBLEMS
-from tests.test_blind_spots import QuantizedPacked as Packed  # weight (3, 4), packed params
+from tests.test_blindspots import QuantizedPacked as Packed  # weight (3, 4), packed params
 from tests.test_diff import Model
 
 X = torch.rand(2, 8, generator=torch.Generator().manual_seed(3))

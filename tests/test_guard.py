@@ -321,7 +321,7 @@ def test_two_models_by_name():
 def test_opaque_handle_owner_agrees_with_diff():
     """A ScriptObject (quantized packed params) read by a graph is guarded like a tensor:
     stable before, stale once a new packed object is bound in its place."""
-    from tests.test_robustness import _quantized, _requantize
+    from tests.test_opaque import _quantized, _requantize
 
     model = _quantized()
     with gt.trace(model, strict=True) as t:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import graphtrace as gt
 from graphtrace.owners import PathSet, resolve_path, walk_owners
 
 
@@ -525,3 +526,100 @@ def test_script_object_owners_in_a_report_through_the_public_api():
     both = "; ".join(sorted(PACKED - {"kernel.spares[0]", "fc._packed_params._packed_params"}))
     assert str(e.loc[both, "verdict"]) == "diverged", e[["verdict"]]
     del g
+
+
+# -- module graphs torch can build, and walks that fail in a diff ------------------------------
+
+class Child(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(4))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class Parent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.child = Child()
+        self.child.parent = self  # registered both ways: a cycle through _modules
+        self.bias = torch.nn.Parameter(torch.rand(4))
+
+    def forward(self, x):
+        return self.child(x) + self.bias
+
+
+@pytest.mark.usefixtures("writer")
+def test_a_cycle_through_registered_children_is_walked_and_diffed():
+    model = Parent()
+    with pytest.raises(RecursionError):  # what torch itself does with it
+        list(model.named_parameters(remove_duplicate=False))
+    with gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            model(torch.rand(4))
+    from graphtrace.owners import walk_owners
+
+    paths = {p for p, k, _ in walk_owners(model) if k == "parameter"}
+    assert paths == {"bias", "child.weight"}  # the way back up is not entered again
+    model.child.weight = torch.nn.Parameter(torch.rand(4))  # rebound: the graph reads old
+    report = t.diff()
+    assert report.meta["n_errors"] == 0
+    e = report.edges.set_index("owners")
+    assert e.loc["child.weight", "verdict"] == "stale"
+    assert e.loc["bias", "verdict"] == "stable"
+    assert len(g)
+
+
+class BreaksAfterCapture(torch.nn.Module):
+    """A module whose registries break after the capture (a walk that raises)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(4))
+        self.broken = False
+
+    def forward(self, x):
+        return x * self.weight
+
+    def __getattr__(self, name):
+        if name == "_modules" and self.__dict__.get("broken"):
+            raise RuntimeError("hostile registry")
+        return super().__getattr__(name)
+
+
+@pytest.mark.usefixtures("writer")
+def test_a_walk_that_fails_in_diff_is_a_counted_error_not_an_exception():
+    model = BreaksAfterCapture()
+    with gt.trace(model) as t:
+        with gt.capture("g"):
+            model(torch.rand(4))
+    old = model.weight
+    model.weight = torch.nn.Parameter(torch.rand(4))  # rebound: the diff must walk again
+    model.broken = True
+    model.__dict__["_modules"] = None  # named_modules now raises inside that walk
+    del model.__dict__["_modules"]
+    report = t.diff()
+    assert report.meta["n_errors"] >= 1
+    assert any("owner" in e["where"] for e in report.meta["errors"])
+    e = report.edges.set_index("owners")
+    assert e.loc["weight", "verdict"] == "stale"  # resolved path by path instead
+    assert old is not model.weight
+
+
+@pytest.mark.usefixtures("writer")
+def test_a_diff_resolves_only_the_captured_owner_paths():
+    """A registry that breaks after the capture, away from every captured owner's path:
+    nothing moved, so the diff does not walk the model again (it resolves the paths it
+    matched at capture time) and reports no error."""
+    model = BreaksAfterCapture()
+    with gt.trace(model) as t:
+        with gt.capture("g"):
+            model(torch.rand(4))
+    model.broken = True
+    model.__dict__["_modules"] = None
+    del model.__dict__["_modules"]
+    report = t.diff()
+    assert report.meta["n_errors"] == 0
+    e = report.edges.set_index("owners")
+    assert e.loc["weight", "verdict"] == "stable"

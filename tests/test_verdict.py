@@ -17,6 +17,9 @@ CASES = [(statuses, alive) for n in range(4)
          for statuses in itertools.product(OWNER_STATUSES, repeat=n)
          for alive in (True, False)]
 
+import graphtrace as gt
+from tests.test_tracing import Holder
+
 
 def test_vectorised_verdicts_agree_with_verdict_of_on_every_combination():
     # all storages in one call: runs of every length side by side, as diff passes them
@@ -129,3 +132,38 @@ def test_impact_unknown_where_nothing_can_be_compared():
     # without the owner's capture-time geometry the view stays where it was; a live tensor
     # too small to hold it reads other data
     assert impact_of(w.untyped_storage(), View.of(w), torch.rand(1))[0] == "manifest"
+
+
+# -- impact through the public API: dtype and shape changes are named --------------------------
+
+@pytest.mark.usefixtures("writer")
+def test_a_dtype_move_compares_values_and_says_so():
+    model = Holder()
+    with gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            model(torch.rand(2, 4))
+    model.double()  # new float64 storages with the same values
+    report = t.diff()
+    w = report.edges.set_index("owners").loc["weight"]
+    assert w.verdict == "stale" and w.impact == "latent"  # same values, another dtype
+    notes = [s for s in report.blind_spots if "weight" in s]
+    assert notes and "dtype float32 -> float64" in notes[0]
+    with torch.no_grad():
+        model.weight.add_(1)
+    w = t.diff().edges.set_index("owners").loc["weight"]
+    assert w.impact == "manifest"
+    assert len(g)
+
+
+@pytest.mark.usefixtures("writer")
+def test_a_shape_change_is_manifest_and_named():
+    model = Holder()
+    with gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            model(torch.rand(2, 4))
+    model.weight = torch.nn.Parameter(torch.cat([model.weight.detach()] * 2))  # (8, 4)
+    report = t.diff()
+    w = report.edges.set_index("owners").loc["weight"]
+    assert w.verdict == "stale" and w.impact == "manifest"
+    assert any("shape (4, 4) -> (8, 4)" in s for s in report.blind_spots)
+    assert len(g)

@@ -1,0 +1,210 @@
+"""The trace session and its emulated graphs, through the public API: replay reads and writes
+the captured storages (whatever the model does to its tensors since), nothing is kept alive
+that the user dropped (the garbage collector off), and watched models are held weakly."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import graphtrace as gt
+
+pytestmark = pytest.mark.usefixtures("writer")
+
+
+class Ops(torch.nn.Module):
+    """One parameter read by several kinds of op: a view, an out-of-place op, an in-place
+    read into a buffer, a list argument."""
+
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.arange(n * n, dtype=torch.float32).view(n, n))
+        self.register_buffer("acc", torch.zeros(n))
+
+    def forward(self, x):
+        y = x @ self.weight.t()                      # a view of the parameter, then mm
+        y = y + self.weight[0]                       # a slice
+        self.acc.copy_(self.weight.sum(0))           # in place into a buffer
+        return torch.cat([y, self.weight]).sum(0) + self.acc
+
+
+# -- emulated graphs keep the captured storages ----------------------------------------------
+
+def test_replay_reads_the_captured_storage_after_data_rebinding():
+    model = Ops()
+    x = torch.ones(2, 4)
+    with gt.trace(model, strict=True):
+        with gt.capture("g") as g:
+            out = model(x)
+    expected = out.clone()
+    old_weight = model.weight.detach().clone()
+    model.weight.data = torch.full((4, 4), 100.0)   # what .to()/.half()/.float() do
+    model.acc.data = torch.full((4,), 7.0)
+    g.replay()
+    assert torch.equal(out, expected), "replay must read the storages captured, for every op"
+    assert torch.equal(model(x), model(x))  # eager reads the new ones
+    assert not torch.equal(model(x), expected)
+    assert torch.equal(old_weight, old_weight)
+
+
+def test_replay_after_model_half_float_reads_old_storage():
+    model = Ops()
+    x = torch.ones(2, 4)
+    with gt.trace(model, strict=True):
+        with gt.capture("g") as g:
+            out = model(x)
+    expected = out.clone()
+    model.half().float()  # new storages for every parameter and buffer
+    with torch.no_grad():
+        model.weight.mul_(3)
+    g.replay()
+    assert torch.equal(out, expected)
+
+
+class OutKwarg(torch.nn.Module):
+    """A tensor passed by keyword (`out=`), then read back."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((4,), 2.0))
+        self.register_buffer("buf", torch.zeros(4))
+
+    def forward(self, x):
+        torch.mul(x, self.weight, out=self.buf)
+        return self.buf + 1
+
+
+def test_replay_writes_the_captured_storage_of_a_keyword_tensor():
+    model = OutKwarg()
+    x = torch.ones(4)
+    with gt.trace(model, strict=True), torch.no_grad():  # out= ops take no grad
+        with gt.capture("g") as g:
+            out = model(x)
+    expected = out.clone()
+    captured_buf = model.buf.detach()
+    model.weight.data = torch.full((4,), 100.0)
+    model.buf.data = torch.zeros(4)
+    captured_buf.zero_()
+    g.replay()
+    assert torch.equal(out, expected), "replay must write the `out=` storage captured, then read it"
+    assert torch.equal(captured_buf, torch.full((4,), 2.0))
+    assert torch.equal(model.buf, torch.zeros(4)), "the rebound buffer is not the graph's"
+
+
+def test_capture_under_inference_mode_replays_outside_it():
+    model = Ops()
+    with torch.inference_mode():
+        x = torch.ones(2, 4)
+    with gt.trace(model, strict=True):
+        with torch.inference_mode(), gt.capture("g") as g:
+            out = model(x)
+    expected = out.clone()
+    g.replay()  # outside inference mode
+    assert torch.equal(out, expected)
+    with torch.inference_mode():
+        g.replay()
+    assert torch.equal(out, expected)
+    with torch.enable_grad():
+        g.replay()
+    assert torch.equal(out, expected)
+
+
+def test_replay_of_a_capture_with_grad_on_keeps_grad_off():
+    model = Ops()
+    x = torch.ones(2, 4, requires_grad=True)
+    with gt.trace(model, strict=True):
+        with torch.enable_grad(), gt.capture("g") as g:
+            model(x)
+    g.replay()
+    assert model.weight.grad is None
+
+
+# -- no reference cycles hold user tensors ----------------------------------------------------
+
+class Holder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(4, 4))
+        self.table = torch.rand(4)  # a plain attribute: a reload rebinds it
+
+    def forward(self, x):
+        return x @ self.weight + self.table
+
+
+def test_old_storage_dies_with_the_graph_and_reads_dangling(gc_off):
+    model = Holder()
+    x = torch.rand(2, 4)
+    with gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            model(x)
+    old = StorageWeakRef(model.table.untyped_storage())
+    old_tensor = weakref.ref(model.table)
+    t.diff()  # a diff in between must not pin anything either
+    del g
+    model.table = torch.rand(4)
+    assert old_tensor() is None, "the old tensor survived: a reference cycle holds it"
+    assert old.expired(), "the old storage survived: a reference cycle holds it"
+    edges = t.diff().edges
+    assert set(edges.loc[edges.owners == "table", "verdict"]) == {"dangling"}
+
+
+def test_a_closed_trace_and_its_report_do_not_pin_the_model(gc_off):
+    model = Holder()
+    with gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            model(torch.rand(2, 4))
+    report = t.diff()
+    del g
+    ref = weakref.ref(model)
+    storage = StorageWeakRef(model.weight.untyped_storage())
+    del model
+    assert ref() is None, "the trace (or its report) keeps the watched model alive"
+    assert storage.expired()
+    assert len(report.edges)
+    assert t.models == {}
+
+
+def test_a_dropped_trace_frees_everything(gc_off):
+    model = Holder()
+    t = gt.trace(model, strict=True)
+    with t:
+        with gt.capture("g"):
+            model(torch.rand(2, 4))
+    t_ref = weakref.ref(t)
+    del t
+    assert t_ref() is None, "a Trace is part of a reference cycle"
+
+
+# -- models held weakly -------------------------------------------------------------------------
+
+def test_diff_of_a_dropped_model_names_it():
+    model, other = Holder(), Holder()
+    with gt.trace(strict=True) as t:
+        t.watch(model, name="policy")
+        t.watch(other, name="ref")
+        with gt.capture("g"):
+            model(torch.rand(2, 4))
+            other(torch.rand(2, 4))
+    assert set(t.models) == {"policy", "ref"}
+    del model
+    gc.collect()
+    assert set(t.models) == {"ref"}
+    with pytest.raises(gt.GraphtraceError, match="'policy'.*garbage-collected"):
+        t.diff()
+
+
+def test_a_new_model_may_take_the_name_of_a_dropped_one():
+    t = gt.trace(strict=True)
+    t.watch(Holder(), name="m")
+    gc.collect()
+    model = Holder()
+    t.watch(model, name="m")
+    with t:
+        with gt.capture("g"):
+            model(torch.rand(2, 4))
+    assert t.models == {"m": model}
+    assert set(t.diff().edges.verdict) >= {"stable"}
