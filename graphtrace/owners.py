@@ -426,6 +426,10 @@ def _attr(obj: object, name: str) -> object:
     return getattr(obj, name, _MISSING)
 
 
+# What an owner path may end at: a tensor or an opaque handle (anything else: orphaned).
+_REACHED = (torch.Tensor, torch.ScriptObject)
+
+
 def resolve_path(model: nn.Module, path: str) -> torch.Tensor | None:
     """The tensor that `path` (as `walk_owners` spells it) reaches on `model` now, else None.
 
@@ -440,11 +444,15 @@ def resolve_path(model: nn.Module, path: str) -> torch.Tensor | None:
         obj = _step(obj, is_key, step)
         if obj is _MISSING:
             return None
-    return obj if isinstance(obj, (torch.Tensor, torch.ScriptObject)) else None
+    return obj if isinstance(obj, _REACHED) else None
 
 
 def _step(obj: object, is_key: bool, step: object) -> object:
-    """One step of a path from `obj`; _MISSING where it does not resolve."""
+    """One step of a path from `obj`; _MISSING where it does not resolve. The one stepping
+    function of owner paths: `resolve_path` and `PathSet.resolve` (which only remembers the
+    nn.Module registry a name was found in, to look there first) both step with it; the
+    native `paths_moved` accelerates the common steps and is checked against it
+    (tests/test_owners.py)."""
     try:
         if is_key:
             if isinstance(obj, dict):
@@ -511,8 +519,7 @@ class PathSet:
             if not is_key and isinstance(obj, nn.Module):
                 registry[i] = _registry_of(obj, step)
             append(got)
-        kinds = (torch.Tensor, torch.ScriptObject)  # what resolve_path returns
-        return [o if isinstance(o, kinds) else None for o in map(objs.__getitem__, self._leaves)]
+        return [o if isinstance(o, _REACHED) else None for o in map(objs.__getitem__, self._leaves)]
 
     def moved(self, model: nn.Module, expected: Sequence[int], native=None) -> bool:
         """Does any path now reach a storage other than `expected` (the StorageImpl address
