@@ -39,35 +39,20 @@ Run: python cpu_int8_scale_after_reload.py [--asymmetric]   (about 40-80 s on 2 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
 
-for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
-    os.environ.setdefault(_k, _v)
-os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+import torch
 
-import torch  # noqa: E402
+from _repro import (  # sets the offline environment before vLLM loads
+    build_model,
+    decoder_skeleton,
+    print_versions,
+    run,
+)
 
 HIDDEN, INTER, LAYERS, VOCAB = 256, 512, 1, 256
-
-
-def cpu_line() -> str:
-    name, flags = platform.processor() or platform.machine(), []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name == (platform.processor() or platform.machine()):
-                name = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    want = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-    return f"{name} ({' '.join(f for f in want if f in flags) or 'ISA unknown'})"
 
 
 ASYMMETRIC = "--asymmetric" in sys.argv[1:]
@@ -103,12 +88,9 @@ def write_checkpoint(d: Path) -> None:
         sd[key + ".weight"] = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         sd[key + ".weight_scale"] = (torch.rand(n, 1, generator=g) * 1e-3 + 1e-3).to(torch.bfloat16)
 
-    sd = {"model.embed_tokens.weight": dense(VOCAB, HIDDEN), "lm_head.weight": dense(VOCAB, HIDDEN),
-          "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16)}
+    sd = decoder_skeleton(dense, VOCAB, HIDDEN, LAYERS)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
-        sd[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
         for m in ("q", "k", "v", "o"):
             int8_linear(p + f"self_attn.{m}_proj", HIDDEN, HIDDEN)
         int8_linear(p + "mlp.gate_proj", INTER, HIDDEN)
@@ -117,37 +99,10 @@ def write_checkpoint(d: Path) -> None:
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
-def build_model(d: Path):
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.platforms import current_platform
-
-    args = EngineArgs(model=str(d), dtype="bfloat16", max_model_len=128, enforce_eager=True,
-                      skip_tokenizer_init=True, load_format="safetensors",
-                      max_num_batched_tokens=128, max_num_seqs=4)
-    vllm_config = args.create_engine_config()
-    if current_platform.is_cpu():
-        # what vLLM's CPU model runner does first (v1/worker/cpu_model_runner.py:26)
-        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
-        _set_torch_accelerator_to_noop()
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{d}/dist_init")
-        ensure_model_parallel_initialized(1, 1)
-        model = get_model_loader(vllm_config.load_config).load_model(
-            vllm_config=vllm_config, model_config=vllm_config.model_config)
-    return vllm_config, model
-
-
 def main() -> int:
-    import vllm
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
-    from vllm.platforms import current_platform
 
-    print(f"vLLM {vllm.__version__}, torch {torch.__version__}, Python {platform.python_version()}")
-    print(f"platform: {type(current_platform).__name__}; CPU: {cpu_line()}")
+    print_versions()
     d = Path(tempfile.mkdtemp(prefix="llama-w8a8-"))
     write_checkpoint(d)
     print(f"checkpoint: tiny Llama, compressed-tensors W8A8 int8 (per-channel weight scales, "
@@ -236,10 +191,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:
-        import traceback
-        traceback.print_exc()
-        print("SCRIPT FAILED (not a verdict on the bug)")
-        sys.exit(2)
+    run(main)

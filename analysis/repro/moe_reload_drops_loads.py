@@ -44,45 +44,20 @@ Run: python moe_reload_drops_loads.py   (about 30 s on 2 CPU cores)
 from __future__ import annotations
 
 import json
-import os
-import platform
-import sys
 import tempfile
 from pathlib import Path
 
-for _k, _v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
-    os.environ.setdefault(_k, _v)
-os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="vllm-cache-"))
+import torch
 
-import torch  # noqa: E402
+from _repro import (  # sets the offline environment before vLLM loads
+    build_model,
+    decoder_skeleton,
+    print_versions,
+    run,
+)
 
 E, HIDDEN, INTER, LAYERS = 4, 128, 256, 2      # experts, hidden size, expert intermediate size
 FP8 = torch.float8_e4m3fn
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_isa() -> str:
-    flags = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                break
-    except OSError:
-        pass
-    want = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-    return " ".join(f for f in want if f in flags) or "unknown"
 
 
 def write_checkpoint(d: Path) -> None:
@@ -109,12 +84,9 @@ def write_checkpoint(d: Path) -> None:
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
 
-    sd = {"model.embed_tokens.weight": rnd(256, HIDDEN), "lm_head.weight": rnd(256, HIDDEN),
-          "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16)}
+    sd = decoder_skeleton(rnd, 256, HIDDEN, LAYERS)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
-        sd[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
         for m in ("q", "k", "v", "o"):
             sd[p + f"self_attn.{m}_proj.weight"] = rnd(HIDDEN, HIDDEN)
         sd[p + "block_sparse_moe.gate.weight"] = rnd(E, HIDDEN)
@@ -128,30 +100,6 @@ def write_checkpoint(d: Path) -> None:
                 sd[q + "weight_scale"] = torch.tensor(0.001 * (1 + e) * (1.5 if w == "w3" else 1.0))
                 sd[q + "input_scale"] = torch.tensor(0.02)
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
-
-
-def build_model(d: Path):
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader import get_model_loader
-
-    args = EngineArgs(model=str(d), dtype="bfloat16", max_model_len=128, enforce_eager=True,
-                      skip_tokenizer_init=True, load_format="safetensors",
-                      max_num_batched_tokens=128, max_num_seqs=4)
-    vllm_config = args.create_engine_config()
-    from vllm.platforms import current_platform
-    if current_platform.is_cpu():
-        # what vLLM's CPU model runner does first (v1/worker/cpu_model_runner.py:26)
-        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
-        _set_torch_accelerator_to_noop()
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{d}/dist_init")
-        ensure_model_parallel_initialized(1, 1)
-        model = get_model_loader(vllm_config.load_config).load_model(
-            vllm_config=vllm_config, model_config=vllm_config.model_config)
-    return vllm_config, model
 
 
 def moe_layers(model):
@@ -316,11 +264,8 @@ def compare(before, after, x) -> list[str]:
 
 
 def main() -> int:
-    import vllm
-    from vllm.platforms import current_platform
 
-    print(f"vLLM {vllm.__version__}, torch {torch.__version__}, Python {platform.python_version()}")
-    print(f"platform: {type(current_platform).__name__}; CPU: {cpu_name()} ({cpu_isa()})")
+    print_versions()
     d = Path(tempfile.mkdtemp(prefix="moe-fp8-"))
     write_checkpoint(d)
     print(f"checkpoint: tiny Mixtral, {LAYERS} layers x {E} experts, FP8 e4m3 per-tensor "
@@ -394,10 +339,4 @@ def build_model_fresh(vllm_config):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except Exception:
-        import traceback
-        traceback.print_exc()
-        print("SCRIPT FAILED (not a verdict on the bug)")
-        sys.exit(2)
+    run(main)
