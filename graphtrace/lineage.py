@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from graphtrace._schema import op_info
 from graphtrace.encoding import OUT_FRESH, WRITE
 
-__all__ = ["Lineage", "Source", "Derived", "MAX_EDGES", "MAX_SOURCES", "SOURCE_KINDS"]
+__all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "MAX_EDGES", "MAX_SOURCES", "SOURCE_KINDS"]
 
 # Note [lineage]
 # ~~~~~~~~~~~~~~
@@ -62,12 +62,25 @@ __all__ = ["Lineage", "Source", "Derived", "MAX_EDGES", "MAX_SOURCES", "SOURCE_K
 # made while provenance is paused or off, and anything inside a capture region (a graph
 # that rewrites a storage every replay is `internal`: Note [write before read]).
 
+ENV = "GRAPHTRACE_LINEAGE"
 MAX_EDGES = 1_000_000   # source entries kept in all (see Note [lineage])
 MAX_SOURCES = 64        # sources kept per written storage
 SOURCE_KINDS = ("parameter", "buffer")  # owner kinds `derived_from` names
 _OVERWRITES = frozenset({"aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor",
                          "aten::zero_"})
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def enabled_by_default() -> bool:
+    """GRAPHTRACE_LINEAGE: on unless "0", "off", "false" or "no" (needs provenance)."""
+    import os
+
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{ENV}={value!r}: use 1 or 0")
 
 
 class Source(NamedTuple):
@@ -310,6 +323,19 @@ class Lineage:
         """The lineage clock of the live storage at `address` (0: no recorded write)."""
         node = self.nodes.get(address)
         return 0 if node is None or torch.UntypedStorage._expired(node[0]) else node[1]
+
+    def stale_since(self, address: int, derived: Derived) -> bool | None:
+        """None when lineage saw no write to the storage at `address` since `derived` was
+        matched; else whether one of its sources was written after its latest write."""
+        node = self.nodes.get(address)
+        if node is None or node[1] <= derived.clock or torch.UntypedStorage._expired(node[0]):
+            return None
+        record = node[2] or {}
+        for s in derived.sources:
+            if s.ref is not None and s.ref.cdata in record and \
+                    self.clock_of(s.ref.cdata) > record[s.ref.cdata]:
+                return True
+        return False
 
     # -- matching (after each capture) -------------------------------------------------------
     def match(self, storages, snapshot, models: Mapping[str, torch.nn.Module]) -> None:

@@ -31,7 +31,7 @@ from graphtrace.opaque import is_opaque, storage_of
 from graphtrace.vocab import HOLDS, MOVED, ORPHANED, OWNER_STATUSES, VERDICTS
 
 __all__ = ["View", "owner_status", "verdict_of", "storage_verdicts", "impact_of",
-           "source_changed", "unrefreshed"]
+           "source_changed", "unrefreshed", "freshness_of"]
 
 # verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
 _V = {v: v for v in VERDICTS}
@@ -296,3 +296,25 @@ def _change_note(owner: View | None, live: torch.Tensor) -> str:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def freshness_of(derived, resolve, lineage=None, address: int | None = None) -> bool:
+    """Is the captured storage of `derived` (a graphtrace.lineage.Derived) unrefreshed now?
+    `resolve(model, path)`: what an owner path reaches on the live model. `lineage` (the
+    trace's, while it is alive) and the storage's StorageImpl `address` add what lineage saw
+    since the capture: a rewrite of the storage is judged by its new record (its sources'
+    clocks then against now), a write to a source counts as a change. The diff passes them;
+    a guard has only identity and version counters (Note [freshness])."""
+    if lineage is not None and address is not None:
+        now = lineage.stale_since(address, derived)
+        if now is not None:
+            return now
+    changed = []
+    for s in derived.sources:
+        cdata = s.ref.cdata if s.ref is not None else None
+        moved = source_changed(resolve(s.model, s.path), cdata, s.data_ptr, s.nbytes, s.version)
+        if not moved and lineage is not None and cdata is not None:
+            moved = lineage.clock_of(cdata) > s.clock
+        changed.append(moved)
+    return unrefreshed(derived.stale, changed,
+                       [(resolve(m, p), v) for (m, p), v in derived.owner_versions.items()])
