@@ -154,10 +154,10 @@ class Lineage:
     """The storage-level dataflow graph of one trace (Note [lineage])."""
 
     def __init__(self, fail: Callable[[str, BaseException], None] | None = None, *,
-                 max_edges: int = MAX_EDGES, max_sources: int = MAX_SOURCES):
+                 max_edges: int | None = None, max_sources: int | None = None):
         self.fail = fail
-        self.max_edges = max_edges
-        self.max_sources = max_sources
+        self.max_edges = MAX_EDGES if max_edges is None else max_edges
+        self.max_sources = MAX_SOURCES if max_sources is None else max_sources
         # address -> [weak handle, clock of its last recorded write, {source address: clock}]
         self.nodes: dict[int, list] = {}
         self.clock = 0
