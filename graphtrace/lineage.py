@@ -352,7 +352,7 @@ class Lineage:
         walks = {}
         for name, model in models.items():
             try:
-                walks[name] = snapshot._walk(name, model, [])
+                walks[name] = snapshot.owners_by_storage(name, model)
             except Exception as exc:
                 if self.fail is not None:
                     self.fail("lineage match", exc)
@@ -396,9 +396,8 @@ class Lineage:
             versions = {}
             for m, p, _k in sorted(snapshot.owners.get(sid, ())):
                 t = tensor(m, p)
-                v = getattr(t, "_version", None) if isinstance(t, torch.Tensor) else None
-                if v is not None:
-                    versions[(m, p)] = v
+                if isinstance(t, torch.Tensor):
+                    versions[(m, p)] = t._version
             self.captured[sid] = Derived(tuple(sorted(sources, key=lambda s: (s.model, s.path))),
                                          versions, stale, node[1])
 
