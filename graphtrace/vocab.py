@@ -51,6 +51,9 @@ FIXES: dict[str, str] = {
                         "values into the old tensor instead of rebinding it",
     "recapture": "the captured storage was freed: re-capture the graphs after the update, "
                  "or keep the allocation and copy_ into it",
+    "recompute-in-place": "recompute the derived tensor from its updated sources into its "
+                          "own storage (copy_) after every weight update, or compute it "
+                          "inside the captured forward",
 }
 FIX_KINDS = tuple(FIXES)
 

@@ -314,3 +314,20 @@ def test_older_report_without_derived_from_loads():
     report = gt.load_report(Path(__file__).parent / "data" / "reload_report")
     assert "derived_from" in report.edges.columns
     assert set(report.edges["derived_from"].astype(str)) == {""}
+
+
+def test_the_terminal_report_names_the_sources_and_the_fix():
+    from graphtrace.cli import format_report, stale_reads
+    from graphtrace.vocab import FIXES
+
+    m = _model()
+    t, keep = _capture(m)
+    m.refit(m.checkpoint(1))
+    report = t.diff()
+    reads = stale_reads(report)
+    assert list(reads["derived_from"]) == ["layers.0.A_log", "layers.1.A_log"]
+    assert set(report.stale["fix"].astype(str)) == {FIXES["recompute-in-place"]}
+    lines = format_report(report).splitlines()
+    i = lines.index("      layers.0._A_neg_exp_cache (attribute, holds)")
+    assert lines[i + 1] == "      derived from: layers.0.A_log"
+    assert lines[i - 1].split()[:2] == ["unrefreshed", "unknown"]
