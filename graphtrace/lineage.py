@@ -261,7 +261,11 @@ class Lineage:
                         sources[b] = cb
         for s, full in targets:
             a = s._cdata
-            node = self._node(s, a)
+            node = nodes.get(a)
+            if node is None:
+                if not sources:  # a value made from nothing recorded: no node needed (a
+                    continue     # later read gives it one, at clock 0)
+                node = self._node(s, a)
             self.clock += 1
             node[1] = self.clock
             old = node[2]

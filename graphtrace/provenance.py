@@ -316,6 +316,8 @@ class Provenance:
         self.thread = None
         self._suspended = None
         self.table.sweep()
+        if self.lineage is not None:
+            self.lineage.sweep()
 
     def pause(self) -> str | None:
         """Before a capture region opens on this thread: take the mode off (it must not run
