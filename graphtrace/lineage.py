@@ -179,15 +179,27 @@ class Lineage:
 
     def record(self, func, args, kwargs, out) -> None:
         """Note what `func` wrote from what it read (called by provenance's mode)."""
-        op = _op(func)
+        op = _OPS.get(func)
+        if op is None:
+            op = _op(func)
         if not op.writes and not op.fresh:
             return
         reads: dict[int, torch.UntypedStorage] = {}
-        written: list[tuple[torch.Tensor, bool]] = []  # (tensor, an out= argument?)
+        written: list = []  # (tensor, an out= argument?)
         positional = op.positional
+        n = len(positional)
         for i, a in enumerate(args):
-            w = positional[i] if i < len(positional) else None
+            if i >= n:
+                break
+            w = positional[i]
             if w is None:
+                continue
+            if type(a) in _PLAIN:  # the common case: one plain tensor
+                if w:
+                    written.append((a, False))
+                else:
+                    s = a.untyped_storage()
+                    reads[s._cdata] = s
                 continue
             for t in _tensors(a):
                 if w:
@@ -212,8 +224,27 @@ class Lineage:
                         except Exception:
                             continue
                         reads[s._cdata] = s
-        targets: list[tuple[torch.UntypedStorage, bool]] = []  # (storage, replace sources?)
-        seen = set()
+        nodes = self.nodes
+        # the sources of what this op read: each read storage and its own sources (the
+        # oldest clock of a source seen twice)
+        sources: dict[int, int] = {}
+        for a, s in reads.items():
+            node = nodes.get(a)
+            if node is None:
+                node = self._node(s, a)
+            src = node[2]
+            if src:
+                if sources:
+                    for b, cb in src.items():
+                        if b not in sources or cb < sources[b]:
+                            sources[b] = cb
+                else:
+                    sources = dict(src)
+            c = node[1]
+            if a not in sources or c < sources[a]:
+                sources[a] = c
+        targets: list = []  # (storage, replace its sources?)
+        seen: set = set()
         for t, is_out in written:
             try:
                 s = t.untyped_storage()
@@ -223,20 +254,28 @@ class Lineage:
             if a in seen:
                 continue
             seen.add(a)
+            if not sources and a not in nodes:
+                continue  # nothing recorded flows into a storage lineage does not know
             full = (is_out or op.overwrites) and t.storage_offset() == 0 and \
                 t.numel() * t.element_size() >= s.nbytes() and t.is_contiguous()
             targets.append((s, full))
-        if op.fresh:
-            for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
-                try:
-                    s = t.untyped_storage()
-                except Exception:
-                    continue
+        if op.fresh and sources:  # a fresh value made from nothing recorded needs no node
+            if type(out) in _PLAIN:
+                s = out.untyped_storage()
                 a = s._cdata
-                if a in seen or a in reads:
-                    continue
-                seen.add(a)
-                targets.append((s, True))
+                if a not in seen and a not in reads:
+                    targets.append((s, True))
+            else:
+                for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
+                    try:
+                        s = t.untyped_storage()
+                    except Exception:
+                        continue
+                    a = s._cdata
+                    if a in seen or a in reads:
+                        continue
+                    seen.add(a)
+                    targets.append((s, True))
         if not targets:
             return
         if self.n_edges >= self.max_edges:
@@ -245,38 +284,22 @@ class Lineage:
                 self.ops_skipped += 1
                 return
         self.n_ops += 1
-        nodes = self.nodes
-        # the sources of what this op read: each read storage and its own sources
-        sources: dict[int, int] = {}
-        for a, s in reads.items():
-            node = nodes.get(a)
-            if node is None:
-                node = self._node(s, a)
-            c = node[1]
-            if sources.get(a, c) >= c:
-                sources[a] = c
-            if node[2]:
-                for b, cb in node[2].items():
-                    if sources.get(b, cb) >= cb:
-                        sources[b] = cb
         for s, full in targets:
             a = s._cdata
             node = nodes.get(a)
             if node is None:
-                if not sources:  # a value made from nothing recorded: no node needed (a
-                    continue     # later read gives it one, at clock 0)
                 node = self._node(s, a)
             self.clock += 1
             node[1] = self.clock
             old = node[2]
             if full or not old:
-                new = {b: c for b, c in sources.items() if b != a} if a in sources else \
-                    dict(sources)
+                new = dict(sources)
             else:
                 new = dict(old)
                 for b, c in sources.items():
-                    if b != a and new.get(b, c) >= c:
+                    if b not in new or c < new[b]:
                         new[b] = c
+            new.pop(a, None)  # never its own source
             if len(new) > self.max_sources:
                 self.truncated += 1
                 new = dict(sorted(new.items(), key=lambda kv: kv[1])[:self.max_sources])
