@@ -92,7 +92,7 @@ class Guard:
     """
 
     def __init__(self, *, models: Iterable[str], graphs: Mapping[int, str],
-                 storages: list[dict], source: str = "trace"):
+                 storages: list[dict], source: str = "trace", lineage=None):
         """`storages`: per required storage a dict with keys storage_id, data_ptr, nbytes,
         device, dtype, shape, alive (bool), graphs (graph ids), owners ((model, path, kind)
         sorted), ref (a StorageWeakRef or None), and optionally internal (every graph
@@ -100,7 +100,9 @@ class Guard:
         graph read, aligned with graphs) and owner_views ({(model, path): the owner's View at
         capture}), and derived (a graphtrace.lineage.Derived: the parameters and buffers it
         was derived from and their baselines, for freshness; a storage with it may have no
-        owner): what the verdict engine's rule and impact need."""
+        owner): what the verdict engine's rule and impact need. `lineage`: the trace's
+        graphtrace.lineage.Lineage, held by weak reference: while it lives (and records),
+        writes it saw count too, as in the diff (Note [freshness])."""
         self._model_names = list(models)
         self._models: dict[str, weakref.ref | None] = {n: None for n in self._model_names}
         self.graphs: dict[int, str] = dict(graphs)
@@ -123,6 +125,7 @@ class Guard:
         # freshness (Note [freshness] in graphtrace/verdict.py): index -> Derived
         self._derived: dict[int, Derived] = {i: s["derived"] for i, s in enumerate(storages)
                                              if s.get("derived") is not None}
+        self._lineage = weakref.ref(lineage) if lineage is not None else None
         self._owner_views: list[View | None] = [
             (s.get("owner_views") or {}).get((m, p)) for s in storages for m, p, _ in s["owners"]]
         # per model: its owner paths resolved together, and the owner rows they answer
@@ -245,6 +248,7 @@ class Guard:
                 found[key] = resolve_path(m, path) if m is not None else None
             return found[key]
 
+        lineage = self._lineage() if self._lineage is not None else None
         out = set()
         for i, d in self._derived.items():
             if i in bad or self._internal[i]:
@@ -252,7 +256,7 @@ class Guard:
             ref = self._refs[i]
             if (ref.expired() if ref is not None else self._dead[i]):
                 continue
-            if freshness_of(d, resolve):
+            if freshness_of(d, resolve, lineage, ref.cdata if ref is not None else None):
                 out.add(i)
         return out
 
@@ -576,7 +580,8 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
             "views": [View(*views[v]) for v in view_ids[edges].tolist()],
             "owners": sid_owners, "owner_views": owner_views, "derived": derived.get(sid)})
     graphs = {c.graph_id: c.label for c in rec.captures if c.graph_id >= first_graph}
-    guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace")
+    guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace",
+                  lineage=lineage)
     for name, model in models.items():
         guard.attach(model, name=name)
     return guard

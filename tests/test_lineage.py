@@ -161,9 +161,11 @@ def test_a_write_through_data_is_seen_while_the_trace_records():
         with gt.capture("decode") as g:
             m(X)
         keep.append(g)
+        guard = t.guard()  # live: it consults the trace's lineage while that lives
         for p in m.layers[0].parameters():
             p.data.copy_(torch.rand_like(p))  # vLLM's default weight loader
         report = t.diff()
+        assert_agree(t, [guard], report)
     e = report.edges
     assert set(e[e["owners"].astype(str) == "layers.0._A_neg_exp_cache"]["verdict"]
                .astype(str)) == {"unrefreshed"}
