@@ -303,8 +303,9 @@ def freshness_of(derived, resolve, lineage=None, address: int | None = None) -> 
     `resolve(model, path)`: what an owner path reaches on the live model. `lineage` (the
     trace's, while it is alive) and the storage's StorageImpl `address` add what lineage saw
     since the capture: a rewrite of the storage is judged by its new record (its sources'
-    clocks then against now), a write to a source counts as a change. The diff passes them;
-    a guard has only identity and version counters (Note [freshness])."""
+    clocks then against now), a write to a source counts as a change. The diff passes them,
+    and so does a guard made from a trace while its lineage lives; a guard read from JSON
+    has only identity and version counters (Note [freshness])."""
     if lineage is not None and address is not None:
         now = lineage.stale_since(address, derived)
         if now is not None:
