@@ -373,7 +373,15 @@ class Lineage:
 
         new = storages.registered_since(self._matched)
         self._matched = new.end
-        found = [(sid, a) for sid, a in new.matching(self.nodes) if self.nodes[a][2]]
+        nodes = self.nodes
+        found = []  # O(storages registered), not O(nodes)
+        for a in set(new.handles):
+            node = nodes.get(a)
+            if node is not None and node[2]:
+                sid = storages.find(a)
+                if sid is not None and new.first <= sid < new.end:
+                    found.append((sid, a))
+        found.sort()
         if not found:
             return
         walks = {}
