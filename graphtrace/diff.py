@@ -8,7 +8,9 @@ Verdicts are per storage (every graph that touched it gets the same one):
 - owners moved, the captured storage is still alive      -> stale
 - owners moved, the captured storage was freed           -> dangling
 - every owner path stopped resolving                     -> orphaned
-- every owner still holds the storage                    -> stable
+- every owner still holds the storage                    -> stable, or unrefreshed when the
+  parameters and buffers it was derived from changed since it was last written (freshness:
+  Note [freshness] in graphtrace/verdict.py; an unowned storage too)
 
 The rule, each owner's status and `impact` are decided by the verdict engine
 (graphtrace.verdict), which `Guard.check()` calls too; this module gathers what they need for
