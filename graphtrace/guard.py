@@ -126,6 +126,7 @@ class Guard:
         self._derived: dict[int, Derived] = {i: s["derived"] for i, s in enumerate(storages)
                                              if s.get("derived") is not None}
         self._lineage = weakref.ref(lineage) if lineage is not None else None
+        self._fresh_paths: dict | None = None  # model -> (paths, PathSet), made on first use
         self._owner_views: list[View | None] = [
             (s.get("owner_views") or {}).get((m, p)) for s in storages for m, p, _ in s["owners"]]
         # per model: its owner paths resolved together, and the owner rows they answer
@@ -239,14 +240,22 @@ class Guard:
         """The derived storages whose owners all hold them (or that have none) and whose
         sources changed since they were last written (the verdict engine's freshness_of:
         version counters and storage identity only)."""
+        if self._fresh_paths is None:  # every path freshness reads, resolved together
+            by_model: dict[str, set] = {}
+            for d in self._derived.values():
+                for src in d.sources:
+                    by_model.setdefault(src.model, set()).add(src.path)
+                for m, p in d.owner_versions:
+                    by_model.setdefault(m, set()).add(p)
+            self._fresh_paths = {m: (sorted(ps), PathSet(sorted(ps))) for m, ps in by_model.items()}
         found: dict[tuple[str, str], object] = {}
+        for name, (paths, path_set) in self._fresh_paths.items():
+            model = models.get(name)
+            if model is not None:
+                found.update(zip(((name, p) for p in paths), path_set.resolve(model)))
 
         def resolve(model: str, path: str):
-            key = (model, path)
-            if key not in found:
-                m = models.get(model)
-                found[key] = resolve_path(m, path) if m is not None else None
-            return found[key]
+            return found.get((model, path))
 
         lineage = self._lineage() if self._lineage is not None else None
         out = set()
