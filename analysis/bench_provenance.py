@@ -5,7 +5,8 @@
    the ratio should be 1 within noise.
 2. Loading: building and processing the demo model (every storage an op makes is noted with
    its site) with provenance on, against the same inside a trace with provenance off, and
-   against no trace at all; the cost per created storage.
+   against no trace at all; the cost per created storage; and provenance with lineage
+   (Note [lineage] in graphtrace/lineage.py) against provenance alone.
 
 Run: ``PYTHONPATH=$PWD python analysis/bench_provenance.py [--quick]``; the full run writes
 analysis/results/bench_provenance.txt.
@@ -35,8 +36,9 @@ def _capture_time(model, x, provenance: bool, repeat: int, captures: int) -> flo
     return t / captures
 
 
-def _load(provenance: bool | None, layers: int) -> tuple[float, int]:
-    """Seconds to build + load + process the demo model; storages noted (0 without a trace)."""
+def _load(provenance: bool | None, layers: int, lineage: bool = False) -> tuple[float, int]:
+    """Seconds to build + load + process the demo model; storages noted (0 without a trace).
+    `lineage`: with provenance, record lineage too (Note [lineage]); else provenance alone."""
     def build():
         with torch.no_grad():
             return DemoModel("unfixed-partial", n_layers=layers, seed=0, device="cpu",
@@ -44,7 +46,7 @@ def _load(provenance: bool | None, layers: int) -> tuple[float, int]:
     if provenance is None:
         t, _ = best_of(build, 1)
         return t, 0
-    with gt.trace(provenance=provenance) as tr:
+    with gt.trace(provenance=provenance, lineage=lineage) as tr:
         t, _ = best_of(build, 1)
         noted = tr.provenance.table.n_added if tr.provenance is not None else 0
     return t, noted
@@ -79,14 +81,16 @@ def main(argv=None) -> int:
     say(f"  provenance on   {c_on * 1e3:8.2f} ms/capture")
     say(f"  ratio on/off    {c_on / c_off:8.3f}")
 
-    plain, trace_off, trace_on = [], [], []
+    plain, trace_off, trace_on, trace_lineage = [], [], [], []
     noted = 0
     for _ in range(rounds):
         plain.append(_load(None, layers)[0])
         trace_off.append(_load(False, layers)[0])
         t, noted = _load(True, layers)
         trace_on.append(t)
+        trace_lineage.append(_load(True, layers, lineage=True)[0])
     t_plain, t_off, t_on = min(plain), min(trace_off), min(trace_on)
+    t_lin = min(trace_lineage)
     say("")
     say(f"loading (build, load, process the {layers}-layer demo model, min of {rounds}):")
     say(f"  no trace                 {t_plain * 1e3:8.2f} ms")
@@ -97,6 +101,8 @@ def main(argv=None) -> int:
     if noted:
         say(f"  per created storage      {(t_on - t_off) / noted * 1e6:8.2f} us "
             "(on minus off, over storages noted)")
+    say(f"  provenance + lineage     {t_lin * 1e3:8.2f} ms")
+    say(f"  ratio lineage/provenance {t_lin / t_on:8.3f}  (issue 24's goal: at most 1.5)")
     if not args.quick:
         write_results(RESULTS, "\n".join(lines) + "\n")
         print(f"wrote {RESULTS}")

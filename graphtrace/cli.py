@@ -91,7 +91,8 @@ def stale_reads(report: Report) -> pd.DataFrame:
 
     Columns: ``storage_id``, ``verdict``, ``impact``, ``graphs`` (labels, by graph id),
     ``n_graphs``, ``nbytes``, ``ops``, ``owners`` (list of ``path (kind, status)``),
-    ``created_at``, ``live_created_at``, ``fix`` (the edges' provenance columns, first edge).
+    ``created_at``, ``live_created_at``, ``fix`` (the edges' provenance columns, first edge),
+    ``derived_from`` (lineage's sources of the storage, Note [lineage]).
     Order: manifest impact, then dangling, then latent; then more graphs first.
     """
     stale = report.stale
@@ -110,7 +111,8 @@ def stale_reads(report: Report) -> pd.DataFrame:
                                     "created_at": str(getattr(r, "created_at", "") or ""),
                                     "live_created_at": str(getattr(r, "live_created_at", "")
                                                            or ""),
-                                    "fix": str(getattr(r, "fix", "") or "")})
+                                    "fix": str(getattr(r, "fix", "") or ""),
+                                    "derived_from": str(getattr(r, "derived_from", "") or "")})
         if str(r.graph) not in g["graphs"]:
             g["graphs"].append(str(r.graph))
         for op in str(r.ops).split(";"):
@@ -121,7 +123,7 @@ def stale_reads(report: Report) -> pd.DataFrame:
     for g in rows:
         g["n_graphs"] = len(g["graphs"])
     cols = ["storage_id", "verdict", "impact", "graphs", "n_graphs", "nbytes", "ops", "owners",
-            "created_at", "live_created_at", "fix"]
+            "created_at", "live_created_at", "fix", "derived_from"]
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -175,7 +177,7 @@ def format_report(report: Report, *, path: str | None = None, width: int = 100,
                          ", ".join(g.ops)])
         table = _table(["verdict", "impact", "storage", "bytes", "graphs", "ops"], rows,
                        width=width, right=[False, False, True, True, False, False],
-                       max_col=[8, 8, 8, 12, 24, 0], stretch=5)
+                       max_col=[11, 8, 8, 12, 24, 0], stretch=5)
         lines.append(table[0])
         for row_line, g in zip(table[1:], shown.itertuples(index=False)):
             lines.append(row_line)
@@ -186,6 +188,8 @@ def format_report(report: Report, *, path: str | None = None, width: int = 100,
                     lines.append("        (" + rest)
                 else:
                     lines.append("      " + _clip(owner, width - 6, left=True))
+            if g.derived_from:  # lineage: the parameters and buffers it was derived from
+                lines.append(_clip(f"      derived from: {g.derived_from}", width))
             for label, text in (("made at", g.created_at), ("now from", g.live_created_at)):
                 if text:  # the nearest frame: the line to look at first
                     lines.append(_clip(f"      {label}: {text.split(' < ')[0]}", width,

@@ -43,9 +43,9 @@ __all__ = [
 ]
 
 # One colour per verdict, in the order of vocab.VERDICTS (stable, stale, dangling,
-# diverged, orphaned, unowned).
+# diverged, orphaned, unowned, unrefreshed).
 VERDICT_COLORS = dict(zip(VERDICTS, (
-    "#4caf50", "#d62728", "#6a1b9a", "#ff7f0e", "#9e9e9e", "#90caf9"), strict=True))
+    "#4caf50", "#d62728", "#6a1b9a", "#ff7f0e", "#9e9e9e", "#90caf9", "#c2185b"), strict=True))
 
 
 # --------------------------------------------------------------------------- frames

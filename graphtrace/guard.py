@@ -32,17 +32,22 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from graphtrace import __version__
 from graphtrace._compat import storage_from_weak_ref
 from graphtrace.errors import GraphtraceError
+from graphtrace.lineage import Derived, Source
 from graphtrace.opaque import storage_of
 from graphtrace.owners import OwnerSnapshot, PathSet, resolve_path
 from graphtrace.recorder import Recorder
-from graphtrace.verdict import View, impact_of, owner_status, verdict_of
+from graphtrace.verdict import View, freshness_of, impact_of, owner_status, verdict_of
 from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED
 
 __all__ = ["Guard", "StaleGraphError", "load_guard", "guard_of",
            "models_changed", "describe", "empty_problems", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "graphtrace.guard"
-FORMAT_VERSION = 1  # "internal" and the views were added within version 1 (optional keys)
+FORMAT_VERSION = 1  # "internal", the views and "derived" were added within version 1
+# (optional keys)
+# Version counters mean something only in the process that read them: a manifest records
+# its writer's token, and a reader in another process takes its baselines at attach time.
+_PROCESS = f"{os.getpid()}:{id(object()):x}:{_dt.datetime.now().timestamp()}"
 
 # Note [guard identity]
 # ~~~~~~~~~~~~~~~~~~~~~
@@ -85,13 +90,17 @@ class Guard:
     """
 
     def __init__(self, *, models: Iterable[str], graphs: Mapping[int, str],
-                 storages: list[dict], source: str = "trace"):
+                 storages: list[dict], source: str = "trace", lineage=None):
         """`storages`: per required storage a dict with keys storage_id, data_ptr, nbytes,
         device, dtype, shape, alive (bool), graphs (graph ids), owners ((model, path, kind)
         sorted), ref (a StorageWeakRef or None), and optionally internal (every graph
         overwrites it before reading it: Note [write before read]), views (the View each
         graph read, aligned with graphs) and owner_views ({(model, path): the owner's View at
-        capture}): what the verdict engine's rule and impact need."""
+        capture}), and derived (a graphtrace.lineage.Derived: the parameters and buffers it
+        was derived from and their baselines, for freshness; a storage with it may have no
+        owner): what the verdict engine's rule and impact need. `lineage`: the trace's
+        graphtrace.lineage.Lineage, held by weak reference: while it lives (and records),
+        writes it saw count too, as in the diff (Note [freshness])."""
         self._model_names = list(models)
         self._models: dict[str, weakref.ref | None] = {n: None for n in self._model_names}
         self.graphs: dict[int, str] = dict(graphs)
@@ -111,6 +120,11 @@ class Guard:
         # owner rows, flat: (storage index, model, path, kind); sorted by index, model, path
         self._owners: list[tuple[int, str, str, str]] = [
             (i, m, p, k) for i, s in enumerate(storages) for m, p, k in s["owners"]]
+        # freshness (Note [freshness] in graphtrace/verdict.py): index -> Derived
+        self._derived: dict[int, Derived] = {i: s["derived"] for i, s in enumerate(storages)
+                                             if s.get("derived") is not None}
+        self._lineage = weakref.ref(lineage) if lineage is not None else None
+        self._fresh_paths: dict | None = None  # model -> (paths, PathSet), made on first use
         self._owner_views: list[View | None] = [
             (s.get("owner_views") or {}).get((m, p)) for s in storages for m, p, _ in s["owners"]]
         # per model: its owner paths resolved together, and the owner rows they answer
@@ -141,6 +155,7 @@ class Guard:
         return self
 
     def _adopt(self, name: str, model: torch.nn.Module) -> None:
+        self._adopt_sources(name, model)
         for i, m, path, _ in self._owners:
             if m != name or self._refs[i] is not None or self._dead[i]:
                 continue
@@ -149,6 +164,31 @@ class Guard:
             if (storage is not None and storage.data_ptr() == self._ptrs[i]
                     and storage.nbytes() == self._nbytes[i]):
                 self._refs[i] = StorageWeakRef(storage)
+
+    def _adopt_sources(self, name: str, model: torch.nn.Module) -> None:
+        """Freshness baselines a manifest from another process cannot carry, taken now: a
+        weak handle to each source storage still at its recorded address and size, and
+        the version counters of the sources and of the storage's owners."""
+        for i, d in list(self._derived.items()):
+            sources = []
+            for src in d.sources:
+                if src.model == name and (src.ref is None or src.version is None):
+                    tensor = resolve_path(model, src.path)
+                    storage = _storage(tensor)
+                    if (src.ref is None and storage is not None
+                            and storage.data_ptr() == src.data_ptr
+                            and storage.nbytes() == src.nbytes):
+                        src = src._replace(ref=StorageWeakRef(storage))
+                    if src.version is None and isinstance(tensor, torch.Tensor):
+                        src = src._replace(version=tensor._version)
+                sources.append(src)
+            versions = dict(d.owner_versions)
+            for (m, p), v in d.owner_versions.items():
+                if m == name and v is None:
+                    tensor = resolve_path(model, p)
+                    versions[(m, p)] = tensor._version if isinstance(tensor, torch.Tensor) \
+                        else None
+            self._derived[i] = d._replace(sources=tuple(sources), owner_versions=versions)
 
     def _live_models(self) -> dict[str, torch.nn.Module]:
         live = {}
@@ -189,23 +229,57 @@ class Guard:
             live_ptrs.append(ptr)
             if status != HOLDS:
                 bad.add(i)
-        if not bad:
+        unrefreshed = self._unrefreshed(models, bad) if self._derived else set()
+        if not bad and not unrefreshed:
             return empty_problems()
-        return self._problems(bad, statuses, live_ptrs, tensors)
+        return self._problems(bad | unrefreshed, statuses, live_ptrs, tensors, unrefreshed)
+
+    def _unrefreshed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> set[int]:
+        """The derived storages whose owners all hold them (or that have none) and whose
+        sources changed since they were last written (the verdict engine's freshness_of:
+        version counters and storage identity only)."""
+        if self._fresh_paths is None:  # every path freshness reads, resolved together
+            by_model: dict[str, set] = {}
+            for d in self._derived.values():
+                for src in d.sources:
+                    by_model.setdefault(src.model, set()).add(src.path)
+                for m, p in d.owner_versions:
+                    by_model.setdefault(m, set()).add(p)
+            self._fresh_paths = {m: (sorted(ps), PathSet(sorted(ps))) for m, ps in by_model.items()}
+        found: dict[tuple[str, str], object] = {}
+        for name, (paths, path_set) in self._fresh_paths.items():
+            model = models.get(name)
+            if model is not None:
+                found.update(zip(((name, p) for p in paths), path_set.resolve(model)))
+
+        def resolve(model: str, path: str):
+            return found.get((model, path))
+
+        lineage = self._lineage() if self._lineage is not None else None
+        out = set()
+        for i, d in self._derived.items():
+            if i in bad or self._internal[i]:
+                continue
+            ref = self._refs[i]
+            if (ref.expired() if ref is not None else self._dead[i]):
+                continue
+            if freshness_of(d, resolve, lineage, ref.cdata if ref is not None else None):
+                out.add(i)
+        return out
 
     def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list,
-                  tensors: list) -> pd.DataFrame:
+                  tensors: list, unrefreshed: set[int] = frozenset()) -> pd.DataFrame:
         by_storage: dict[int, list[int]] = {}
         for row, (i, *_rest) in enumerate(self._owners):
             if i in bad:
                 by_storage.setdefault(i, []).append(row)
         rows = []
         for i in sorted(bad):
-            owner_rows = by_storage[i]
+            owner_rows = by_storage.get(i, [])
             st = [statuses[r] for r in owner_rows]
             ref = self._refs[i]
             alive = (not ref.expired()) if ref is not None else not self._dead[i]
-            verdict = verdict_of(st, alive, self._internal[i])
+            verdict = verdict_of(st, alive, self._internal[i], i in unrefreshed)
             if verdict not in GUARD_PROBLEMS:
                 continue
             moved = [r for r in owner_rows if statuses[r] == MOVED]
@@ -224,12 +298,14 @@ class Guard:
                                          else "unknown")
                     impact = impacts[view]
                 else:
-                    impact = "unknown" if verdict == "dangling" else pd.NA
+                    impact = "unknown" if verdict in ("dangling", "unrefreshed") else pd.NA
+                derived = self._derived.get(i)
                 rows.append((g, self.graphs.get(g, ""), self._sids[i], self._ptrs[i],
                              self._nbytes[i], self._dtypes[i], self._shapes[i],
                              "; ".join(self._owners[r][2] for r in owner_rows),
                              ";".join(kinds), ";".join(st), live, verdict, impact,
-                             "storage" if ref is not None else "data_ptr"))
+                             "storage" if ref is not None else "data_ptr",
+                             derived.derived_from if derived is not None else ""))
             del old
         rows.sort(key=lambda r: (r[0], r[2]))  # by graph, then storage
         columns = dict(zip(GUARD_COLUMNS, map(list, zip(*rows)))) if rows else {
@@ -280,7 +356,8 @@ class Guard:
                  "alive": not self._dead[i], "graphs": list(self._graph_ids[i]),
                  "internal": self._internal[i],
                  "views": [_view_json(v) if v is not None else None for v in self._views[i]],
-                 "owners": owners.get(i, [])}
+                 "owners": owners.get(i, []),
+                 **({"derived": _derived_json(self._derived[i])} if i in self._derived else {})}
                 for i in range(len(self._sids))],
         }
 
@@ -335,6 +412,45 @@ def _upgrade(ref: StorageWeakRef | None) -> torch.UntypedStorage | None:
         return None
 
 
+def _derived_json(d: Derived) -> dict:
+    return {"sources": [{"model": s.model, "path": s.path, "kind": s.kind,
+                         "data_ptr": s.data_ptr, "nbytes": s.nbytes, "version": s.version}
+                        for s in d.sources],
+            "owner_versions": [{"model": m, "path": p, "version": v}
+                               for (m, p), v in d.owner_versions.items()],
+            "stale": d.stale, "process": _PROCESS}
+
+
+def _derived_from_json(data: object, models: list, fail, where: str) -> Derived:
+    """A manifest's "derived" entry; versions from another process are dropped (taken again
+    at attach time: they count writes in the process that read them)."""
+    try:
+        same = data.get("process") == _PROCESS
+        sources = []
+        for s in data["sources"]:
+            if not (s["model"] in models and isinstance(s["path"], str)
+                    and isinstance(s["kind"], str) and isinstance(s["data_ptr"], int)
+                    and isinstance(s["nbytes"], int)
+                    and (s.get("version") is None or isinstance(s["version"], int))):
+                raise TypeError
+            sources.append(Source(s["model"], s["path"], s["kind"], None, s["data_ptr"],
+                                  s["nbytes"], s.get("version") if same else None, 0))
+        versions = {}
+        for o in data.get("owner_versions", []):
+            if not (o["model"] in models and isinstance(o["path"], str)
+                    and (o.get("version") is None or isinstance(o["version"], int))):
+                raise TypeError
+            versions[(o["model"], o["path"])] = o.get("version") if same else None
+        stale = data.get("stale", False)
+        if not isinstance(stale, bool) or not sources:
+            raise TypeError
+    except (TypeError, KeyError, AttributeError):
+        raise fail(f"{where} must be an object with \"sources\" (a non-empty list of "
+                   "{model, path, kind, data_ptr, nbytes, version}), \"owner_versions\" "
+                   "and a bool \"stale\"") from None
+    return Derived(tuple(sources), versions, stale, 0)
+
+
 def _view_json(view: View) -> dict:
     return {"dtype": str(view.dtype).removeprefix("torch."), "shape": list(view.shape),
             "stride": list(view.stride), "offset": view.offset}
@@ -384,7 +500,9 @@ def empty_problems() -> pd.DataFrame:
 _WHAT = {"stale": "owners moved; the graph reads the old values",
          "dangling": "owners moved and the captured storage was freed; the graph reads freed memory",
          "diverged": "owners disagree: some hold the captured storage, others moved",
-         "orphaned": "the owner path no longer resolves"}
+         "orphaned": "the owner path no longer resolves",
+         "unrefreshed": "derived from parameters or buffers that changed since it was last "
+                        "written; the graph reads an old value at the right address"}
 
 
 def describe(problems: pd.DataFrame, limit: int = 20) -> str:
@@ -414,10 +532,13 @@ def describe(problems: pd.DataFrame, limit: int = 20) -> str:
 # -- from a trace ----------------------------------------------------------------------------
 
 def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
-             models: Mapping[str, torch.nn.Module], first_graph: int = 0) -> Guard:
+             models: Mapping[str, torch.nn.Module], first_graph: int = 0,
+             lineage=None) -> Guard:
     """The guard of `recorder`'s captures (ids from `first_graph`): their owned storages by
     weak handle, with the capture-time owners `snapshot` holds (updated first with the
-    storages it has not matched yet, as diff does), checked against `models`."""
+    storages it has not matched yet, as diff does), checked against `models`. With the
+    trace's `lineage`, the storages it matched to sources (owned or not) carry their
+    `Derived` baselines, and `check()` gives `unrefreshed` too (Note [freshness])."""
     from graphtrace.edges import capture_edges
     from graphtrace.frames import raw_accesses
 
@@ -438,7 +559,8 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
     views = rec.views.items
     found = capture_edges(raw, len(table.handles), rec.names.items, views)
     # the edges of owned storages in the guarded graphs, by storage then graph (diff's edges)
-    owned = np.fromiter(owners.keys(), dtype=np.int64, count=len(owners))
+    derived = lineage.captured if lineage is not None else {}
+    owned = np.fromiter(set(owners) | set(derived), dtype=np.int64)
     keep = np.flatnonzero((found.graph_id >= first_graph) & np.isin(found.storage_id, owned))
     keep = keep[np.lexsort((found.graph_id[keep], found.storage_id[keep]))]
     edges_of: dict[int, list[int]] = {}
@@ -453,7 +575,7 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
         strong = table.upgrade(sid)
         ref = StorageWeakRef(strong) if strong is not None else None
         del strong  # never kept: the guard holds the weak handle only
-        sid_owners = sorted(owners[sid])
+        sid_owners = sorted(owners.get(sid, ()))
         owner_views = {(m, p): View(*v) for m, p, _ in sid_owners
                        if (v := snapshot.view_of(sid, m, p)) is not None}
         storages.append({
@@ -463,9 +585,10 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
             "graphs": found.graph_id[edges].tolist(),
             "internal": bool(found.internal[edges].all()),
             "views": [View(*views[v]) for v in view_ids[edges].tolist()],
-            "owners": sid_owners, "owner_views": owner_views})
+            "owners": sid_owners, "owner_views": owner_views, "derived": derived.get(sid)})
     graphs = {c.graph_id: c.label for c in rec.captures if c.graph_id >= first_graph}
-    guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace")
+    guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace",
+                  lineage=lineage)
     for name, model in models.items():
         guard.attach(model, name=name)
     return guard
@@ -539,7 +662,9 @@ def _from_dict(data: object, where: str) -> Guard:
             view = _view_from_json(o.get("view"), fail, f"storages[{k}].owners[{j}].view")
             if view is not None:
                 owner_views[(o["model"], o["path"])] = view
-        if not owners:
+        derived = (_derived_from_json(s["derived"], models, fail, f"storages[{k}].derived")
+                   if s.get("derived") is not None else None)
+        if not owners and derived is None:
             raise fail(f"storages[{k}] has no owner")
         if not isinstance(s.get("internal", False), bool):
             raise fail(f"storages[{k}]['internal'] must be bool, got {s['internal']!r}")
@@ -549,7 +674,7 @@ def _from_dict(data: object, where: str) -> Guard:
         views = [_view_from_json(v, fail, f"storages[{k}].views[{j}]")
                  for j, v in enumerate(views or [None] * len(s["graphs"]))]
         storages.append({**s, "owners": sorted(owners), "ref": None, "views": views,
-                         "owner_views": owner_views})
+                         "owner_views": owner_views, "derived": derived})
     return Guard(models=models, graphs=graphs, storages=storages, source=where)
 
 

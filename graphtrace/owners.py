@@ -652,6 +652,11 @@ class OwnerSnapshot:
             out[name] = dict(zip(paths, path_set.resolve(model))) if paths else {}
         return out
 
+    def owners_by_storage(self, name: str, model: nn.Module) -> dict[int, list]:
+        """StorageImpl address -> [(path, owner kind)] of `model` (watched as `name`), from
+        the cached walk (walked now if there is none); for lineage's `derived_from`."""
+        return self._walk(name, model, [])
+
     def _moved_since_walk(self, name: str, model: nn.Module) -> bool:
         """Does a path the cached walk matched to a captured storage reach another one now?
         Only the matched paths are resolved (as the guard does): a few ms for a large model."""

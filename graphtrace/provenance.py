@@ -235,6 +235,12 @@ class ProvenanceMode(TorchDispatchMode):
                 self.provenance.note(func, args, kwargs, out)
             except Exception as exc:  # fail open: never break the traced program
                 self.provenance.fail("provenance", exc)
+            lineage = self.provenance.lineage
+            if lineage is not None:  # the same mode records lineage (Note [lineage])
+                try:
+                    lineage.record(func, args, kwargs, out)
+                except Exception as exc:
+                    self.provenance.fail("lineage", exc)
         return out
 
 
@@ -247,6 +253,7 @@ class Provenance:
         self.depth = depth
         self.table = ProvenanceTable()
         self.mode = ProvenanceMode(self)
+        self.lineage = None  # a graphtrace.lineage.Lineage when the trace records lineage
         self.captured: dict[int, int] = {}
         self.thread: int | None = None
         self._matched = 0
@@ -297,6 +304,8 @@ class Provenance:
         self.thread = None
         self._suspended = None
         self.table.sweep()
+        if self.lineage is not None:
+            self.lineage.sweep()
 
     def pause(self) -> str | None:
         """Before a capture region opens on this thread: take the mode off (it must not run
@@ -413,7 +422,9 @@ class Provenance:
     def meta(self) -> dict:
         return {"enabled": True, "depth": self.depth, "storages_noted": self.table.n_added,
                 "census": self.n_census, "sites": len(self.table.sites),
-                "live_entries": len(self.table), "suspends": self.n_suspends}
+                "live_entries": len(self.table), "suspends": self.n_suspends,
+                "lineage": (self.lineage.meta() if self.lineage is not None
+                            else {"enabled": False})}
 
 
 def _op_name(func) -> str:

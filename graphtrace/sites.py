@@ -74,10 +74,13 @@ def suggest_fix(verdict: str, owners: Iterable[tuple[str, str, str]]) -> str:
     """The FIXES key for a storage's edges ("" when none applies): `verdict` is its verdict,
     `owners` its capture-time owners as (path, kind, status).
 
-    Chosen from the owners that moved, most specific first: one inside a callable (partial
+    An unrefreshed storage (its value is old, its storage right) -> recompute-in-place.
+    Otherwise chosen from the owners that moved, most specific first: one inside a callable (partial
     keyword, closure) -> read-through-layer; a freed storage (dangling) -> recapture; a
     registered parameter or buffer -> copy-in-place; a plain attribute -> register-or-copy.
     """
+    if verdict == "unrefreshed":  # the storage is right, its value old (Note [freshness])
+        return "recompute-in-place"
     if verdict not in ("stale", "dangling", "diverged"):
         return ""
     moved = [(path, kind) for path, kind, status in owners if status == MOVED]

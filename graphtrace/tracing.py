@@ -340,8 +340,10 @@ class Trace:
 
     def __init__(self, model: torch.nn.Module | None = None, *, strict: bool = False,
                  name: str | None = None, native: bool | None = None, modules: str = "forward",
-                 provenance: bool | None = None):
+                 provenance: bool | None = None, lineage: bool | None = None):
         from graphtrace import native as _native
+        from graphtrace.lineage import Lineage
+        from graphtrace.lineage import enabled_by_default as lineage_by_default
         from graphtrace.provenance import Provenance, enabled_by_default
 
         self._attribution = ModuleAttribution(modules)  # checks `modules` before any build
@@ -361,6 +363,9 @@ class Trace:
         self.provenance = (Provenance(self.recorder.fail)
                            if (enabled_by_default() if provenance is None else provenance)
                            else None)
+        # which storages each op wrote from which it read, in provenance's mode (Note [lineage])
+        if self.provenance is not None and (lineage_by_default() if lineage is None else lineage):
+            self.provenance.lineage = Lineage(self.recorder.fail)
         self._patch = _CudaGraphPatch(self)
         self.compiled_regions = CompiledPatch(self)  # compiled regions: Note [Compiled regions]
         self._open = False
@@ -487,6 +492,12 @@ class Trace:
                 self.provenance.match(self.recorder.storages)
             except Exception as exc:
                 self.recorder.fail("provenance match", exc)
+            if self.provenance.lineage is not None:
+                try:
+                    self.provenance.lineage.match(self.recorder.storages, self.owner_snapshot,
+                                                  self.models)
+                except Exception as exc:
+                    self.recorder.fail("lineage match", exc)
         for op in sorted(self.recorder.opaque_ops):
             self.add_blind_spot(f"opaque tensors: {op} was given tensors without a storage "
                                 "(e.g. mkldnn-prepacked weights, as Inductor's CPU freezing "
@@ -651,7 +662,12 @@ class Trace:
                 known = {s.text for s in spots}
                 spots += [s for s in blind_spots(rows) if s.text not in known]
         return diff(self.recorder, self.owner_snapshot, models, spots,
-                    provenance=self.provenance, extra_meta=extra)
+                    provenance=self.provenance, extra_meta=extra, lineage=self.lineage)
+
+    @property
+    def lineage(self):
+        """The trace's `graphtrace.lineage.Lineage` (None when lineage or provenance is off)."""
+        return self.provenance.lineage if self.provenance is not None else None
 
     def guard(self, first_graph: int = 0):
         """A `graphtrace.guard.Guard` of the owned storages captured so far (graph ids from
@@ -660,7 +676,8 @@ class Trace:
         from graphtrace.guard import guard_of
 
         models = self._live_models() if self.recorder.captures else self.models
-        return guard_of(self.recorder, self.owner_snapshot, models, first_graph)
+        return guard_of(self.recorder, self.owner_snapshot, models, first_graph,
+                        lineage=self.lineage)
 
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")
@@ -680,7 +697,7 @@ def _current_stream() -> str:
 
 def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
           name: str | None = None, native: bool | None = None, modules: str = "forward",
-          provenance: bool | None = None) -> Trace:
+          provenance: bool | None = None, lineage: bool | None = None) -> Trace:
     """Open a trace: every capture region and CUDA graph captured inside it is recorded.
 
     `model` (optional) is watched for owners; add more with `t.watch(model, name=...)`.
@@ -695,6 +712,10 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
     the report's `created_at` / `live_created_at` columns (True; None: as
     GRAPHTRACE_PROVENANCE says, default on; False: off). See Note [provenance] in
     graphtrace/provenance.py.
+    `lineage`: with provenance, record which storages each op wrote from which it read, so
+    a storage derived from parameters that changed since is `unrefreshed` (True; None: as
+    GRAPHTRACE_LINEAGE says, default on; False: off). See Note [lineage] in
+    graphtrace/lineage.py.
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"graphtrace.trace() takes a torch.nn.Module, got {type(model).__name__}")
@@ -702,5 +723,7 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
         raise TypeError(f"native must be True, False or None, got {native!r}")
     if provenance not in (None, True, False):
         raise TypeError(f"provenance must be True, False or None, got {provenance!r}")
+    if lineage not in (None, True, False):
+        raise TypeError(f"lineage must be True, False or None, got {lineage!r}")
     return Trace(model, strict=strict, name=name, native=native, modules=modules,
-                 provenance=provenance)
+                 provenance=provenance, lineage=lineage)

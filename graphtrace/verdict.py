@@ -10,6 +10,9 @@ verdict, an owner's status or an impact:
 - `verdict_of` (scalar) and `storage_verdicts` (vectorised, per storage): the rule, from the
   owners' statuses, whether the captured storage is alive and whether every graph overwrites
   it before reading it (Note [write before read] in graphtrace/edges.py).
+- `unrefreshed` (with `source_changed`): is a storage whose owners still hold it (or that
+  has none) derived from sources that changed since it was last written (freshness:
+  Note [freshness])?
 - `impact_of`: for a stale or diverged storage, do the values the graph reads differ from
   what its owner holds now (Note [impact])?
 
@@ -27,12 +30,14 @@ import torch
 from graphtrace.opaque import is_opaque, storage_of
 from graphtrace.vocab import HOLDS, MOVED, ORPHANED, OWNER_STATUSES, VERDICTS
 
-__all__ = ["View", "owner_status", "verdict_of", "storage_verdicts", "impact_of"]
+__all__ = ["View", "owner_status", "verdict_of", "storage_verdicts", "impact_of",
+           "source_changed", "unrefreshed", "freshness_of"]
 
 # verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
 _V = {v: v for v in VERDICTS}
-STABLE, STALE, DANGLING, DIVERGED, ORPHANED_VERDICT, UNOWNED = (
-    _V[v] for v in ("stable", "stale", "dangling", "diverged", "orphaned", "unowned"))
+STABLE, STALE, DANGLING, DIVERGED, ORPHANED_VERDICT, UNOWNED, UNREFRESHED = (
+    _V[v] for v in ("stable", "stale", "dangling", "diverged", "orphaned", "unowned",
+                    "unrefreshed"))
 
 
 class View(NamedTuple):
@@ -80,7 +85,8 @@ def owner_status(tensor: object, cdata: int | None = None, *, data_ptr: int = 0,
 
 # -- the rule --------------------------------------------------------------------------------
 
-def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False) -> str:
+def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False,
+               unrefreshed: bool = False) -> str:
     """The verdict of one captured storage from its capture-time owners' statuses now.
 
     No owner -> unowned; an owned storage that every graph overwrites before it reads it
@@ -88,43 +94,54 @@ def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False) -> 
     each replay recomputes what it then reads (legacy weight_norm's `weight`, recomputed in
     a forward pre-hook and kept as an attribute); otherwise some hold and some do not ->
     diverged; all hold -> stable; some moved -> stale if the captured storage is alive,
-    else dangling; all orphaned -> orphaned.
+    else dangling; all orphaned -> orphaned. Freshness (`unrefreshed`: the storage's sources
+    changed since it was last written, Note [freshness]) turns what would be stable (every
+    owner holds it) or unowned into unrefreshed; identity problems come first.
     """
     statuses = list(statuses)
     bad = set(statuses) - set(OWNER_STATUSES)
     if bad:
         raise ValueError(f"unknown owner status {sorted(bad)[0]!r} (statuses are "
                          f"{', '.join(OWNER_STATUSES)})")
-    if not statuses:
-        return UNOWNED
     if internal:
-        return STABLE
+        return STABLE if statuses else UNOWNED
+    if not statuses:
+        return UNREFRESHED if unrefreshed else UNOWNED
     holds = [s == HOLDS for s in statuses]
     if any(holds):
-        return STABLE if all(holds) else DIVERGED
+        return (UNREFRESHED if unrefreshed else STABLE) if all(holds) else DIVERGED
     if MOVED in statuses:
         return STALE if alive else DANGLING
     return ORPHANED_VERDICT
 
 
 def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray,
-                     internal: np.ndarray | None = None) -> np.ndarray:
+                     internal: np.ndarray | None = None,
+                     unrefreshed: np.ndarray | None = None) -> np.ndarray:
     """`verdict_of`, vectorised: per storage, its verdict (an object array).
 
     `status`: the owner statuses of all storages, one run per storage in storage order;
     `n_owners`: each storage's run length (0: no owner, unowned); `alive`: whether each
     captured storage is still alive; `internal`: whether every graph overwrites it before
-    reading it (default: none is)."""
+    reading it (default: none is); `unrefreshed`: whether its sources changed since it was
+    last written (default: none did)."""
     n_owners = np.asarray(n_owners, dtype=np.int64)
     internal = (np.zeros(len(n_owners), dtype=bool) if internal is None
                 else np.asarray(internal, dtype=bool))
+    unrefreshed = (np.zeros(len(n_owners), dtype=bool) if unrefreshed is None
+                   else np.asarray(unrefreshed, dtype=bool))
     if (len(status) != n_owners.sum() or len(alive) != len(n_owners)
             or len(internal) != len(n_owners) or (n_owners < 0).any()):
         raise ValueError(f"storage_verdicts needs one status per owner ({len(status)} for "
                          f"{n_owners.sum()} owners) and one alive and internal flag per "
                          f"storage ({len(alive)}, {len(internal)} for {len(n_owners)} storages)")
+    if len(unrefreshed) != len(n_owners):
+        raise ValueError(f"storage_verdicts needs one unrefreshed flag per storage "
+                         f"({len(unrefreshed)} for {len(n_owners)} storages)")
+    unrefreshed = unrefreshed & ~internal  # a graph that rewrites it keeps it fresh
     verdict = np.full(len(n_owners), UNOWNED, dtype=object)
     owned = n_owners > 0
+    verdict[~owned & unrefreshed] = UNREFRESHED
     if not owned.any():
         return verdict
     status = np.asarray(status, dtype=object)
@@ -137,10 +154,73 @@ def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray
     holds = np.logical_or.reduceat(holds_row, starts)
     moved = np.logical_or.reduceat(status == MOVED, starts)
     verdict[owned] = np.select(
-        [internal[owned], holds & ~np.logical_and.reduceat(holds_row, starts), holds,
-         moved & np.asarray(alive, dtype=bool)[owned], moved],
-        [STABLE, DIVERGED, STABLE, STALE, DANGLING], default=ORPHANED_VERDICT)
+        [internal[owned], holds & ~np.logical_and.reduceat(holds_row, starts),
+         holds & unrefreshed[owned], holds, moved & np.asarray(alive, dtype=bool)[owned], moved],
+        [STABLE, DIVERGED, UNREFRESHED, STABLE, STALE, DANGLING], default=ORPHANED_VERDICT)
     return verdict
+
+
+# -- freshness -------------------------------------------------------------------------------
+
+# Note [freshness]
+# ~~~~~~~~~~~~~~~~
+# A storage a graph reads can be where its owners point (identity holds) and still hold an
+# old value: one derived from sources that changed since (Megatron-LM #6723's
+# `_A_neg_exp_cache = -exp(A_log)`, filled once; a refit copies new A_log in place). Lineage
+# (Note [lineage] in graphtrace/lineage.py) names each captured storage's sources -- the
+# registered parameters and buffers it was derived from -- and, at the end of its capture,
+# the baselines: each source's storage and owner-tensor `_version`, the captured storage's
+# owners' `_version`s, and whether a source was already rewritten after it (`stale`).
+# Later, the storage is `unrefreshed` when
+#   (stale, or some source changed since: its path now reaches another storage, or its
+#    owner tensor's `_version` advanced, or lineage saw a write to it)
+#   and it was not rewritten since (none of its owners' `_version`s advanced and lineage saw
+#    no write to it).
+# Only version counters and storage identity: no values are read. A source whose path no
+# longer resolves is no evidence either way (the owner walk reports what moved). What a
+# check cannot see: an in-place write through a tensor with its own version counter
+# (`param.data.copy_`) made while lineage is not recording (after the trace, or from a
+# guard read from JSON); a rewrite of an unowned storage then (it has no path to read a
+# version from). `impact` is `unknown`: graphtrace does not recompute the derived value.
+
+def source_changed(tensor: object, cdata: int | None, data_ptr: int, nbytes: int,
+                   version: int | None) -> bool:
+    """Did a source change since its baseline? `tensor`: what its owner path reaches now
+    (None: no longer resolves: no evidence); `cdata`: the source storage's StorageImpl
+    address when a weak handle to it is held (else `data_ptr` and `nbytes` identify it);
+    `version`: its owner tensor's `_version` then (None: unknown)."""
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    try:
+        storage = tensor.untyped_storage()
+        if cdata is not None:
+            if storage._cdata != cdata:
+                return True
+        elif storage.data_ptr() != data_ptr or storage.nbytes() != nbytes:
+            return True
+        return version is not None and tensor._version != version
+    except Exception:  # no storage (meta, functional wrappers): another storage than the source
+        return True
+
+
+def unrefreshed(stale: bool, changed: Iterable[bool], owner_versions: Iterable[tuple],
+                rewritten: bool = False) -> bool:
+    """The freshness rule (Note [freshness]): `stale` (a source was rewritten after the
+    storage, before the capture), `changed` (per source, `source_changed` or a write lineage
+    saw), `owner_versions`: per owner of the storage, (what its path reaches now, its
+    `_version` at the baseline); `rewritten`: lineage saw the storage written since."""
+    if rewritten:
+        return False
+    if not (stale or any(changed)):
+        return False
+    for tensor, version in owner_versions:
+        if isinstance(tensor, torch.Tensor) and version is not None:
+            try:
+                if tensor._version != version:
+                    return False
+            except Exception:
+                continue
+    return True
 
 
 # -- impact ----------------------------------------------------------------------------------
@@ -216,3 +296,26 @@ def _change_note(owner: View | None, live: torch.Tensor) -> str:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def freshness_of(derived, resolve, lineage=None, address: int | None = None) -> bool:
+    """Is the captured storage of `derived` (a graphtrace.lineage.Derived) unrefreshed now?
+    `resolve(model, path)`: what an owner path reaches on the live model. `lineage` (the
+    trace's, while it is alive) and the storage's StorageImpl `address` add what lineage saw
+    since the capture: a rewrite of the storage is judged by its new record (its sources'
+    clocks then against now), a write to a source counts as a change. The diff passes them,
+    and so does a guard made from a trace while its lineage lives; a guard read from JSON
+    has only identity and version counters (Note [freshness])."""
+    if lineage is not None and address is not None:
+        now = lineage.stale_since(address, derived)
+        if now is not None:
+            return now
+    changed = []
+    for s in derived.sources:
+        cdata = s.ref.cdata if s.ref is not None else None
+        moved = source_changed(resolve(s.model, s.path), cdata, s.data_ptr, s.nbytes, s.version)
+        if not moved and lineage is not None and cdata is not None:
+            moved = lineage.clock_of(cdata) > s.clock
+        changed.append(moved)
+    return unrefreshed(derived.stale, changed,
+                       [(resolve(m, p), v) for (m, p), v in derived.owner_versions.items()])

@@ -12,12 +12,14 @@ __all__ = [
     "ACCESS_KINDS", "EDGE_ACCESSES", "FRAMES", "SCHEMA", "COLUMNS", "COLUMN_KINDS",
     "HOLDS", "MOVED", "ORPHANED", "BEFORE_TRACE", "NOT_RECORDED",
     "PROVENANCE_MARKS", "FIXES", "FIX_KINDS", "GUARD_PROBLEMS", "GUARD_SCHEMA", "GUARD_COLUMNS",
-    "GUARD_IDENTITIES", "BLIND_SPOT_KINDS", "BLIND_SPOT_FIELDS",
+    "GUARD_IDENTITIES", "BLIND_SPOT_KINDS", "BLIND_SPOT_FIELDS", "ADDED_COLUMNS",
 ]
 
 # -- verdicts (one per edge; the words are part of the public contract) ---------------------
-VERDICTS = ("stable", "stale", "dangling", "diverged", "orphaned", "unowned")
-STALE_VERDICTS = ("stale", "dangling", "diverged")   # what `report.stale` holds
+VERDICTS = ("stable", "stale", "dangling", "diverged", "orphaned", "unowned", "unrefreshed")
+# `unrefreshed`: the storage is where its owners point (or has none), but the sources it was
+# derived from changed since it was last written (Note [lineage] in graphtrace/lineage.py)
+STALE_VERDICTS = ("stale", "dangling", "diverged", "unrefreshed")   # what `report.stale` holds
 IMPACTS = ("manifest", "latent", "unknown")           # stale-like edges: do values differ now?
 ORIGINS = ("external", "internal")                    # overwritten in the graph before it reads it?
 
@@ -49,6 +51,9 @@ FIXES: dict[str, str] = {
                         "values into the old tensor instead of rebinding it",
     "recapture": "the captured storage was freed: re-capture the graphs after the update, "
                  "or keep the allocation and copy_ into it",
+    "recompute-in-place": "recompute the derived tensor from its updated sources into its "
+                          "own storage (copy_) after every weight update, or compute it "
+                          "inside the captured forward",
 }
 FIX_KINDS = tuple(FIXES)
 
@@ -64,6 +69,7 @@ BLIND_SPOT_KINDS = (
     "walk cut",                 # the owner walk stopped (depth, size)
     "nested capture",           # a CUDA graph captured inside a capture region
     "dtype/shape change",       # the owner's live tensor has another dtype or shape
+    "lineage",                  # lineage could not follow (its edge cap was hit)
     "other",                    # anything else (a plain text from an older report)
 )
 BLIND_SPOT_FIELDS = ("kind", "text", "holder", "op", "model", "graph")  # meta / frame columns
@@ -96,18 +102,22 @@ SCHEMA: dict[str, tuple[tuple[str, str], ...]] = {
         ("owner_kinds", "str"), ("n_owners", "int"), ("live_data_ptr", "Int"),
         ("verdict", "str"), ("impact", "str?"), ("origin", "str?"),
         ("created_at", "str"), ("live_created_at", "str"), ("fix", "str"),
+        ("derived_from", "str"),
     ),
 }
+# Columns added to a frame after format 1, with the value an older report's rows get when
+# it is read (graphtrace.report fills them in): older reports still load.
+ADDED_COLUMNS: dict[str, dict[str, str]] = {"edges": {"derived_from": ""}}
 COLUMNS: dict[str, list[str]] = {name: [c for c, _ in cols] for name, cols in SCHEMA.items()}
 
 # -- guard (graphtrace.guard: `guard.check()`, one row per problem edge) -------------------
-GUARD_PROBLEMS = ("stale", "dangling", "diverged", "orphaned")  # verdicts a guard fails on
+GUARD_PROBLEMS = ("stale", "dangling", "diverged", "orphaned", "unrefreshed")  # a guard fails on
 GUARD_IDENTITIES = ("storage", "data_ptr")  # live weak handle, or address + size (from JSON)
 GUARD_SCHEMA: tuple[tuple[str, str], ...] = (
     ("graph_id", "int"), ("graph", "str"), ("storage_id", "int"), ("data_ptr", "int"),
     ("nbytes", "int"), ("dtype", "str"), ("shape", "str"), ("owners", "str"),
     ("owner_kinds", "str"), ("statuses", "str"), ("live_data_ptr", "Int"), ("verdict", "str"),
-    ("impact", "str?"), ("identity", "str"),
+    ("impact", "str?"), ("identity", "str"), ("derived_from", "str"),
 )
 GUARD_COLUMNS: list[str] = [c for c, _ in GUARD_SCHEMA]
 

@@ -40,7 +40,7 @@ def test_report_text(capsys):
     assert lines[2] == ("  2 graphs, 18 edges on 15 storages, 9 owners: 7 stale-like edges, "
                         "1 error, 1 blind spot")
     # the verdict table, row by row
-    table = {line.split()[0]: line.split()[1:] for line in lines[5:12]}
+    table = {line.split()[0]: line.split()[1:] for line in lines[5:13]}
     assert lines[4] == "Verdicts"
     assert lines[5].split() == ["verdict", "edges", "storages", "graphs", "manifest", "latent",
                                 "unknown"]
@@ -50,7 +50,8 @@ def test_report_text(capsys):
     assert table["diverged"] == ["1", "1", "1", "1", "0", "0"]
     assert table["orphaned"] == ["1", "1", "1", "0", "0", "0"]
     assert table["unowned"] == ["8", "8", "2", "0", "0", "0"]
-    assert lines[12].split() == ["total", "18", "15", "2", "3", "2", "2"]
+    assert table["unrefreshed"] == ["0", "0", "0", "0", "0", "0"]
+    assert lines[13].split() == ["total", "18", "15", "2", "3", "2", "2"]
     # stale reads: one row per storage, most severe first, owners on their own lines
     i = lines.index("Stale reads: 7 edges on 4 storages, most severe first")
     # after each storage's owners: where it was made, where its replacement was, the fix
@@ -120,7 +121,7 @@ def test_report_json(capsys):
     assert code == 0 and err == ""
     data = json.loads(out)
     assert data["counts"] == {"stable": 2, "stale": 4, "dangling": 2, "diverged": 1,
-                              "orphaned": 1, "unowned": 8}
+                              "orphaned": 1, "unowned": 8, "unrefreshed": 0}
     assert data["n_edges"] == 18 and data["n_stale"] == 7 and len(data["stale"]) == 7
     assert data["summary"]["dangling"] == {"edges": 2, "storages": 1, "graphs": 2,
                                            "manifest": 0, "latent": 0, "unknown": 2}
@@ -137,7 +138,7 @@ def test_report_json(capsys):
 
 @pytest.mark.parametrize("table, rows, first_col", [
     (None, 7, "graph_id"), ("stale", 7, "graph_id"), ("edges", 18, "graph_id"),
-    ("summary", 6, "verdict"), ("ownership", 2, "graph_id"),
+    ("summary", 7, "verdict"), ("ownership", 2, "graph_id"),
 ])
 def test_report_csv(capsys, table, rows, first_col):
     argv = ["report", str(FIXTURE), "--csv"] + ([table] if table else [])
@@ -145,8 +146,8 @@ def test_report_csv(capsys, table, rows, first_col):
     assert code == 0 and err == ""
     df = pd.read_csv(io.StringIO(out))
     assert len(df) == rows and df.columns[0] == first_col
-    if table in (None, "stale"):
-        assert set(df.verdict) == set(STALE_VERDICTS)
+    if table in (None, "stale"):  # the fixture predates freshness: no unrefreshed edge
+        assert set(df.verdict) == set(STALE_VERDICTS) - {"unrefreshed"}
 
 
 def test_csv_and_json_are_exclusive(capsys):

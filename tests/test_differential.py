@@ -261,6 +261,35 @@ def requantize_freed(m, keep):
     gc.collect()
 
 
+# -- freshness (issue 24): a cache derived from parameters, read by the graphs -------------
+
+def _mamba(rewrite_in_forward=False):
+    def build():
+        from graphtrace.demo.cases.megatron_6723_a_neg_exp_cache import MambaModel
+        m = MambaModel(rewrite_in_forward=rewrite_in_forward)
+        m.refit(m.checkpoint(0))
+        return m
+    return build
+
+
+def refit(refresh=False):
+    def update(m, keep):
+        m.refit(m.checkpoint(1))  # in place: identity holds everywhere
+        if refresh:
+            for layer in m.layers:
+                layer.refresh()
+    return update
+
+
+def rebind_source(m, keep):
+    m.layers[0].A_log = nn.Parameter(torch.rand(8), requires_grad=False)
+
+
+def refit_and_drop_cache(m, keep):
+    m.refit(m.checkpoint(1))
+    m.layers[1]._A_neg_exp_cache = -torch.exp(m.layers[1].A_log)  # rebuilt, not in place
+
+
 @dataclasses.dataclass
 class Scenario:
     build: Callable[[], nn.Module]
@@ -269,6 +298,7 @@ class Scenario:
     impacts: set = dataclasses.field(default_factory=set)  # impacts of stale-like edges
     compiled: bool = False
     needs: str = ""
+    warmup: bool = False          # an eager forward inside the trace before the captures
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -315,6 +345,17 @@ SCENARIOS: dict[str, Scenario] = {
     "compiled-rebind": Scenario(Model, rebind("gate", "config"), {"stale"}, {"manifest"},
                                 compiled=True),
     "compiled-copy": Scenario(Model, copy_in_place(), set(), compiled=True),
+    "derived-cache-refit": Scenario(_mamba(), refit(), {"unrefreshed"}, {"unknown"},
+                                    warmup=True),
+    "derived-cache-recomputed": Scenario(_mamba(), refit(refresh=True), set(), warmup=True),
+    "derived-cache-graph-rewrites": Scenario(_mamba(True), refit(), set(), warmup=True),
+    "derived-source-rebound": Scenario(_mamba(), rebind_source, {"unrefreshed"}, {"unknown"},
+                                       warmup=True),
+    "derived-cache-refit-one-rebuilt": Scenario(_mamba(), refit_and_drop_cache,
+                                                {"unrefreshed", "stale"},
+                                                {"unknown", "manifest"}, warmup=True),
+    "derived-cache-compiled-refit": Scenario(_mamba(), refit(), {"unrefreshed"}, {"unknown"},
+                                             compiled=True, warmup=True),
 }
 
 
@@ -328,6 +369,8 @@ def _run(name: str, tmp_path):
     width = 4 if isinstance(model, Packed) else 8
     keep = []
     with torch.no_grad(), gt.trace(model, strict=True) as t:
+        if sc.warmup:  # eager, as a process step is (lineage does not see inside compiled code)
+            model(torch.rand(2, width))
         for label, batch in (("decode", torch.rand(2, width)), ("prefill", torch.rand(4, width))):
             with gt.capture(label) as g:
                 forward(batch)

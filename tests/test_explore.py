@@ -20,18 +20,18 @@ def _expected(rows: dict, name: str) -> pd.DataFrame:
                         index=pd.Index(list(rows), dtype=object, name=name), dtype="int64")
 
 
-#                              stale dang div total man lat unk sto gra
+#                              stale dang div unref total man lat unk sto gra
 @pytest.mark.parametrize("by, rows", [
-    ("module", {"layers.1": [2, 2, 1, 5, 1, 2, 2, 3, 2],
-                "layers.0": [2, 0, 0, 2, 2, 0, 0, 1, 2]}),
-    ("layer", {"layers.1": [2, 2, 1, 5, 1, 2, 2, 3, 2],
-               "layers.0": [2, 0, 0, 2, 2, 0, 0, 1, 2]}),
-    ("op", {"graphtrace::machete_mm": [2, 2, 1, 5, 1, 2, 2, 3, 2],
-            "graphtrace::permute_cols": [2, 0, 0, 2, 2, 0, 0, 1, 2]}),
-    ("owner_kind", {"attribute": [4, 2, 1, 7, 3, 2, 2, 4, 2],
-                    "buffer": [0, 0, 1, 1, 1, 0, 0, 1, 1]}),
-    ("graph", {"decode_bs1": [2, 1, 1, 4, 2, 1, 1, 4, 1],
-               "decode_bs8": [2, 1, 0, 3, 1, 1, 1, 3, 1]}),
+    ("module", {"layers.1": [2, 2, 1, 0, 5, 1, 2, 2, 3, 2],
+                "layers.0": [2, 0, 0, 0, 2, 2, 0, 0, 1, 2]}),
+    ("layer", {"layers.1": [2, 2, 1, 0, 5, 1, 2, 2, 3, 2],
+               "layers.0": [2, 0, 0, 0, 2, 2, 0, 0, 1, 2]}),
+    ("op", {"graphtrace::machete_mm": [2, 2, 1, 0, 5, 1, 2, 2, 3, 2],
+            "graphtrace::permute_cols": [2, 0, 0, 0, 2, 2, 0, 0, 1, 2]}),
+    ("owner_kind", {"attribute": [4, 2, 1, 0, 7, 3, 2, 2, 4, 2],
+                    "buffer": [0, 0, 1, 0, 1, 1, 0, 0, 1, 1]}),
+    ("graph", {"decode_bs1": [2, 1, 1, 0, 4, 2, 1, 1, 4, 1],
+               "decode_bs8": [2, 1, 0, 0, 3, 1, 1, 1, 3, 1]}),
 ])
 def test_stale_by(report, by, rows):
     pd.testing.assert_frame_equal(ex.stale_by(report, by), _expected(rows, by))

@@ -154,6 +154,10 @@ COMPAT = "graphtrace._compat"
 FOREIGN_PRIVATE_ALLOWED = {
     "_cdata": "a storage's StorageImpl address, read per tensor per op on the hot path (a call "
               "would cost more than the read); _compat checks it exists at import",
+    "_version": "a tensor's version counter (what autograd reads): the freshness check compares "
+                "it per source owner, a read, not a call",
+    "_replace": "NamedTuple's public copy-with-changes method (the leading underscore is "
+                "NamedTuple's convention, not privacy)",
     "_parameters": "nn.Module's registry of parameters: what 'registered' means (demo reload)",
     "_buffers": "nn.Module's registry of buffers (demo reload)",
     "_modules": "nn.Module's registry of submodules (the owner walk)",

@@ -78,7 +78,8 @@ def test_fixture_frames_have_documented_columns_and_dtypes(report):
 
 def test_stale_rows(report):
     stale = report.stale
-    assert sorted(stale.verdict.unique()) == sorted(STALE_VERDICTS)
+    # the fixture predates freshness: every stale-like verdict but unrefreshed
+    assert sorted(stale.verdict.unique()) == sorted(set(STALE_VERDICTS) - {"unrefreshed"})
     assert len(stale) == 7
     assert sorted(zip(stale.graph_id, stale.storage_id)) == [
         (0, 2), (0, 3), (0, 4), (0, 5), (1, 2), (1, 3), (1, 4)]
@@ -114,13 +115,13 @@ def test_graphs_derived_without_meta(report):
 def test_summary_counts(report):
     s = report.summary()
     expected = pd.DataFrame(
-        {"edges": [2, 4, 2, 1, 1, 8], "storages": [2, 2, 1, 1, 1, 8],
-         "graphs": [1, 2, 2, 1, 1, 2], "manifest": [0, 2, 0, 1, 0, 0],
-         "latent": [0, 2, 0, 0, 0, 0], "unknown": [0, 0, 2, 0, 0, 0]},
+        {"edges": [2, 4, 2, 1, 1, 8, 0], "storages": [2, 2, 1, 1, 1, 8, 0],
+         "graphs": [1, 2, 2, 1, 1, 2, 0], "manifest": [0, 2, 0, 1, 0, 0, 0],
+         "latent": [0, 2, 0, 0, 0, 0, 0], "unknown": [0, 0, 2, 0, 0, 0, 0]},
         index=pd.Index(list(VERDICTS), dtype=object, name="verdict"), dtype="int64")
     pd.testing.assert_frame_equal(s, expected)
     assert report.counts() == {"stable": 2, "stale": 4, "dangling": 2, "diverged": 1,
-                               "orphaned": 1, "unowned": 8}
+                               "orphaned": 1, "unowned": 8, "unrefreshed": 0}
 
 
 def _crosstab(rows: dict, name: str) -> pd.DataFrame:
@@ -131,15 +132,15 @@ def _crosstab(rows: dict, name: str) -> pd.DataFrame:
 
 
 @pytest.mark.parametrize("by, rows", [
-    ("owner_kind", {"(none)": [0, 0, 0, 0, 0, 8], "attribute": [0, 4, 2, 1, 1, 0],
-                    "buffer": [0, 0, 0, 1, 0, 0], "parameter": [2, 0, 0, 0, 0, 0]}),
-    ("op", {"aten::mm": [1, 0, 0, 0, 0, 2], "graphtrace::machete_mm": [1, 2, 2, 1, 1, 5],
-            "graphtrace::permute_cols": [0, 2, 0, 0, 0, 4]}),
-    ("module", {"layers.0": [1, 2, 0, 0, 1, 5], "layers.1": [0, 2, 2, 1, 0, 2],
-                "lm_head": [1, 0, 0, 0, 0, 1]}),
-    ("layer", {"(none)": [1, 0, 0, 0, 0, 1], "layers.0": [1, 2, 0, 0, 1, 5],
-               "layers.1": [0, 2, 2, 1, 0, 2]}),
-    ("graph", {"decode_bs1": [2, 2, 1, 1, 1, 5], "decode_bs8": [0, 2, 1, 0, 0, 3]}),
+    ("owner_kind", {"(none)": [0, 0, 0, 0, 0, 8, 0], "attribute": [0, 4, 2, 1, 1, 0, 0],
+                    "buffer": [0, 0, 0, 1, 0, 0, 0], "parameter": [2, 0, 0, 0, 0, 0, 0]}),
+    ("op", {"aten::mm": [1, 0, 0, 0, 0, 2, 0], "graphtrace::machete_mm": [1, 2, 2, 1, 1, 5, 0],
+            "graphtrace::permute_cols": [0, 2, 0, 0, 0, 4, 0]}),
+    ("module", {"layers.0": [1, 2, 0, 0, 1, 5, 0], "layers.1": [0, 2, 2, 1, 0, 2, 0],
+                "lm_head": [1, 0, 0, 0, 0, 1, 0]}),
+    ("layer", {"(none)": [1, 0, 0, 0, 0, 1, 0], "layers.0": [1, 2, 0, 0, 1, 5, 0],
+               "layers.1": [0, 2, 2, 1, 0, 2, 0]}),
+    ("graph", {"decode_bs1": [2, 2, 1, 1, 1, 5, 0], "decode_bs8": [0, 2, 1, 0, 0, 3, 0]}),
 ])
 def test_summary_by(report, by, rows):
     pd.testing.assert_frame_equal(report.summary(by=by), _crosstab(rows, by))
@@ -471,7 +472,7 @@ def test_repr(report):
                     "unowned=8>")
     html = report._repr_html_()
     assert html.startswith("<div>") and "<table>" in html
-    assert html.count("<tr") == 7  # header + six verdicts
+    assert html.count("<tr") == 8  # header + seven verdicts
     assert "<td>dangling</td><td>2</td>" in html
 
 

@@ -30,7 +30,26 @@ def test_vectorised_verdicts_agree_with_verdict_of_on_every_combination():
     expected = [verdict_of(statuses, a) for statuses, a in CASES]
     assert len(CASES) == 2 * (1 + 3 + 9 + 27)
     assert list(got) == expected
-    assert set(expected) == set(VERDICTS)  # every verdict is reached
+    assert set(expected) == set(VERDICTS) - {"unrefreshed"}  # identity alone: all but freshness
+
+
+def test_freshness_in_both_forms_of_the_rule():
+    """`unrefreshed` (sources changed, not rewritten) turns what would be stable or unowned
+    into unrefreshed; identity problems and internal storages come first."""
+    status = np.array([s for statuses, _ in CASES for s in statuses], dtype=object)
+    n_owners = np.array([len(statuses) for statuses, _ in CASES])
+    alive = np.array([a for _, a in CASES])
+    for internal in (np.zeros(len(CASES), dtype=bool), np.arange(len(CASES)) % 5 == 0):
+        fresh = np.arange(len(CASES)) % 2 == 0
+        got = storage_verdicts(status, n_owners, alive, internal, fresh)
+        expected = [verdict_of(st, a, i, u) for (st, a), i, u in zip(CASES, internal, fresh)]
+        assert list(got) == expected
+        plain = [verdict_of(st, a, i) for (st, a), i in zip(CASES, internal)]
+        for e, p, u, i in zip(expected, plain, fresh, internal):
+            assert e == ("unrefreshed" if u and not i and p in ("stable", "unowned") else p)
+    assert set(expected) == set(VERDICTS)
+    with pytest.raises(ValueError, match="unrefreshed flag per storage"):
+        storage_verdicts(status, n_owners, alive, None, fresh[:-1])
 
 
 @pytest.mark.parametrize("statuses,alive", CASES[:20])

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING
 
 from graphtrace.vocab import IMPACTS, STALE_VERDICTS
 
+_ALWAYS_COUNTED = ("stale", "dangling", "diverged")  # counted (and shown) in every run
+
 if TYPE_CHECKING:  # the runner imports torch (through .scenario) only when it runs
     from .scenario import Graph, Scenario
 
@@ -298,7 +300,10 @@ def _after_capture(sc: Scenario, variant, scenario, *, device, seed, backend, n_
 
     edges = report.edges
     verdict = edges["verdict"].astype(object)
-    res.counts = {v: int((verdict == v).sum()) for v in STALE_VERDICTS}
+    # identity's stale-like verdicts always, freshness's only when present: the demo's
+    # tables and summary stay as they were on a run without any (issue 24)
+    res.counts = {v: int((verdict == v).sum()) for v in STALE_VERDICTS
+                  if v in _ALWAYS_COUNTED or (verdict == v).any()}
     stale = edges[verdict.isin(STALE_VERDICTS)]
     imp = stale["impact"].astype(object)
     res.impact = {k: int((imp == k).sum()) for k in IMPACTS}
@@ -443,8 +448,11 @@ def format_table(new: ScenarioResult, same: ScenarioResult | None, verdict: str)
                 lambda r, h=holder: "{1}/{0} / {2}/{0}".format(*r.census.get(h, (0, 0, 0))))
         elif holder in ("act_perm", "registered"):
             add(f"{label} moved", lambda r: "n/a")
-    add(f"{' / '.join(STALE_VERDICTS)} edges",
-        lambda r: " / ".join(str(r.counts[v]) for v in STALE_VERDICTS))
+    add(f"{' / '.join(_ALWAYS_COUNTED)} edges",
+        lambda r: " / ".join(str(r.counts[v]) for v in _ALWAYS_COUNTED))
+    for v in STALE_VERDICTS:
+        if v not in _ALWAYS_COUNTED and (v in new.counts or (same and v in same.counts)):
+            add(f"{v} edges", lambda r, v=v: str(r.counts.get(v, 0)))
     add(f"  impact {' / '.join(IMPACTS)}",
         lambda r: " / ".join(str(r.impact[k]) for k in IMPACTS))
     add("perm reads flagged", lambda r: _frac(r.perm_flagged, r.perm_edges))
@@ -475,7 +483,8 @@ def _summary_rows(results) -> list[dict]:
             rows.append({
                 "variant": r.variant, "scenario": r.scenario, "backend": r.backend,
                 "device": r.device, "layers": r.n_layers,
-                **{f"edges_{v}": r.counts[v] for v in STALE_VERDICTS},
+                **{f"edges_{v}": r.counts.get(v, 0) for v in STALE_VERDICTS
+                   if v in _ALWAYS_COUNTED or v in r.counts},
                 **{f"impact_{k}": r.impact[k] for k in IMPACTS},
                 "perm_reads": r.perm_edges, "perm_reads_flagged": r.perm_flagged,
                 "rows": r.rows, "replay_eq_eager": r.replay_eq_eager,

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import pandas as pd
 
-from graphtrace.vocab import COLUMN_KINDS, SCHEMA
+from graphtrace.vocab import ADDED_COLUMNS, COLUMN_KINDS, SCHEMA
 
 __all__ = ["ReportError", "is_na"]
 
@@ -228,6 +228,9 @@ def _canon_frame(name: str, df: pd.DataFrame | None,
     if df.columns.duplicated().any():
         dup = sorted(set(df.columns[df.columns.duplicated()].astype(str)))
         raise ReportError(f"{name}: duplicate columns: {', '.join(dup)}")
+    added = {c: v for c, v in ADDED_COLUMNS.get(name, {}).items() if c not in df.columns}
+    if added:  # a column added after format 1: an older frame gets its default
+        df = df.assign(**{c: [v] * len(df) for c, v in added.items()})
     missing = [c for c in required if c not in df.columns]
     if missing:
         raise ReportError(

@@ -32,7 +32,7 @@ from graphtrace.report.canonical import (
     _frame_kinds,
     _json_default,
 )
-from graphtrace.vocab import COLUMN_KINDS, FRAMES, SCHEMA
+from graphtrace.vocab import ADDED_COLUMNS, COLUMN_KINDS, FRAMES, SCHEMA
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "GRAPHML", "GRAPHML_MAX_EDGES",
            "read_graphml"]
@@ -448,7 +448,8 @@ def _read_frame(name: str, csv: Path, data: bytes, kinds: Mapping[str, str],
     except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError,
             OSError, ValueError) as e:
         raise _fail(csv, f"unreadable CSV: {_first_line(e)}") from None
-    missing = [c for c in schema if c not in header]
+    added = {c: v for c, v in ADDED_COLUMNS.get(name, {}).items() if c not in header}
+    missing = [c for c in schema if c not in header and c not in added]
     if missing:
         raise _fail(csv, f"missing columns: {', '.join(missing)} "
                          f"(a {name} file has: {', '.join(schema)})")
@@ -469,11 +470,14 @@ def _read_frame(name: str, csv: Path, data: bytes, kinds: Mapping[str, str],
     try:
         with warnings.catch_warnings():  # a bad number warns before it raises
             warnings.simplefilter("ignore", RuntimeWarning)
-            return pd.read_csv(io.BytesIO(data), dtype=dtype, keep_default_na=False,
-                               na_values=na_values, **_EXACT_FLOATS)
+            frame = pd.read_csv(io.BytesIO(data), dtype=dtype, keep_default_na=False,
+                                na_values=na_values, **_EXACT_FLOATS)
     except (pd.errors.ParserError, UnicodeDecodeError, OSError, ValueError,
             TypeError, OverflowError) as e:
         raise _locate(csv, data, dtype, kind_of, e) from None
+    for c, v in added.items():  # a column added after format 1 (an older report)
+        frame[c] = pd.Series([v] * len(frame), dtype=_READ_DTYPES.get(schema[c], _STR))
+    return frame
 
 
 def read_graphml(path: str | Path):

@@ -24,6 +24,7 @@ MODULES = (
     "vllm_50521_flashinfer_swiglu",
     "sglang_6265_deepseek_w_kc",
     "sglang_27140_mamba_state",
+    "megatron_6723_a_neg_exp_cache",
     "control_same_storage",
 )
 

@@ -42,6 +42,8 @@ RELOADS = {
     "sglang-update": "SGLang update_weights: load_weights into the live parameters, then "
                      "post_load_weights",
     "memory-saver": "a memory-saver pause/resume of the engine's state buffers (no weights)",
+    "inplace-refit": "an RL refit that copies every parameter into the live ones in place, "
+                     "with no process step after it (Megatron-LM)",
     "vllm-layerwise+attention": "vLLM's layerwise reload, then the attention layers' "
                                 "process_weights_after_loading on the live layer (deferred)",
 }

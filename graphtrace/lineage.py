@@ -1,0 +1,430 @@
+"""Lineage: which storages each op wrote from which storages it read (freshness).
+
+While a trace is open, outside its capture regions, provenance's dispatch mode
+(graphtrace.provenance.ProvenanceMode: one mode, not a second) hands every op to
+`Lineage.record`, which keeps a storage-level dataflow graph of the load and process steps:
+for each storage written (a fresh output, an in-place or `out=` target), the storages its
+value was derived from through any chain of ops, each with the write clock it had then. At
+the end of each capture, `match` turns the sources of every captured storage into the
+registered parameters and buffers they are (`derived_from`) and takes the baselines the
+verdict engine's freshness check needs (`Derived`; rule in graphtrace.verdict). See
+Note [lineage].
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, NamedTuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from graphtrace._compat import free_weak_ref, storage_weak_ref, weak_ref_expired
+from graphtrace._schema import op_info, tensors_in
+from graphtrace.encoding import OUT_FRESH, WRITE
+
+__all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "MAX_EDGES", "MAX_SOURCES", "SOURCE_KINDS"]
+
+# Note [lineage]
+# ~~~~~~~~~~~~~~
+# What: per op seen by provenance's mode (trace open, outside capture regions, the tracing
+# thread), the storages it *wrote* -- each output whose storage is none of its inputs' (a
+# fresh value), and each argument its schema marks written (`Tensor(a!)`: in-place targets
+# and `out=` buffers, the alias_info graphtrace._schema.op_info reads) -- and the storages it
+# *read* (every other tensor argument). A written storage W gets the sources
+#     sources(W) = union over reads r of ({r: clock(r)} | sources(r))
+# i.e. the transitive closure is taken at write time, so a chain `cache = -exp(A_log)` keeps
+# A_log as a source of `cache` after the intermediate `exp(A_log)` is gone. `clock(s)` is
+# the lineage write clock of s's last recorded write (a counter bumped per written storage:
+# a storage-level version, unlike `Tensor._version`, which `.data` and `set_` tensors do not
+# share). A full overwrite (copy_/fill_/zero_ or an `out=` buffer covering the whole
+# storage) replaces W's sources; any other write (`mul_`, a copy into a slice) adds to them,
+# since W's old value (or the rest of it) is still part of the new one. W is never its own
+# source. A source seen through several paths keeps its oldest clock.
+#
+# Identity: a storage is its StorageImpl address held by one weak handle (`_weak_ref`, as
+# ProvenanceTable does; nothing is kept alive); a node is dropped, and its address purged
+# from every record, when its storage dies (a full sweep whenever nodes + edges doubled
+# since the last one), so a reused address never inherits a dead storage's lineage.
+#
+# Bounds: at most MAX_SOURCES sources per written storage (the rest are dropped and
+# counted: `truncated`) and MAX_EDGES source entries in all; when the cap is hit even after
+# a sweep, lineage stops recording (counted: `ops_skipped`) and the diff names it as a
+# `lineage` blind spot. Freshness then falls back to what the sources' owner paths say
+# (identity and version counters, as the guard checks).
+#
+# Matching: after each capture, each newly captured storage with sources gets a `Derived`:
+# its sources that a watched model's owner walk reaches as a parameter or buffer (their
+# model, path, kind, a weak handle, the write clock recorded for them and their owner
+# tensor's `_version` now), its own owners' `_version`s now, and `stale`: a source was
+# written after it (lineage saw it) before the capture. The verdict engine
+# (graphtrace.verdict.unrefreshed) compares those baselines with the live model later;
+# the diff and the guard both ask it. What lineage cannot see: ops on other threads, code
+# that bypasses the dispatcher (a C++ extension reading a raw pointer, torch.load), writes
+# made while provenance is paused or off, and anything inside a capture region (a graph
+# that rewrites a storage every replay is `internal`: Note [write before read]).
+
+ENV = "GRAPHTRACE_LINEAGE"
+MAX_EDGES = 1_000_000   # source entries kept in all (see Note [lineage])
+MAX_SOURCES = 64        # sources kept per written storage
+SOURCE_KINDS = ("parameter", "buffer")  # owner kinds `derived_from` names
+_OVERWRITES = frozenset({"aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor",
+                         "aten::zero_"})
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def enabled_by_default() -> bool:
+    """GRAPHTRACE_LINEAGE: on unless "0", "off", "false" or "no" (needs provenance)."""
+    import os
+
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{ENV}={value!r}: use 1 or 0")
+
+
+class Source(NamedTuple):
+    """One registered parameter or buffer a captured storage was derived from."""
+
+    model: str
+    path: str
+    kind: str
+    ref: StorageWeakRef | None    # the source storage when it was matched (exact identity)
+    data_ptr: int                 # ... and its address and size (a guard read from JSON)
+    nbytes: int
+    version: int | None           # its owner tensor's `_version` when matched
+    clock: int                    # its lineage clock when matched (0: never written)
+
+
+class Derived(NamedTuple):
+    """What freshness needs of one captured storage (Note [lineage])."""
+
+    sources: tuple[Source, ...]
+    owner_versions: dict          # (model, path) -> the captured storage's owner's `_version`
+    stale: bool                   # a source was rewritten after it, before the capture
+    clock: int                    # its own lineage clock when matched
+
+    @property
+    def derived_from(self) -> str:
+        """The `derived_from` text: the sources' paths, sorted, unique, '; '-joined."""
+        return "; ".join(sorted({(f"{s.model}:" if s.model else "") + s.path
+                                 for s in self.sources}))
+
+
+class _Op(NamedTuple):
+    """Per OpOverload: where its written arguments are and whether it can make new storages."""
+
+    positional: tuple          # per positional argument: None, or True when it is written
+    by_keyword: dict           # name -> True when written (tensor-carrying arguments only)
+    fresh: bool                # some return is a fresh tensor
+    writes: bool               # some argument is written
+    overwrites: bool           # copy_ / fill_ / zero_: a full write replaces the sources
+
+
+_OPS: dict = {}
+
+
+def _op(func) -> _Op:
+    found = _OPS.get(func)
+    if found is None:
+        info = op_info(func)
+        positional = tuple(None if e is None else e[1] == WRITE for e in info.positional)
+        by_keyword = {n: a == WRITE for n, a in info.by_keyword.values()}
+        found = _OPS[func] = _Op(positional, by_keyword,
+                                 any(r == OUT_FRESH for r in info.returns),
+                                 any(by_keyword.values()), info.name in _OVERWRITES)
+    return found
+
+
+class Lineage:
+    """The storage-level dataflow graph of one trace (Note [lineage])."""
+
+    def __init__(self, fail: Callable[[str, BaseException], None] | None = None, *,
+                 max_edges: int | None = None, max_sources: int | None = None):
+        self.fail = fail
+        self.max_edges = MAX_EDGES if max_edges is None else max_edges
+        self.max_sources = MAX_SOURCES if max_sources is None else max_sources
+        # address -> [weak handle, clock of its last recorded write, {source address: clock}]
+        self.nodes: dict[int, list] = {}
+        self.clock = 0
+        self.n_edges = 0
+        self.n_ops = 0            # ops that wrote something, recorded
+        self.ops_skipped = 0      # ops not recorded because the cap was hit
+        self.truncated = 0        # written storages whose sources were cut at max_sources
+        self.n_released = 0
+        self._mark = 0
+        self.captured: dict[int, Derived] = {}   # recorder storage id -> Derived
+        self._matched = 0
+
+    # -- recording (the per-op hook) -----------------------------------------------------
+    def _node(self, storage: torch.UntypedStorage, address: int) -> list:
+        node = self.nodes.get(address)
+        if node is None:
+            node = self.nodes[address] = [storage_weak_ref(storage), 0, None]
+        return node
+
+    def record(self, func, args, kwargs, out) -> None:
+        """Note what `func` wrote from what it read (called by provenance's mode)."""
+        op = _OPS.get(func)
+        if op is None:
+            op = _op(func)
+        if not op.writes and not op.fresh:
+            return
+        reads: dict[int, torch.UntypedStorage] = {}
+        written: list = []  # (tensor, an out= argument?)
+        positional = op.positional
+        n = len(positional)
+        for i, a in enumerate(args):
+            if i >= n:
+                break
+            w = positional[i]
+            if w is None:
+                continue
+            if type(a) in _PLAIN:  # the common case: one plain tensor
+                if w:
+                    written.append((a, False))
+                else:
+                    s = a.untyped_storage()
+                    reads[s._cdata] = s
+                continue
+            for t in tensors_in(a):
+                if w:
+                    written.append((t, False))
+                else:
+                    try:
+                        s = t.untyped_storage()
+                    except Exception:
+                        continue
+                    reads[s._cdata] = s
+        if kwargs:
+            for name, a in kwargs.items():
+                w = op.by_keyword.get(name)
+                if w is None:
+                    continue
+                for t in tensors_in(a):
+                    if w:
+                        written.append((t, True))
+                    else:
+                        try:
+                            s = t.untyped_storage()
+                        except Exception:
+                            continue
+                        reads[s._cdata] = s
+        nodes = self.nodes
+        # the sources of what this op read: each read storage and its own sources (the
+        # oldest clock of a source seen twice)
+        sources: dict[int, int] = {}
+        for a, s in reads.items():
+            node = nodes.get(a)
+            if node is None:
+                node = self._node(s, a)
+            src = node[2]
+            if src:
+                if sources:
+                    for b, cb in src.items():
+                        if b not in sources or cb < sources[b]:
+                            sources[b] = cb
+                else:
+                    sources = dict(src)
+            c = node[1]
+            if a not in sources or c < sources[a]:
+                sources[a] = c
+        targets: list = []  # (storage, replace its sources?)
+        seen: set = set()
+        for t, is_out in written:
+            try:
+                s = t.untyped_storage()
+            except Exception:
+                continue
+            a = s._cdata
+            if a in seen:
+                continue
+            seen.add(a)
+            if not sources and a not in nodes:
+                continue  # nothing recorded flows into a storage lineage does not know
+            full = (is_out or op.overwrites) and t.storage_offset() == 0 and \
+                t.numel() * t.element_size() >= s.nbytes() and t.is_contiguous()
+            targets.append((s, full))
+        if op.fresh and sources:  # a fresh value made from nothing recorded needs no node
+            if type(out) in _PLAIN:
+                s = out.untyped_storage()
+                a = s._cdata
+                if a not in seen and a not in reads:
+                    targets.append((s, True))
+            else:
+                for t in tensors_in(out if isinstance(out, (list, tuple)) else (out,)):
+                    try:
+                        s = t.untyped_storage()
+                    except Exception:
+                        continue
+                    a = s._cdata
+                    if a in seen or a in reads:
+                        continue
+                    seen.add(a)
+                    targets.append((s, True))
+        if not targets:
+            return
+        if self.n_edges >= self.max_edges:
+            self.sweep()
+            if self.n_edges >= self.max_edges:
+                self.ops_skipped += 1
+                return
+        self.n_ops += 1
+        for s, full in targets:
+            a = s._cdata
+            node = nodes.get(a)
+            if node is None:
+                node = self._node(s, a)
+            self.clock += 1
+            node[1] = self.clock
+            old = node[2]
+            if full or not old:
+                new = dict(sources)
+            else:
+                new = dict(old)
+                for b, c in sources.items():
+                    if b not in new or c < new[b]:
+                        new[b] = c
+            new.pop(a, None)  # never its own source
+            if len(new) > self.max_sources:
+                self.truncated += 1
+                new = dict(sorted(new.items(), key=lambda kv: kv[1])[:self.max_sources])
+            self.n_edges += len(new) - (len(old) if old else 0)
+            node[2] = new or None
+        if len(nodes) + self.n_edges > 2 * self._mark + 4096:
+            self.sweep()
+
+    # -- memory ------------------------------------------------------------------------------
+    def sweep(self) -> None:
+        """Drop the nodes of dead storages and purge their addresses from every record."""
+        expired, free = weak_ref_expired, free_weak_ref
+        nodes = self.nodes
+        dead = [a for a, node in nodes.items() if expired(node[0])]
+        for a in dead:
+            node = nodes.pop(a)
+            free(node[0])
+            if node[2]:
+                self.n_edges -= len(node[2])
+        self.n_released += len(dead)
+        if dead:
+            gone = set(dead)
+            for node in nodes.values():
+                src = node[2]
+                if src and not gone.isdisjoint(src):
+                    kept = {b: c for b, c in src.items() if b not in gone}
+                    self.n_edges -= len(src) - len(kept)
+                    node[2] = kept or None
+        self._mark = len(nodes) + self.n_edges
+
+    def release(self) -> None:
+        free = free_weak_ref
+        nodes, self.nodes = self.nodes, {}
+        for node in nodes.values():
+            free(node[0])
+        self.n_edges = 0
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown
+            pass
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def clock_of(self, address: int) -> int:
+        """The lineage clock of the live storage at `address` (0: no recorded write)."""
+        node = self.nodes.get(address)
+        return 0 if node is None or weak_ref_expired(node[0]) else node[1]
+
+    def stale_since(self, address: int, derived: Derived) -> bool | None:
+        """None when lineage saw no write to the storage at `address` since `derived` was
+        matched; else whether one of its sources was written after its latest write."""
+        node = self.nodes.get(address)
+        if node is None or node[1] <= derived.clock or weak_ref_expired(node[0]):
+            return None
+        record = node[2] or {}
+        for s in derived.sources:
+            if s.ref is not None and s.ref.cdata in record and \
+                    self.clock_of(s.ref.cdata) > record[s.ref.cdata]:
+                return True
+        return False
+
+    # -- matching (after each capture) -------------------------------------------------------
+    def match(self, storages, snapshot, models: Mapping[str, torch.nn.Module]) -> None:
+        """A `Derived` for each storage `storages` (the recorder's StorageTable) registered
+        since the last call that has recorded sources reaching a parameter or buffer of
+        `models` (through `snapshot`'s cached owner walks, graphtrace.owners)."""
+        from graphtrace.owners import resolve_path
+
+        new = storages.registered_since(self._matched)
+        self._matched = new.end
+        nodes = self.nodes
+        found = []  # O(storages registered), not O(nodes)
+        for a in set(new.handles):
+            node = nodes.get(a)
+            if node is not None and node[2]:
+                sid = storages.find(a)
+                if sid is not None and new.first <= sid < new.end:
+                    found.append((sid, a))
+        found.sort()
+        if not found:
+            return
+        walks = {}
+        for name, model in models.items():
+            try:
+                walks[name] = snapshot.owners_by_storage(name, model)
+            except Exception as exc:
+                if self.fail is not None:
+                    self.fail("lineage match", exc)
+        tensors: dict[tuple[str, str], object] = {}
+
+        def tensor(model: str, path: str):
+            key = (model, path)
+            if key not in tensors:
+                try:
+                    tensors[key] = resolve_path(models[model], path)
+                except Exception:
+                    tensors[key] = None
+            return tensors[key]
+
+        nodes = self.nodes
+        for sid, address in found:
+            node = nodes[address]
+            sources, stale = [], False
+            for src, clock in node[2].items():
+                hit = False
+                for name, by_storage in walks.items():
+                    for path, kind in by_storage.get(src, ()):
+                        if kind not in SOURCE_KINDS:
+                            continue
+                        t = tensor(name, path)
+                        try:
+                            st = t.untyped_storage()
+                        except Exception:
+                            continue
+                        if st._cdata != src:
+                            continue
+                        hit = True
+                        sources.append(Source(name, path, kind, StorageWeakRef(st),
+                                              st.data_ptr(), st.nbytes(), t._version, clock))
+                if hit:
+                    src_node = nodes.get(src)
+                    if src_node is not None and src_node[1] > clock:
+                        stale = True  # the source was rewritten after this storage was
+            if not sources:
+                continue
+            versions = {}
+            for m, p, _k in sorted(snapshot.owners.get(sid, ())):
+                t = tensor(m, p)
+                if isinstance(t, torch.Tensor):
+                    versions[(m, p)] = t._version
+            self.captured[sid] = Derived(tuple(sorted(sources, key=lambda s: (s.model, s.path))),
+                                         versions, stale, node[1])
+
+    def meta(self) -> dict:
+        return {"enabled": True, "ops": self.n_ops, "nodes": len(self.nodes),
+                "edges": self.n_edges, "max_edges": self.max_edges,
+                "ops_skipped": self.ops_skipped, "truncated": self.truncated,
+                "captured_derived": len(self.captured)}
