@@ -137,6 +137,20 @@ def _op(func) -> _Op:
     return found
 
 
+def _walk(value, writes: bool, keyword: bool, written: list, reads: dict) -> None:
+    """The tensors of one argument (any nesting) as written (with whether the argument was a
+    keyword, an `out=`) or as read storages by address: the slow path of `Lineage.note`."""
+    for t in tensors_in(value):
+        if writes:
+            written.append((t, keyword))
+            continue
+        try:
+            s = t.untyped_storage()
+        except Exception:  # storage-less layouts: nothing to follow
+            continue
+        reads[s._cdata] = s
+
+
 class Lineage:
     """The storage-level dataflow graph of one trace (Note [lineage])."""
 
@@ -188,29 +202,12 @@ class Lineage:
                     s = a.untyped_storage()
                     reads[s._cdata] = s
                 continue
-            for t in tensors_in(a):
-                if w:
-                    written.append((t, False))
-                else:
-                    try:
-                        s = t.untyped_storage()
-                    except Exception:
-                        continue
-                    reads[s._cdata] = s
+            _walk(a, w, False, written, reads)
         if kwargs:
             for name, a in kwargs.items():
                 w = op.by_keyword.get(name)
-                if w is None:
-                    continue
-                for t in tensors_in(a):
-                    if w:
-                        written.append((t, True))
-                    else:
-                        try:
-                            s = t.untyped_storage()
-                        except Exception:
-                            continue
-                        reads[s._cdata] = s
+                if w is not None:
+                    _walk(a, w, True, written, reads)
         nodes = self.nodes
         # the sources of what this op read: each read storage and its own sources (the
         # oldest clock of a source seen twice)

@@ -37,7 +37,13 @@ def make_param(shape, dtype=torch.float32, loader: Callable = weight_loader) -> 
 
 
 class CaseModel(torch.nn.Module):
-    """A root module whose `load_weights` fills parameters through their weight loaders."""
+    """A root module whose `load_weights` fills parameters through their weight loaders; by
+    default its forward runs `self.layers` in order (a decoder's stack)."""
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
     def load_weights(self, checkpoint: dict[str, torch.Tensor]) -> set[str]:
         params = dict(self.named_parameters())

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .harness import CaseModel
 from .spec import Case, Expect, Outcome, Variant
 
 __all__ = ["D", "BATCH_SIZES", "MambaMixer", "MambaModel", "run", "CASE"]
@@ -68,15 +69,10 @@ class MambaMixer(nn.Module):
         return x + torch.tanh(self.in_proj(x)) * self.a_neg_exp() + self.D
 
 
-class MambaModel(nn.Module):
+class MambaModel(CaseModel):
     def __init__(self, n_layers: int = 2, rewrite_in_forward: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(MambaMixer(rewrite_in_forward) for _ in range(n_layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
     def checkpoint(self, seed: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)

@@ -139,11 +139,6 @@ class MLAModel(CaseModel):
         for m in self.attention_layers():
             m.process_weights_after_loading(torch.float32)
 
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
     def checkpoint(self, seed: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
         ckpt = {}
