@@ -35,10 +35,9 @@ class CaptureEdges(NamedTuple):
 
     def internal_storages(self, n_storages: int) -> np.ndarray:
         """Per storage id: is every edge of it internal? (False for storages without edges.)"""
-        sids = self.storage_id
-        return (np.bincount(sids, weights=self.internal, minlength=n_storages)
-                == np.bincount(sids, minlength=n_storages)) & (
-                    np.bincount(sids, minlength=n_storages) > 0)
+        n_edges = np.bincount(self.storage_id, minlength=n_storages)
+        n_internal = np.bincount(self.storage_id, weights=self.internal, minlength=n_storages)
+        return (n_internal == n_edges) & (n_edges > 0)
 
 
 def writes(access: np.ndarray) -> np.ndarray:
