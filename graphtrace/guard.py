@@ -289,6 +289,8 @@ class Guard:
             kinds = sorted({self._owners[r][3] for r in owner_rows})
             old = _upgrade(ref) if verdict in ("stale", "diverged") else None
             impacts: dict[View | None, str] = {}
+            derived = self._derived.get(i)
+            derived_from = derived.derived_from if derived is not None else ""
             for g, view in zip(self._graph_ids[i], self._views[i]):
                 if verdict in ("stale", "diverged"):
                     if view not in impacts:
@@ -299,13 +301,12 @@ class Guard:
                     impact = impacts[view]
                 else:
                     impact = "unknown" if verdict in ("dangling", "unrefreshed") else pd.NA
-                derived = self._derived.get(i)
                 rows.append((g, self.graphs.get(g, ""), self._sids[i], self._ptrs[i],
                              self._nbytes[i], self._dtypes[i], self._shapes[i],
                              "; ".join(self._owners[r][2] for r in owner_rows),
                              ";".join(kinds), ";".join(st), live, verdict, impact,
                              "storage" if ref is not None else "data_ptr",
-                             derived.derived_from if derived is not None else ""))
+                             derived_from))
             del old
         rows.sort(key=lambda r: (r[0], r[2]))  # by graph, then storage
         columns = dict(zip(GUARD_COLUMNS, map(list, zip(*rows)))) if rows else {
