@@ -20,7 +20,8 @@ What a torch outside it lacks is handled by what depends on it:
   names what is missing and which feature is off, and the names they need are bound to
   stand-ins that raise `TorchIncompatible` with the same message if called anyway.
   `PROVENANCE` (creation sites, provenance.py: off by default then), `DYNAMO_CACHE` (which
-  modules Dynamo compiled: attribution.py keeps forward wrappers off them).
+  modules Dynamo compiled: attribution.py keeps forward wrappers off them), `SCRATCH` (storage
+  use counts: emulated graphs keep their intermediates without them).
 - Dynamo and Inductor classes (`load_compiled_fx_graph` and the like) are looked up when first
   needed, not here: importing torch._dynamo takes seconds, and a trace that never meets
   compiled code must not pay that. Their callers already fail open (a blind spot, or plain
@@ -56,6 +57,8 @@ __all__ = [
     "dispatch_stack_len", "dispatch_stack_at",
     # provenance
     "PROVENANCE", "PROVENANCE_OFF", "current_dispatch_mode_stack", "push_mode", "pop_mode",
+    # emulated graphs let go of their intermediates
+    "SCRATCH", "storage_use_count",
     # Dynamo's cache (attribution)
     "DYNAMO_CACHE", "dynamo_cache_entries",
     # the native dispatch
@@ -159,6 +162,14 @@ PROVENANCE = _PROV not in _missing
 PROVENANCE_OFF = "" if PROVENANCE else _message(_PROV)  # why, where it is off
 if not PROVENANCE:
     current_dispatch_mode_stack = push_mode = pop_mode = _unavailable(_PROV)
+
+# -- storage use counts: optional -------------------------------------------------------------
+_SCR = ("emulated graphs letting go of their intermediates (without it they keep every storage "
+        "their ops saw, as before)")
+storage_use_count = _lookup(_SCR, "torch._C:_storage_Use_Count")
+SCRATCH = _SCR not in _missing
+if not SCRATCH:
+    storage_use_count = _unavailable(_SCR)
 
 # -- Dynamo's code cache: optional ------------------------------------------------------------
 _DYN = ("which modules Dynamo compiled (forward wrappers may make modules compiled before the "

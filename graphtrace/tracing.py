@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from graphtrace._compat import disable_current_modes
+from graphtrace._compat import SCRATCH, disable_current_modes, storage_use_count, tree_map_only
 from graphtrace._schema import map_tensors
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
@@ -40,22 +40,39 @@ def active_trace() -> "Trace | None":
 
 
 
+class _Scratch:
+    """A view of a storage the graph made and nothing outside it holds: replay allocates the
+    storage afresh (Note [Emulated graphs keep storages])."""
+
+    __slots__ = ("storage", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, storage: int, alias: torch.Tensor):
+        self.storage = storage  # index into the graph's scratch storages
+        self.dtype, self.shape = alias.dtype, alias.shape
+        self.stride, self.offset = alias.stride(), alias.storage_offset()
+
+
 class EmulatedGraph:
     """A replayable record of a capture region with CUDA graph address semantics.
 
     Replay re-runs the recorded ops on the storages they saw at capture time and copies
     fresh results into the outputs the capture returned. See Note [Emulated graphs keep
-    storages]. Like a real graph's capture artifacts, it keeps those storages alive: drop
-    the graph to free them.
+    storages]. Like a real graph's capture artifacts, it keeps the storages it read from
+    outside and its outputs alive (drop the graph to free them), not its intermediates.
     """
 
-    __slots__ = ("label", "capture", "_ops", "_aliases", "__weakref__")
+    __slots__ = ("label", "capture", "_ops", "_aliases", "_seen", "_made", "_making",
+                 "_scratch", "__weakref__")
 
     def __init__(self, label: str):
         self.label = label
         self.capture: Capture | None = None
         self._ops: list = []
         self._aliases: dict = {}  # view key -> alias, so one view read twice is one alias
+        self._seen: set = set()   # storages pinned so far
+        self._made: set = set()   # storages first seen as an op's output: made in the region
+        self._making = False      # pinning an op's outputs now
+        self._scratch: list = []  # (nbytes, device) of each storage replay allocates afresh
 
     def keep(self, func, args, kwargs, out, replay_flags: int) -> None:
         """Keep one recorded op for replay (`replay_flags` as the writer returned them)."""
@@ -74,7 +91,12 @@ class EmulatedGraph:
             kwargs = {k: pin(v) for k, v in kwargs.items()}
         else:
             kwargs = {}
-        self._ops.append((func, args, kwargs, pin(out), replay_flags))
+        self._making = True
+        try:
+            out = pin(out)
+        finally:
+            self._making = False
+        self._ops.append((func, args, kwargs, out, replay_flags))
 
     def _pin_value(self, value):
         """`value` with each tensor in it pinned (the tensor walker: graphtrace._schema)."""
@@ -94,9 +116,14 @@ class EmulatedGraph:
             storage = t.untyped_storage()
         except Exception:  # no storage (a functional wrapper): nothing to pin
             return t
-        key = (storage._cdata, t.dtype, t.shape, t.stride(), t.storage_offset())
+        cdata = storage._cdata
+        key = (cdata, t.dtype, t.shape, t.stride(), t.storage_offset())
         alias = self._aliases.get(key)
         if alias is None:
+            if cdata not in self._seen:
+                self._seen.add(cdata)
+                if self._making:
+                    self._made.add(cdata)
             if t.is_inference():  # its detach() would be one too: not writable outside
                 alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
                     storage, t.storage_offset(), t.shape, t.stride())
@@ -105,9 +132,48 @@ class EmulatedGraph:
             self._aliases[key] = alias
         return alias
 
+    def seal(self) -> None:
+        """At the end of the capture: let go of the storages the region made that nothing
+        outside the graph holds (its intermediates); replay allocates them afresh. Note
+        [Emulated graphs keep storages]."""
+        made, self._made, self._seen = self._made, set(), set()
+        if not made or not SCRATCH:
+            return
+        aliases: dict[int, list] = {}  # storage made in the region -> its aliases
+        for key, alias in self._aliases.items():
+            if key[0] in made:
+                aliases.setdefault(key[0], []).append((key, alias))
+        scratch: dict[int, _Scratch] = {}  # id(alias) -> the scratch view replacing it
+        for cdata, pinned in aliases.items():
+            storage = pinned[0][1].untyped_storage()
+            # our aliases and `storage` hold it; anything more is a holder outside the graph
+            if storage_use_count(cdata) > len(pinned) + 1:
+                continue
+            index = len(self._scratch)
+            self._scratch.append((storage.nbytes(), storage.device))
+            for key, alias in pinned:
+                scratch[id(alias)] = _Scratch(index, alias)
+                del self._aliases[key]
+        if scratch:
+            def swap(t: torch.Tensor):
+                return scratch.get(id(t), t)
+            self._ops = [(func, map_tensors(swap, args), map_tensors(swap, kwargs),
+                          map_tensors(swap, out), flags)
+                         for func, args, kwargs, out, flags in self._ops]
+
     def replay(self) -> None:
         with torch.no_grad(), disable_current_modes():
+            fresh = [torch.UntypedStorage(nbytes, device=device)
+                     for nbytes, device in self._scratch]
+
+            def view(s: _Scratch) -> torch.Tensor:
+                return torch.empty(0, dtype=s.dtype, device=fresh[s.storage].device).set_(
+                    fresh[s.storage], s.offset, s.shape, s.stride)
             for func, args, kwargs, out, replay_flags in self._ops:
+                if fresh:
+                    args = tree_map_only(_Scratch, view, args)
+                    kwargs = tree_map_only(_Scratch, view, kwargs)
+                    out = tree_map_only(_Scratch, view, out)
                 result = func(*args, **kwargs)
                 if replay_flags & REPLAY_FRESH:
                     _copy_into(out, result)
@@ -145,6 +211,15 @@ def _copy_into(dst, src) -> None:
 # conj/neg views, nested tensors and subclasses (their own parts). keep() runs per recorded
 # op, so it walks the shapes ops take (tensors, scalars, plain tuples and lists) itself and
 # leaves anything else to pytree.
+# A graph keeps what a CUDA graph's pool would, not every intermediate: at the region's end
+# `seal` looks at each storage first pinned as an op's output (made in the region). When
+# nothing but the graph's own aliases holds it (the storage's use count), it is scratch: its
+# aliases become `_Scratch` views (storage index, dtype, size, stride, offset) and the storage
+# is freed; each replay allocates the scratch storages afresh and runs the ops on views of
+# them, as a graph's pool lends its intermediates memory for the replay. A storage made in the
+# region that something else holds (the region's outputs, a cache the model kept) stays pinned,
+# and replay copies fresh results into it, as before. Without storage use counts (a torch
+# that lacks `_storage_Use_Count`: graphtrace._compat.SCRATCH) nothing is released.
 class _Region:
     """One open capture on one thread: the mode pushed, its records, maybe a replayable graph."""
 
@@ -170,6 +245,8 @@ class _Region:
         if self.trace.provenance is not None:
             self.trace.provenance.resume(self.paused)
         self.mode.finish()
+        if self.graph is not None:
+            self.graph.seal()  # lets go of its intermediates: Note [Emulated graphs keep storages]
         self.trace.recorder.storages.sweep(self.first_storage)  # its dead intermediates
         try:
             self.trace._after_capture(self.capture)
