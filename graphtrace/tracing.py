@@ -157,7 +157,8 @@ class EmulatedGraph:
         if scratch:
             def swap(t: torch.Tensor):
                 return scratch.get(id(t), t)
-            self._ops = [(func, map_tensors(swap, args), map_tensors(swap, kwargs),
+            self._ops = [(func, map_tensors(swap, args),
+                          {k: map_tensors(swap, v) for k, v in kwargs.items()} if kwargs else kwargs,
                           map_tensors(swap, out), flags)
                          for func, args, kwargs, out, flags in self._ops]
 
@@ -172,7 +173,8 @@ class EmulatedGraph:
             for func, args, kwargs, out, replay_flags in self._ops:
                 if fresh:
                     args = tree_map_only(_Scratch, view, args)
-                    kwargs = tree_map_only(_Scratch, view, kwargs)
+                    if kwargs:
+                        kwargs = tree_map_only(_Scratch, view, kwargs)
                     out = tree_map_only(_Scratch, view, out)
                 result = func(*args, **kwargs)
                 if replay_flags & REPLAY_FRESH:
