@@ -70,6 +70,7 @@ BLIND_SPOT_KINDS = (
     "nested capture",           # a CUDA graph captured inside a capture region
     "dtype/shape change",       # the owner's live tensor has another dtype or shape
     "lineage",                  # lineage could not follow (its edge cap was hit)
+    "tensor subclass",          # a subclass that dispatches its own ops but cannot be flattened
     "other",                    # anything else (a plain text from an older report)
 )
 BLIND_SPOT_FIELDS = ("kind", "text", "holder", "op", "model", "graph")  # meta / frame columns
