@@ -188,14 +188,16 @@ def unflattenable(tensor: object) -> bool:
 _TORCH_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
-def _with_inner(path: str, kind, tensor: torch.Tensor):
+def _with_inner(path: str, kind, tensor: object):
+    """The owner itself, then (a subclass) the tensors inside it under the same kind."""
     yield path, kind, tensor
-    if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
+    if isinstance(tensor, torch.Tensor):
         try:
-            for p, t in inner_tensors(path, tensor):
-                yield p, kind, t
-        except Exception:  # a __tensor_flatten__ that raises: the subclass alone, named later
-            pass
+            found = list(inner_tensors(path, tensor))
+        except Exception:  # a __tensor_flatten__ that raises: the subclass alone
+            found = []
+        for p, t in found:
+            yield p, kind, t
 
 
 def walk_owners(model: nn.Module, *, max_depth: int = 12,
@@ -253,10 +255,17 @@ def _walk(model: nn.Module, max_depth: int,
         for prefix, module in modules:
             dot = prefix + "." if prefix else ""
             for name, t in list(getattr(module, registry).items()):
-                if t is not None:
+                if t is None:
+                    continue
+                if type(t) is nn.Parameter or type(t) is torch.Tensor:
+                    yield dot + name, kind, t
+                else:
                     yield from _with_inner(dot + name, kind, t)
     for path, t in _attribute_owners(model, max_depth, max_items):
-        yield from _with_inner(path, "attribute", t)
+        if type(t) is torch.Tensor or type(t) is nn.Parameter:
+            yield path, "attribute", t
+        else:
+            yield from _with_inner(path, "attribute", t)
 
 
 def _attribute_owners(model: nn.Module, max_depth: int,

@@ -261,6 +261,66 @@ def requantize_freed(m, keep):
     gc.collect()
 
 
+# -- torchao (issue 25): quantized weights are wrapper tensor subclasses ---------------------
+# (Int8Tensor, Float8Tensor: `qdata`, `scale`, ... through __tensor_flatten__); graphs read the
+# inner tensors, owned as `<parameter>.<inner name>` (Note [tensor subclasses], owners.py).
+
+def torchao_config(kind: str):
+    """A torchao quantization config that runs on CPU: int8 weight-only, int8 dynamic
+    activation + int8 weight, float8 weight-only, int4 weight-only (CPU layout, prototype)."""
+    q = pytest.importorskip("torchao.quantization")
+    if kind == "int8":
+        return q.Int8WeightOnlyConfig()
+    if kind == "int8-dynamic":
+        return q.Int8DynamicActivationInt8WeightConfig()
+    if kind == "float8":
+        return q.Float8WeightOnlyConfig()
+    if kind == "int4":
+        from torchao.prototype.quantization.int4.inference_workflow import (
+            PrototypeInt4WeightOnlyConfig,
+        )
+        return PrototypeInt4WeightOnlyConfig(group_size=32)
+    raise ValueError(kind)
+
+
+def quantized(kind: str, seed: int = 0, width: int = 8) -> nn.Module:
+    """Two linears, quantized with torchao's `quantize_` (what a torchao-quantized engine holds)."""
+    from torchao.quantization import quantize_
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width)).eval()
+    quantize_(m, torchao_config(kind))
+    return m
+
+
+def inner_names(weight: torch.Tensor) -> list[str]:
+    return weight.__tensor_flatten__()[0]
+
+
+def requantize_torchao(kind: str, freed: bool = False):
+    """Quantize again from new float weights and bind the new weights (an RL weight sync
+    into a torchao-quantized engine): every inner tensor moves."""
+    def update(m, keep):
+        width = m[0].in_features
+        fresh = quantized(kind, seed=5, width=width)
+        for i in (0, 2):
+            m[i].weight = fresh[i].weight
+        if freed:
+            keep.clear()
+            gc.collect()
+    return update
+
+
+def copy_torchao(kind: str):
+    """copy_ the newly quantized inner tensors into the existing ones: clean."""
+    def update(m, keep):
+        fresh = quantized(kind, seed=5, width=m[0].in_features)
+        with torch.no_grad():
+            for i in (0, 2):
+                for name in inner_names(m[i].weight):
+                    getattr(m[i].weight, name).copy_(getattr(fresh[i].weight, name))
+    return update
+
+
 # -- freshness (issue 24): a cache derived from parameters, read by the graphs -------------
 
 def _mamba(rewrite_in_forward=False):
@@ -345,6 +405,26 @@ SCENARIOS: dict[str, Scenario] = {
     "compiled-rebind": Scenario(Model, rebind("gate", "config"), {"stale"}, {"manifest"},
                                 compiled=True),
     "compiled-copy": Scenario(Model, copy_in_place(), set(), compiled=True),
+    "torchao-int8-requantized": Scenario(lambda: quantized("int8"), requantize_torchao("int8"),
+                                         {"stale"}, {"manifest"}, needs="torchao"),
+    "torchao-int8-requantized-freed": Scenario(lambda: quantized("int8"),
+                                               requantize_torchao("int8", freed=True),
+                                               {"dangling"}, {"unknown"}, needs="torchao"),
+    "torchao-int8-copied": Scenario(lambda: quantized("int8"), copy_torchao("int8"), set(),
+                                    needs="torchao"),
+    "torchao-int8-dynamic-requantized": Scenario(lambda: quantized("int8-dynamic"),
+                                                 requantize_torchao("int8-dynamic"), {"stale"},
+                                                 {"manifest"}, needs="torchao"),
+    "torchao-float8-requantized": Scenario(lambda: quantized("float8"),
+                                           requantize_torchao("float8"), {"stale"},
+                                           {"manifest"}, needs="torchao"),
+    "torchao-int8-compiled-requantized": Scenario(lambda: quantized("int8"),
+                                                  requantize_torchao("int8"), {"stale"},
+                                                  # the region reads zero_point (all zeros):
+                                                  {"manifest", "latent"}, compiled=True,
+                                                  needs="torchao"),
+    "torchao-int8-compiled-copied": Scenario(lambda: quantized("int8"), copy_torchao("int8"),
+                                             set(), compiled=True, needs="torchao"),
     "derived-cache-refit": Scenario(_mamba(), refit(), {"unrefreshed"}, {"unknown"},
                                     warmup=True),
     "derived-cache-recomputed": Scenario(_mamba(), refit(refresh=True), set(), warmup=True),
@@ -363,6 +443,8 @@ def _run(name: str, tmp_path):
     sc = SCENARIOS[name]
     if sc.needs == "fbgemm" and "fbgemm" not in torch.backends.quantized.supported_engines:
         pytest.skip("no fbgemm quantized engine")
+    if sc.needs == "torchao":
+        pytest.importorskip("torchao", reason="torchao is not installed (pip install -e .[dev])")
     torch.manual_seed(0)
     model = sc.build().eval()
     forward = torch.compile(model, backend="inductor") if sc.compiled else model

@@ -1,0 +1,175 @@
+"""Weights in real quantization libraries (issue 25): tensor subclasses.
+
+torchao's quantized weights are wrapper tensor subclasses (`Int8Tensor`, `Float8Tensor`,
+`Int4OpaqueTensor`) whose own storage is a placeholder; the graphs read the tensors inside
+them. Before the owner walk descended through `__tensor_flatten__` a re-quantize reported
+0 stale edges. Diff/guard agreement on these updates: tests/test_differential.py
+(`torchao-*` scenarios).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+from torch.testing._internal.two_tensor import TwoTensor
+
+import graphtrace as gt
+from graphtrace.owners import resolve_path, walk_owners
+from tests.test_differential import (
+    assert_agree,
+    copy_torchao,
+    inner_names,
+    quantized,
+    requantize_torchao,
+)
+
+pytest.importorskip("torchao", reason="torchao is not installed (pip install -e .[dev])")
+
+
+def _capture(model, x, compiled=False):
+    forward = torch.compile(model, backend="inductor") if compiled else model
+    keep = []
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            forward(x)
+        keep.append(g)
+    return t, keep
+
+
+def _problems(report) -> dict[str, str]:
+    e = report.edges
+    bad = e[e["verdict"].astype(str).isin(gt.STALE_VERDICTS)]
+    return {o: str(v) for o, v in zip(bad["owners"].astype(str), bad["verdict"].astype(str))}
+
+
+# -- the owner walk --------------------------------------------------------------------------
+
+def test_walk_owns_the_inner_tensors_of_a_torchao_weight_and_resolve_path_reaches_them():
+    m = quantized("int8")
+    found = {p: (k, t) for p, k, t in walk_owners(m)}
+    w = m[0].weight
+    assert type(w).__name__ == "Int8Tensor"
+    for name in inner_names(w):
+        kind, tensor = found[f"0.weight.{name}"]
+        assert kind == "parameter"  # the registered weight's data
+        assert tensor is getattr(w, name)
+        assert resolve_path(m, f"0.weight.{name}") is tensor
+
+
+def test_walk_descends_through_nested_subclasses():
+    inner = TwoTensor(torch.rand(4), torch.rand(4))
+    holder = nn.Module()
+    holder.pair = TwoTensor(inner, inner * 2)  # an attribute, a subclass of subclasses
+    paths = {p: t for p, _, t in walk_owners(holder)}
+    assert {"pair", "pair.a", "pair.b", "pair.a.a", "pair.a.b", "pair.b.a", "pair.b.b"} \
+        <= set(paths)
+    assert paths["pair.a.b"] is inner.b
+    assert resolve_path(holder, "pair.b.a") is paths["pair.b.a"]
+
+
+class Unflattenable(torch.Tensor):
+    """Dispatches its own ops on a tensor it holds, but cannot be flattened."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = torch.utils._pytree.tree_map_only
+        return func(*unwrap(Unflattenable, lambda x: x.elem, args),
+                    **unwrap(Unflattenable, lambda x: x.elem, kwargs or {}))
+
+
+def test_a_subclass_that_cannot_be_flattened_is_a_blind_spot_naming_its_path():
+    lin = nn.Linear(4, 4)
+    del lin.weight
+    lin.weight = Unflattenable(torch.rand(4, 4))
+    t, keep = _capture(lin, torch.rand(2, 4))
+    spots = [b for b in t.diff().meta["blind_spots"] if b["kind"] == "tensor subclass"]
+    assert [b["holder"] for b in spots] == ["weight"]
+    assert "Unflattenable" in spots[0]["text"]
+    lin.weight = Unflattenable(torch.rand(4, 4))  # rebinding it is still seen
+    assert set(_problems(t.diff()).values()) <= {"stale", "dangling"}
+    assert "weight" in _problems(t.diff())
+
+
+def test_a_plain_model_gets_no_subclass_blind_spot():
+    lin = nn.Linear(4, 4)
+    t, keep = _capture(lin, torch.rand(2, 4))
+    assert not [b for b in t.diff().meta["blind_spots"] if b["kind"] == "tensor subclass"]
+
+
+# -- the issue's reproduction: re-quantize a transformers model ------------------------------
+
+def _llama_int8():
+    transformers = pytest.importorskip("transformers")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    quantize_(model, Int8WeightOnlyConfig())
+    return model, cfg
+
+
+def test_transformers_llama_requantized_with_torchao_is_stale_on_the_inner_tensors():
+    transformers = pytest.importorskip("transformers")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    model, cfg = _llama_int8()
+    ids = torch.randint(0, 64, (1, 8))
+    t, keep = _capture(model, ids)
+    guard = t.guard()
+    torch.manual_seed(1)
+    fresh = transformers.LlamaForCausalLM(cfg).eval()
+    quantize_(fresh, Int8WeightOnlyConfig())
+    linears = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    for name in linears:
+        model.get_submodule(name).weight = fresh.get_submodule(name).weight
+    report = t.diff()
+    problems = _problems(report)
+    for name in linears:  # every linear's int8 data and scales, by path
+        assert problems.get(f"{name}.weight.qdata") == "stale"
+        assert problems.get(f"{name}.weight.scale") == "stale"
+    assert len(problems) == 2 * len(linears) == 30
+    assert_agree(t, [guard], report)
+    with pytest.raises(gt.StaleGraphError):
+        guard.enforce()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int8-dynamic", "float8", "int4"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_every_cpu_torchao_config_requantized_is_stale_and_copied_is_clean(kind, compiled):
+    width = 32 if kind == "int4" else 8  # int4: a group of 32 input features
+    x = torch.rand(2, width)
+    for update, stale in ((requantize_torchao(kind), True), (copy_torchao(kind), False)):
+        m = quantized(kind, width=width)
+        t, keep = _capture(m, x, compiled)
+        guard = t.guard()
+        owned = set(t.diff().owners["path"].astype(str))
+        assert {f"0.weight.{n}" for n in inner_names(m[0].weight)} & owned
+        update(m, keep)
+        report = t.diff()
+        problems = _problems(report)
+        assert_agree(t, [guard], report)
+        if stale:
+            assert problems and all(v == "stale" for v in problems.values()), problems
+            assert {o.rsplit(".", 1)[0] for o in problems} == {"0.weight", "2.weight"}
+        else:
+            assert problems == {}
+
+
+def test_requantized_and_graphs_dropped_is_dangling():
+    m = quantized("int8")
+    t, keep = _capture(m, torch.rand(2, 8))
+    requantize_torchao("int8", freed=True)(m, keep)
+    gc.collect()
+    problems = _problems(t.diff())
+    assert problems and set(problems.values()) == {"dangling"}
