@@ -17,6 +17,7 @@ from torch import nn
 from torch.testing._internal.two_tensor import TwoTensor
 
 import graphtrace as gt
+from graphtrace.guard import describe
 from graphtrace.owners import resolve_path, walk_owners
 from tests.test_differential import (
     assert_agree,
@@ -173,3 +174,96 @@ def test_requantized_and_graphs_dropped_is_dangling():
     gc.collect()
     problems = _problems(t.diff())
     assert problems and set(problems.values()) == {"dangling"}
+
+
+# -- the guard fails closed on blind spots (Note [blind spots in the guard]) ----------------
+
+def _unflattenable_linear():
+    lin = nn.Linear(4, 4)
+    del lin.weight
+    lin.weight = Unflattenable(torch.rand(4, 4))
+    return lin
+
+
+def _blind(problems):
+    return problems[problems["verdict"] == "unchecked"]
+
+
+def test_guard_fails_closed_on_a_subclass_written_in_place_unless_accepted(tmp_path):
+    lin = _unflattenable_linear()
+    t, keep = _capture(lin, torch.rand(2, 4))
+    guard = t.guard()
+    assert [b.kind for b in guard.blind_spots] == ["tensor subclass"]
+    loaded = gt.load_guard(guard.to_json(tmp_path / "g.json"), lin)
+    accepting = t.guard(accept=["tensor subclass"])
+    for g in (guard, loaded, accepting):
+        assert g.check().empty  # nothing happened yet: the holder holds, unwritten
+    with torch.no_grad():
+        lin.weight.copy_(torch.rand(4, 4))  # new values behind the wrapper: not seen
+    for g in (guard, loaded):
+        rows = _blind(g.check())
+        assert list(rows["blind_spot"]) == ["tensor subclass"]
+        assert list(rows["owners"]) == ["weight"] and list(rows["statuses"]) == ["written"]
+        with pytest.raises(gt.StaleGraphError, match="tensor subclass"):
+            g.enforce()
+    assert accepting.check().empty
+    accepting.enforce()
+    guard.accept = ["tensor subclass"]  # accepted later, on the guard itself
+    guard.enforce()
+
+
+def test_a_blind_spot_without_a_holder_cannot_be_checked_and_fails_every_check(tmp_path):
+    m = quantized("int8")
+    t, keep = _capture(m, torch.rand(2, 8))
+    t.add_blind_spot("an op fetches the KV cache by name inside itself", kind="forward context",
+                     op="vllm::unified_attention")
+    t.add_blind_spot("only in another graph", kind="forward context", graph="elsewhere")
+    guard = t.guard()
+    assert [b.text for b in guard.blind_spots] == [
+        "an op fetches the KV cache by name inside itself"]
+    rows = _blind(guard.check())
+    assert list(rows["statuses"]) == [""] and list(rows["graph_id"]) == [-1]
+    assert "forward context: an op fetches the KV cache by name inside itself [nothing to " \
+        "check it by]" in describe(guard.check())
+    loaded = gt.load_guard(guard.to_json(tmp_path / "g.json"), m,
+                           accept=["forward context"])
+    assert loaded.check().empty
+    copy_torchao("int8")(m, keep)  # a clean copy update: the edges agree, the blind spot not
+    assert len(_blind(guard.check())) == 1
+    assert t.guard(accept=["forward context"]).check().empty
+
+
+def test_accept_names_bad_kinds_clearly(tmp_path):
+    lin = _unflattenable_linear()
+    t, keep = _capture(lin, torch.rand(2, 4))
+    with pytest.raises(gt.GraphtraceError, match="unknown blind-spot kind.*'opaque'.*kinds: "):
+        t.guard(accept=["opaque"])
+    with pytest.raises(gt.GraphtraceError, match=r"accept=\['opaque handle'\]"):
+        t.guard(accept="opaque handle")
+    with pytest.raises(gt.GraphtraceError, match="list of blind-spot kinds"):
+        t.guard(accept=3)
+    path = t.guard().to_json(tmp_path / "g.json")
+    with pytest.raises(gt.GraphtraceError, match="unknown blind-spot kind"):
+        gt.load_guard(path, lin, accept=["nope"])
+    guard = t.guard()
+    with pytest.raises(gt.GraphtraceError, match="unknown blind-spot kind"):
+        guard.accept = ["nope"]
+
+
+def test_manifest_without_blind_spots_still_loads_and_bad_entries_are_named(tmp_path):
+    import json
+    lin = _unflattenable_linear()
+    t, keep = _capture(lin, torch.rand(2, 4))
+    data = t.guard().to_dict()
+    assert data["blind_spots"][0]["kind"] == "tensor subclass"
+    old = {k: v for k, v in data.items() if k != "blind_spots"}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert gt.load_guard(tmp_path / "old.json", lin).blind_spots == []
+    data["blind_spots"][0]["graph_id"] = 99
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(gt.GraphtraceError, match=r"bad.json: blind_spots\[0\] must be"):
+        gt.load_guard(tmp_path / "bad.json", lin)
+    data["blind_spots"][0].update(graph_id=-1, kind="no such kind")
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(gt.GraphtraceError, match=r"blind_spots\[0\]"):
+        gt.load_guard(tmp_path / "bad.json", lin)
