@@ -326,6 +326,18 @@ def copy_torchao(kind: str):
     return update
 
 
+class MLP(nn.Module):
+    """Two linears: what Inductor's CPU freezing prepacks into compiled-in constants."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 64)
+        self.down = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
 # -- freshness (issue 24): a cache derived from parameters, read by the graphs -------------
 
 def _mamba(rewrite_in_forward=False):
@@ -364,6 +376,7 @@ class Scenario:
     compiled: bool = False
     needs: str = ""
     warmup: bool = False          # an eager forward inside the trace before the captures
+    freezing: bool = False        # compiled with Inductor's freezing (parameters folded in)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -430,6 +443,12 @@ SCENARIOS: dict[str, Scenario] = {
                                                   needs="torchao"),
     "torchao-int8-compiled-copied": Scenario(lambda: quantized("int8"), copy_torchao("int8"),
                                              set(), compiled=True, needs="torchao"),
+    # Inductor freezing: the prepacked weights are compiled-in constants no model owns; lineage
+    # ties them to the parameters they were packed from (Note [frozen constants], compiled.py)
+    "frozen-copy": Scenario(MLP, copy_in_place(), {"unrefreshed"}, {"unknown"}, compiled=True,
+                            freezing=True),
+    "frozen-unchanged": Scenario(MLP, lambda m, keep: None, set(), compiled=True,
+                                 freezing=True),
     "derived-cache-refit": Scenario(_mamba(), refit(), {"unrefreshed"}, {"unknown"},
                                     warmup=True),
     "derived-cache-recomputed": Scenario(_mamba(), refit(refresh=True), set(), warmup=True),
@@ -455,7 +474,8 @@ def _run(name: str, tmp_path):
     forward = torch.compile(model, backend="inductor") if sc.compiled else model
     width = 4 if isinstance(model, Packed) else 8
     keep = []
-    with torch.no_grad(), gt.trace(model, strict=True) as t:
+    frozen = torch._inductor.config.patch(freezing=sc.freezing)
+    with torch.no_grad(), frozen, gt.trace(model, strict=True) as t:
         if sc.warmup:  # eager, as a process step is (lineage does not see inside compiled code)
             model(torch.rand(2, width))
         for label, batch in (("decode", torch.rand(2, width)), ("prefill", torch.rand(4, width))):

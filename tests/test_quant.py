@@ -267,3 +267,68 @@ def test_manifest_without_blind_spots_still_loads_and_bad_entries_are_named(tmp_
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(gt.GraphtraceError, match=r"blind_spots\[0\]"):
         gt.load_guard(tmp_path / "bad.json", lin)
+
+
+# -- Inductor freezing: compiled-in constants tied to their source parameters ----------------
+
+def _frozen_capture(model, x, compile_inside=True):
+    from torch._inductor import config
+    with torch.no_grad(), config.patch(freezing=True):
+        forward = torch.compile(model, backend="inductor")
+        if not compile_inside:
+            forward(x)  # compiled (and its constants folded) before the trace opened
+        keep = []
+        with gt.trace(model, strict=True) as t:
+            with gt.capture("g") as g:
+                keep.append(forward(x))  # the graph's output: replay writes into it
+            keep.append(g)
+    return t, keep
+
+
+def test_frozen_constants_are_unrefreshed_after_a_copy_reload_with_their_source_paths(tmp_path):
+    from tests.test_differential import MLP
+    torch.manual_seed(0)
+    m = MLP().eval()
+    x = torch.rand(4, 8)
+    t, keep = _frozen_capture(m, x)
+    guard = t.guard(accept=["opaque handle"])  # the extern MKL op's packed argument accepted
+    loaded = gt.load_guard(guard.to_json(tmp_path / "g.json"), m, accept=["opaque handle"])
+    assert guard.check().empty and t.diff().stale.empty
+    with torch.no_grad():
+        old = m(x)
+        for lin in (m.up, m.down):  # a copy reload: every weight keeps its storage
+            lin.weight.copy_(torch.randn_like(lin.weight))
+        new = m(x)
+    out, graph = keep
+    graph.replay()  # as a CUDA graph would: the prepacked constants still hold the old weights
+    assert torch.allclose(out, old, atol=1e-4) and not torch.allclose(out, new, atol=1e-2)
+    report = t.diff()
+    e = report.edges
+    frozen = e[e["verdict"].astype(str) == "unrefreshed"]
+    assert set(frozen["derived_from"].astype(str)) == {"up.weight", "down.weight"}
+    assert all(a.startswith("constant:") for a in frozen["args"].astype(str))
+    assert not [b for b in report.meta["blind_spots"] if "no watched model owns" in b["text"]]
+    row = report.meta["compiled"][0]
+    assert row["derived_constants"] == len(frozen)
+    assert_agree(t, [guard, loaded], report)
+    for g in (guard, loaded):
+        with pytest.raises(gt.StaleGraphError, match="unrefreshed"):
+            g.enforce()
+
+
+def test_constants_folded_before_the_trace_stay_a_blind_spot_and_the_guard_fails_closed():
+    from tests.test_differential import MLP
+    torch.manual_seed(0)
+    m = MLP().eval()
+    t, keep = _frozen_capture(m, torch.rand(4, 8), compile_inside=False)
+    report = t.diff()
+    assert not (report.edges["verdict"].astype(str) == "unrefreshed").any()
+    spots = [b for b in report.meta["blind_spots"] if b["kind"] == "compiled"]
+    assert spots and "no watched model owns" in spots[0]["text"]
+    guard = t.guard(accept=["opaque handle"])
+    with torch.no_grad():
+        m.up.weight.copy_(torch.randn_like(m.up.weight))
+    rows = guard.check()
+    assert list(rows["blind_spot"]) == ["compiled"]  # no holder: cannot be checked
+    with pytest.raises(gt.StaleGraphError, match="compiled"):
+        guard.enforce()
