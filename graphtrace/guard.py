@@ -31,13 +31,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphtrace import __version__
 from graphtrace._compat import storage_from_weak_ref
+from graphtrace.blindspots import BlindSpot
 from graphtrace.errors import GraphtraceError
 from graphtrace.lineage import Derived, Source
 from graphtrace.opaque import storage_of
 from graphtrace.owners import OwnerSnapshot, PathSet, resolve_path
 from graphtrace.recorder import Recorder
 from graphtrace.verdict import View, freshness_of, impact_of, owner_status, verdict_of
-from graphtrace.blindspots import BlindSpot
 from graphtrace.vocab import (
     BLIND_SPOT_KINDS,
     GUARD_COLUMNS,
