@@ -35,7 +35,7 @@ from graphtrace.blindspots import BlindSpot
 from graphtrace.errors import GraphtraceError
 from graphtrace.lineage import Derived, Source
 from graphtrace.opaque import storage_of
-from graphtrace.owners import OwnerSnapshot, PathSet, resolve_path
+from graphtrace.owners import OwnerSnapshot, PathSet, resolve_path, resolve_value
 from graphtrace.recorder import Recorder
 from graphtrace.verdict import View, freshness_of, impact_of, owner_status, verdict_of
 from graphtrace.vocab import (
@@ -563,7 +563,7 @@ def describe(problems: pd.DataFrame, limit: int = 20) -> str:
                      "t.guard(accept=[...]) once you know it is safe):")
         for r in blind.head(limit).itertuples(index=False):
             what = {"": "nothing to check it by", "moved": "its holder moved",
-                    "orphaned": "its holder is gone",
+                    "orphaned": "its holder is gone", "changed": "its holder's value changed",
                     "written": "its holder was written in place"}.get(r.statuses, r.statuses)
             lines.append(f"  {r.blind_spot}: {r.note} [{what}]")
         if len(blind) > limit:
@@ -597,7 +597,8 @@ def _describe_edges(problems: pd.DataFrame, limit: int) -> list[str]:
 def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
              models: Mapping[str, torch.nn.Module], first_graph: int = 0,
              lineage=None, blind_spots: Iterable[BlindSpot] = (),
-             accept: Iterable[str] = ()) -> Guard:
+             accept: Iterable[str] = (), values: Mapping[BlindSpot, float] | None = None
+             ) -> Guard:
     """The guard of `recorder`'s captures (ids from `first_graph`): their owned storages by
     weak handle, with the capture-time owners `snapshot` holds (updated first with the
     storages it has not matched yet, as diff does), checked against `models`. With the
@@ -605,7 +606,8 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
     `Derived` baselines, and `check()` gives `unrefreshed` too (Note [freshness]).
     `blind_spots`: the trace's records; those that concern the guarded graphs (and the
     opaque handles they read) are kept with their holders' identity, and `check()` fails
-    closed on them unless their kind is in `accept` (Note [blind spots in the guard])."""
+    closed on them unless their kind is in `accept` (Note [blind spots in the guard]);
+    `values`: the float a `baked scalar` record's holder held at capture."""
     from graphtrace.edges import capture_edges
 
     accept = accepted_kinds(accept)  # a bad kind fails before any work
@@ -657,7 +659,7 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
             "owners": sid_owners, "owner_views": owner_views, "derived": derived.get(sid)})
     graphs = {c.graph_id: c.label for c in rec.captures if c.graph_id >= first_graph}
     spots = list(blind_spots) + _opaque_spots(rec, found, owners, first_graph)
-    blind = _guarded_blind(spots, graphs, models)
+    blind = _guarded_blind(spots, graphs, models, values or {})
     guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace",
                   lineage=lineage, blind_spots=blind, accept=accept)
     for name, model in models.items():
@@ -776,7 +778,9 @@ def _list(data: dict, key: str, fail) -> list:
 # `statuses` what the holder did) for each one the update may have invalidated:
 # - its holder (an owner path) reaches another storage or object now (`moved`), none
 #   (`orphaned`), or the same tensor written in place (`written`: its version counter
-#   moved, so what is behind it may have changed unseen); a holder that owns a guarded
+#   moved, so what is behind it may have changed unseen), or for a baked scalar (Note
+#   [baked scalars] in graphtrace/scalars.py) a value other than the captured one
+#   (`changed`); a holder that owns a guarded
 #   storage and moved is already a stale or dangling row of that storage, so no second row;
 # - it has no holder, or its holder did not resolve when the guard was made: it cannot be
 #   checked at all (`statuses` empty).
@@ -827,7 +831,7 @@ def _opaque_spots(rec, found, owners, first_graph: int) -> list[BlindSpot]:
 
 
 def _guarded_blind(spots: Iterable[BlindSpot], graphs: Mapping[int, str],
-                   models: Mapping[str, torch.nn.Module]) -> list[dict]:
+                   models: Mapping[str, torch.nn.Module], values: Mapping) -> list[dict]:
     """The records that concern the guarded `graphs`, each with its holder's identity now."""
     ids = {label: g for g, label in graphs.items()}
     out, seen = [], set()
@@ -839,9 +843,10 @@ def _guarded_blind(spots: Iterable[BlindSpot], graphs: Mapping[int, str],
             continue
         seen.add(key)
         entry = {"spot": spot, "graph_id": ids.get(spot.graph, -1), "ref": None,
-                 "data_ptr": None, "nbytes": None, "version": None}
+                 "data_ptr": None, "nbytes": None, "version": None,
+                 "value": values.get(spot)}  # a baked scalar's value at capture
         model = models.get(spot.model) if spot.holder else None
-        if model is not None:
+        if model is not None and entry["value"] is None:
             _hold(entry, resolve_path(model, spot.holder))
         out.append(entry)
     return out
@@ -869,6 +874,8 @@ def _hold(entry: dict, target: object) -> None:
 def _holder_status(entry: dict, target: object) -> str:
     """What a blind spot's holder did since the guard was made: "holds", "moved", "orphaned",
     "written", or "" (nothing to check: no holder identity)."""
+    if entry.get("value") is not None:  # a baked scalar: its holder's value (Note [baked scalars])
+        return HOLDS if target == entry["value"] else ORPHANED if target is None else "changed"
     if entry["ref"] is None and entry["data_ptr"] is None:
         return ""
     if target is None:
@@ -899,13 +906,14 @@ def _blind_rows(blind: list[dict], accept: frozenset, models: Mapping[str, torch
         if spot.kind in accept:
             continue
         model = models.get(spot.model)
-        target = resolve_path(model, spot.holder) if (model is not None and spot.holder) \
-            else None
+        resolve = resolve_value if entry.get("value") is not None else resolve_path
+        target = resolve(model, spot.holder) if (model is not None and spot.holder) else None
         status = _holder_status(entry, target)
-        if status == HOLDS or (status in (MOVED, ORPHANED) and (spot.model, spot.holder) in owned):
+        if status == HOLDS or (status in (MOVED, ORPHANED) and (spot.model, spot.holder) in owned
+                               and entry.get("value") is None):
             continue
         live = pd.NA
-        if status in (MOVED, "written"):
+        if status in (MOVED, "written") and entry.get("value") is None:
             storage = _storage(target)
             live = _ptr(storage) if storage is not None else pd.NA
         g = entry["graph_id"]
@@ -937,7 +945,7 @@ def _adopt_blind(blind: list[dict], name: str, model: torch.nn.Module) -> None:
 def _blind_json(entry: dict) -> dict:
     return {**entry["spot"].to_json(), "graph_id": entry["graph_id"],
             "data_ptr": entry["data_ptr"], "nbytes": entry["nbytes"],
-            "version": entry["version"], "process": _PROCESS}
+            "version": entry["version"], "value": entry.get("value"), "process": _PROCESS}
 
 
 def _blind_from_json(data: object, models: list, graphs: dict, fail, where: str) -> dict:
@@ -946,6 +954,9 @@ def _blind_from_json(data: object, models: list, graphs: dict, fail, where: str)
                                                            "model", "graph") if k in data})
         graph_id, ptr, nbytes, version = (data.get("graph_id", -1), data.get("data_ptr"),
                                           data.get("nbytes"), data.get("version"))
+        value = data.get("value")
+        if value is not None and (type(value) not in (int, float)):
+            raise TypeError
         if not (isinstance(graph_id, int) and (graph_id == -1 or graph_id in graphs)
                 and all(v is None or (isinstance(v, int) and not isinstance(v, bool))
                         for v in (ptr, nbytes, version))
@@ -957,4 +968,5 @@ def _blind_from_json(data: object, models: list, graphs: dict, fail, where: str)
                    f"null; model one of \"models\"), got {data!r}") from None
     same = data.get("process") == _PROCESS
     return {"spot": spot, "graph_id": graph_id, "ref": None, "data_ptr": ptr,
-            "nbytes": nbytes, "version": version if same else None}
+            "nbytes": nbytes, "version": version if same else None,
+            "value": float(value) if value is not None else None}

@@ -61,7 +61,7 @@ from graphtrace.blindspots import BlindSpot
 from graphtrace.opaque import is_opaque, storage_of
 
 __all__ = ["OwnerKind", "Owner", "OwnerSnapshot", "PathSet", "walk_owners", "resolve_path",
-           "named_modules", "inner_tensors", "unflattenable"]
+           "named_modules", "inner_tensors", "unflattenable", "scalar_owners", "resolve_value"]
 
 OwnerKind = Literal["parameter", "buffer", "attribute"]
 Owner = tuple[str, str, str]  # (model name, path, owner kind)
@@ -527,6 +527,37 @@ def _step(obj: object, is_key: bool, step: object) -> object:
         return _attr(obj, step)
     except Exception:  # a property or __getattr__ that raises: the path is broken
         return _MISSING
+
+
+def resolve_value(model: nn.Module, path: str) -> object:
+    """What `path` reaches on `model` now, whatever it is (a float attribute, for baked
+    scalars: graphtrace.scalars); None where it does not resolve."""
+    obj: object = model
+    for is_key, step in _parse(path):
+        obj = _step(obj, is_key, step)
+        if obj is _MISSING:
+            return None
+    return obj
+
+
+def scalar_owners(model: nn.Module) -> list[tuple[str, float]]:
+    """(path, value) of every float a watched module holds as an attribute or as an entry of a
+    dict attribute with a literal key (`lora.scaling['default']`): what a graph may bake in
+    (Note [baked scalars] in graphtrace/scalars.py)."""
+    out = []
+    for prefix, module in named_modules(model):
+        dot = prefix + "." if prefix else ""
+        for k, v in list(module.__dict__.items()):
+            if k in _MODULE_INTERNALS or type(k) is not str or not k.isidentifier():
+                continue
+            if type(v) is float:
+                out.append((dot + k, v))
+            elif type(v) is dict and len(v) <= 64:
+                for key, x in list(v.items()):
+                    r = _key_repr(key) if type(x) is float else None
+                    if r is not None:
+                        out.append((f"{dot}{k}[{r}]", x))
+    return out
 
 
 class PathSet:

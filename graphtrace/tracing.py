@@ -26,6 +26,7 @@ from graphtrace.encoding import REPLAY_FRESH
 from graphtrace.errors import GraphtraceError
 from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
+from graphtrace.scalars import BakedScalars
 
 __all__ = ["GraphtraceError", "Trace", "EmulatedGraph", "trace", "capture", "active_trace"]
 
@@ -112,6 +113,10 @@ class EmulatedGraph:
                 if replay_flags & REPLAY_FRESH:
                     _copy_into(out, result)
 
+    def kept_ops(self) -> list:
+        """The ops kept for replay: (func, args, kwargs, out, replay flags) each."""
+        return list(self._ops)
+
     def __len__(self) -> int:
         return len(self._ops)
 
@@ -173,6 +178,8 @@ class _Region:
         self.trace.recorder.storages.sweep(self.first_storage)  # its dead intermediates
         try:
             self.trace._after_capture(self.capture)
+            if self.graph is not None:
+                self.trace._note_scalars(self.capture.label, self.graph)
         finally:
             self.trace.recorder.unpin(self.capture)
 
@@ -352,6 +359,7 @@ class Trace:
         # watched models by weak reference: a trace never keeps a model (or its storages) alive
         self._models: dict[str, weakref.ref] = {}
         self.blind_spots: list[BlindSpot] = []
+        self.baked_scalars = BakedScalars()  # Note [baked scalars] in graphtrace/scalars.py
         # packed/derived copies and the weights they are made from (Note [derived copies])
         self.derived = DerivedCopies(self.recorder.fail)
         self._regions = threading.local()
@@ -504,6 +512,13 @@ class Trace:
                                 "makes); what they hold is not recorded",
                                 kind="opaque handle", op=op)
 
+    def _note_scalars(self, label: str, graph: "EmulatedGraph") -> None:
+        """The floats this emulated graph baked in that watched attributes held (fail open)."""
+        try:
+            self.baked_scalars.note(label, graph.kept_ops(), self.models)
+        except Exception as exc:
+            self.recorder.fail("baked scalars", exc)
+
     def _label_cuda_graph(self, graph, label: str | None) -> None:
         key = (threading.get_ident(), id(graph))
         if key in self._cuda_labels:
@@ -653,6 +668,8 @@ class Trace:
         spots = list(self.blind_spots)
         if self.derived.pairs:
             spots += self.derived.check(models)
+        if self.baked_scalars.records:
+            spots += self.baked_scalars.check(models)
         extra = {}
         rows = self._compiled_rows()
         if rows:  # per capture and compiled region: what was attributed (compiled.py)
@@ -695,8 +712,11 @@ class Trace:
                 spots += [s for s in blind_spots(self._compiled_rows()) if s.text not in known]
             except Exception as exc:  # fail open here: the guard still checks identity
                 self.recorder.fail("compiled regions for the guard", exc)
+        baked = self.baked_scalars.spots()
+        values = {b: self.baked_scalars.value_of(b) for b in baked}
         return guard_of(self.recorder, self.owner_snapshot, models, first_graph,
-                        lineage=self.lineage, blind_spots=spots, accept=accept)
+                        lineage=self.lineage, blind_spots=spots + baked, accept=accept,
+                        values=values)
 
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")

@@ -72,6 +72,7 @@ BLIND_SPOT_KINDS = (
     "dtype/shape change",       # the owner's live tensor has another dtype or shape
     "lineage",                  # lineage could not follow (its edge cap was hit)
     "tensor subclass",          # a subclass that dispatches its own ops but cannot be flattened
+    "baked scalar",             # a Python float a graph was captured with, held by an attribute
     "other",                    # anything else (a plain text from an older report)
 )
 BLIND_SPOT_FIELDS = ("kind", "text", "holder", "op", "model", "graph")  # meta / frame columns

@@ -20,6 +20,7 @@ import graphtrace as gt
 from graphtrace.guard import describe
 from graphtrace.owners import resolve_path, walk_owners
 from tests.test_differential import (
+    LoraLike,
     assert_agree,
     copy_torchao,
     inner_names,
@@ -332,3 +333,37 @@ def test_constants_folded_before_the_trace_stay_a_blind_spot_and_the_guard_fails
     assert list(rows["blind_spot"]) == ["compiled"]  # no holder: cannot be checked
     with pytest.raises(gt.StaleGraphError, match="compiled"):
         guard.enforce()
+
+
+# -- Python scalars baked into a graph (Note [baked scalars], graphtrace/scalars.py) ----------
+
+def test_a_hot_swapped_float_scaling_is_a_baked_scalar_in_diff_and_guard(tmp_path):
+    m = LoraLike()
+    t, keep = _capture(m, torch.rand(2, 8))
+    guard = t.guard()
+    loaded = gt.load_guard(guard.to_json(tmp_path / "g.json"), m)
+    assert t.baked_scalars.records[0][2:] == (0.37, (("", "scaling['default']"),))
+    assert guard.check().empty and not [
+        b for b in t.diff().meta["blind_spots"] if b["kind"] == "baked scalar"]
+    m.scaling["default"] = 2.0  # a LoRA hot-swap: the graph keeps 0.37
+    report = t.diff()
+    spots = [b for b in report.meta["blind_spots"] if b["kind"] == "baked scalar"]
+    assert [b["holder"] for b in spots] == ["scaling['default']"]
+    assert "0.37" in spots[0]["text"] and "is now 2.0" in spots[0]["text"]
+    assert_agree(t, [guard, loaded], report)
+    for g in (guard, loaded):
+        rows = _blind(g.check())
+        assert list(rows["blind_spot"]) == ["baked scalar"]
+        assert list(rows["statuses"]) == ["changed"]
+        with pytest.raises(gt.StaleGraphError, match="value changed"):
+            g.enforce()
+
+
+def test_a_float_two_attributes_held_is_called_ambiguous():
+    m = LoraLike()
+    m.alpha_over_r = 0.37  # the same value under another name
+    t, keep = _capture(m, torch.rand(2, 8))
+    assert t.baked_scalars.records[0][3] == (("", "alpha_over_r"), ("", "scaling['default']"))
+    m.scaling["default"] = 1.5
+    text = [b["text"] for b in t.diff().meta["blind_spots"] if b["kind"] == "baked scalar"]
+    assert len(text) == 1 and "ambiguous" in text[0] and "alpha_over_r" in text[0]
