@@ -64,7 +64,7 @@ __all__ = [
     # the native dispatch
     "OP_CALLS_OP_DIRECTLY", "calls_op_directly",
     # looked up on first use (Dynamo, Inductor, the C++ extension builder)
-    "load_compiled_fx_graph", "load_output_graph", "load_caching_autotuner",
+    "load_compiled_fx_graph", "load_constant_makers", "load_output_graph", "load_caching_autotuner",
     "dynamo_skip_code", "extension_build_directory",
 ]
 
@@ -207,6 +207,16 @@ def load_compiled_fx_graph() -> type:
     from torch._inductor.output_code import CompiledFxGraph
 
     return CompiledFxGraph
+
+
+def load_constant_makers() -> list:
+    """The Inductor modules whose `replace_node_with_constant` makes each compiled-in constant
+    (freezing's parameters, constant folding's folded and prepacked values)."""
+    import torch._inductor.constant_folding as constant_folding
+    import torch._inductor.freezing as freezing
+
+    return [m for m in (constant_folding, freezing)
+            if callable(m.__dict__.get("replace_node_with_constant"))]
 
 
 def load_output_graph() -> type:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -26,6 +26,7 @@ from graphtrace.encoding import REPLAY_FRESH
 from graphtrace.errors import GraphtraceError
 from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
+from graphtrace.scalars import BakedScalars
 
 __all__ = ["GraphtraceError", "Trace", "EmulatedGraph", "trace", "capture", "active_trace"]
 
@@ -180,6 +181,10 @@ class EmulatedGraph:
                 if replay_flags & REPLAY_FRESH:
                     _copy_into(out, result)
 
+    def kept_ops(self) -> list:
+        """The ops kept for replay: (func, args, kwargs, out, replay flags) each."""
+        return list(self._ops)
+
     def __len__(self) -> int:
         return len(self._ops)
 
@@ -252,6 +257,8 @@ class _Region:
         self.trace.recorder.storages.sweep(self.first_storage)  # its dead intermediates
         try:
             self.trace._after_capture(self.capture)
+            if self.graph is not None:
+                self.trace._note_scalars(self.capture.label, self.graph)
         finally:
             self.trace.recorder.unpin(self.capture)
 
@@ -431,6 +438,7 @@ class Trace:
         # watched models by weak reference: a trace never keeps a model (or its storages) alive
         self._models: dict[str, weakref.ref] = {}
         self.blind_spots: list[BlindSpot] = []
+        self.baked_scalars = BakedScalars()  # Note [baked scalars] in graphtrace/scalars.py
         # packed/derived copies and the weights they are made from (Note [derived copies])
         self.derived = DerivedCopies(self.recorder.fail)
         self._regions = threading.local()
@@ -583,6 +591,13 @@ class Trace:
                                 "makes); what they hold is not recorded",
                                 kind="opaque handle", op=op)
 
+    def _note_scalars(self, label: str, graph: "EmulatedGraph") -> None:
+        """The floats this emulated graph baked in that watched attributes held (fail open)."""
+        try:
+            self.baked_scalars.note(label, graph.kept_ops(), self.models)
+        except Exception as exc:
+            self.recorder.fail("baked scalars", exc)
+
     def _label_cuda_graph(self, graph, label: str | None) -> None:
         key = (threading.get_ident(), id(graph))
         if key in self._cuda_labels:
@@ -725,38 +740,62 @@ class Trace:
 
     def diff(self):
         """Resolve capture-time owners on the live model(s) and classify every edge."""
-        from graphtrace.compiled import blind_spots, region_ownership
+        from graphtrace.compiled import blind_spots
         from graphtrace.diff import diff
 
         models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
         spots = list(self.blind_spots)
         if self.derived.pairs:
             spots += self.derived.check(models)
+        if self.baked_scalars.records:
+            spots += self.baked_scalars.check(models)
         extra = {}
-        if self.compiled_regions.seen and self.recorder.captures and self.models:
-            self._match_owners()  # region_ownership counts owners: match the newest storages first
-            rows = region_ownership(self)
-            if rows:  # per capture and compiled region: what was attributed (compiled.py)
-                extra["compiled"] = rows
-                known = {s.text for s in spots}
-                spots += [s for s in blind_spots(rows) if s.text not in known]
+        rows = self._compiled_rows()
+        if rows:  # per capture and compiled region: what was attributed (compiled.py)
+            extra["compiled"] = rows
+            known = {s.text for s in spots}
+            spots += [s for s in blind_spots(rows) if s.text not in known]
         return diff(self.recorder, self.owner_snapshot, models, spots,
                     provenance=self.provenance, extra_meta=extra, lineage=self.lineage)
+
+    def _compiled_rows(self) -> list[dict]:
+        """graphtrace.compiled.region_ownership of the captures ([] without compiled regions)."""
+        from graphtrace.compiled import region_ownership
+
+        if not (self.compiled_regions.seen and self.recorder.captures and self.models):
+            return []
+        self._match_owners()  # region_ownership counts owners: match the newest storages first
+        return region_ownership(self)
 
     @property
     def lineage(self):
         """The trace's `graphtrace.lineage.Lineage` (None when lineage or provenance is off)."""
         return self.provenance.lineage if self.provenance is not None else None
 
-    def guard(self, first_graph: int = 0):
+    def guard(self, first_graph: int = 0, *, accept: Iterable[str] = ()):
         """A `graphtrace.guard.Guard` of the owned storages captured so far (graph ids from
         `first_graph`): weak handles and owner paths only; ``guard.check()`` /
-        ``guard.enforce()`` after each weight update (docs/guard.md)."""
-        from graphtrace.guard import guard_of
+        ``guard.enforce()`` after each weight update (docs/guard.md). The blind spots of
+        those graphs go in too, and fail the check after an update that may have
+        invalidated them unless their kind is in `accept` (e.g. ``["opaque handle"]``;
+        kinds: vocab.BLIND_SPOT_KINDS; Note [blind spots in the guard] in guard.py)."""
+        from graphtrace.compiled import blind_spots
+        from graphtrace.guard import accepted_kinds, guard_of
 
+        accept = accepted_kinds(accept)
         models = self._live_models() if self.recorder.captures else self.models
+        spots = list(self.blind_spots)
+        if self.recorder.captures:
+            try:
+                known = {s.text for s in spots}
+                spots += [s for s in blind_spots(self._compiled_rows()) if s.text not in known]
+            except Exception as exc:  # fail open here: the guard still checks identity
+                self.recorder.fail("compiled regions for the guard", exc)
+        baked = self.baked_scalars.spots()
+        values = {b: self.baked_scalars.value_of(b) for b in baked}
         return guard_of(self.recorder, self.owner_snapshot, models, first_graph,
-                        lineage=self.lineage)
+                        lineage=self.lineage, blind_spots=spots + baked, accept=accept,
+                        values=values)
 
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")
