@@ -80,6 +80,17 @@ _TARGETS = {
         # DPEngineCoreProc has its own busy loop
         ("EngineCoreProc", "run_busy_loop", "engine_loop", None),
         ("DPEngineCoreProc", "run_busy_loop", "engine_loop", None),
+        # Note [check before serve] in graphtrace/vllm/serve.py
+        ("EngineCore", "step", "step", None),
+        ("EngineCore", "step_with_batch_queue", "step", None),
+        ("EngineCore", "collective_rpc", "rpc", None),
+    ],
+    "vllm.v1.engine.llm_engine": [
+        ("LLMEngine", "step", "client_step", None),
+    ],
+    "vllm.model_executor.model_loader.utils": [
+        # verl runs it itself once after its buckets (None: a module-level function)
+        (None, "process_weights_after_loading", "update", "call"),
     ],
 }
 
@@ -210,6 +221,38 @@ def _wrap(cls, method: str, before: str | None, after: str | None) -> None:
     setattr(cls, method, wrapper)
 
 
+def _wrap_serve(cls, method: str, role: str) -> None:
+    """The engine's per-step and per-RPC points of Note [check before serve]
+    (graphtrace/vllm/serve.py): ``step`` may be refused before it schedules anything,
+    ``rpc`` marks an update pending, ``client_step`` raises a refusal in the client."""
+    original = cls.__dict__.get(method)
+    if original is None or getattr(original, "__graphtrace_wrapped__", False):
+        return
+    from graphtrace.vllm import serve
+
+    if role == "step":
+        def wrapper(self, *args, **kwargs):
+            refused = serve.before_step(self)
+            if refused is not None:
+                return refused
+            return original(self, *args, **kwargs)
+    elif role == "rpc":
+        def wrapper(self, method, *args, **kwargs):
+            try:
+                return original(self, method, *args, **kwargs)
+            finally:
+                serve.mark_remote_update(self, method)
+    else:
+        def wrapper(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            serve.after_client_step(self)
+            return result
+    functools.update_wrapper(wrapper, original)
+    wrapper.__graphtrace_wrapped__ = True
+    wrapper.__graphtrace_original__ = original
+    setattr(cls, method, wrapper)
+
+
 def _patch_module(name: str) -> None:
     with _lock:
         if name in _patched:
@@ -218,11 +261,13 @@ def _patch_module(name: str) -> None:
         if module is None:
             return
         for cls_name, method, before, after in _TARGETS[name]:
-            cls = getattr(module, cls_name, None)
+            cls = module if cls_name is None else getattr(module, cls_name, None)
             if cls is None:
                 continue
             if before == "update":
                 _wrap_update(cls, method, after)
+            elif before in ("step", "rpc", "client_step"):
+                _wrap_serve(cls, method, before)
             else:
                 _wrap(cls, method, before, after)
         _patched.add(name)
@@ -287,7 +332,7 @@ def uninstall() -> None:
         for name in list(_patched):
             module = sys.modules.get(name)
             for cls_name, method, _b, _a in _TARGETS[name]:
-                cls = getattr(module, cls_name, None)
+                cls = module if cls_name is None else getattr(module, cls_name, None)
                 fn = cls.__dict__.get(method) if cls is not None else None
                 if fn is not None and getattr(fn, "__graphtrace_wrapped__", False):
                     setattr(cls, method, fn.__graphtrace_original__)
