@@ -27,15 +27,20 @@ raises on purpose to fail the update (fail closed).
 
 Note [weight updates]
 ~~~~~~~~~~~~~~~~~~~~~
-vLLM 0.32 changes a worker's weights in three ways: ``Worker.reload_weights`` (layerwise
-reload; it calls ``model.load_weights`` inside), the weight-transfer session
-``Worker.start_weight_update`` .. ``update_weights`` (per chunk) .. ``finish_weight_update``
-(RL trainers; ``update_weights`` calls ``model.load_weights`` per chunk), and a bare
-``model.load_weights(weights)`` that RL frameworks run through ``collective_rpc``. The
-model class's ``load_weights`` is wrapped when the model is loaded (`wrap_model_updates`).
+vLLM 0.32 changes a worker's weights through: ``Worker.reload_weights`` (layerwise reload; it
+calls ``model.load_weights`` inside), the weight-transfer session ``Worker.start_weight_update``
+.. ``update_weights`` (per chunk) .. ``finish_weight_update`` (RL trainers; ``update_weights``
+calls ``model.load_weights`` per chunk), a bare ``model.load_weights(weights)`` (TRL colocate
+calls it on the worker's model directly, OpenRLHF and verl through ``collective_rpc``), and
+``vllm.model_executor.model_loader.utils.process_weights_after_loading``, which verl calls
+itself once after its buckets (wrapped as a module attribute: a caller that imported the name
+before the plugin registered keeps the original; verl imports it when it calls it). The model
+class's ``load_weights`` is wrapped when the model is loaded (`wrap_model_updates`).
 ``before_update`` fires when the outermost of these starts, ``after_update`` when it ends
 without raising: calls nested inside another, and ``load_weights`` inside an open transfer
-session, fire nothing (the model is half-updated until the session finishes).
+session, fire nothing (the model is half-updated until the session finishes). What the
+guard does with them: Note [check before serve] in graphtrace/vllm/serve.py, which also
+explains the wrapped ``EngineCore.step`` / ``collective_rpc`` and ``LLMEngine.step``.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ logger = logging.getLogger("graphtrace.vllm")
 
 EVENTS = ("before_load", "after_load", "after_warmup", "shutdown", "before_update",
           "after_update", "engine_loop")
-_listeners: dict[str, list[Callable]] = {e: [] for e in EVENTS}
+# tuples, replaced on change: firing (once per load_weights call of a per-tensor sync) copies none
+_listeners: dict[str, tuple[Callable, ...]] = {e: () for e in EVENTS}
 _lock = threading.RLock()
 _patched: set[str] = set()
 
@@ -100,14 +106,14 @@ def add_listener(event: str, fn: Callable) -> None:
         raise ValueError(f"unknown event {event!r}; events: {', '.join(EVENTS)}")
     with _lock:
         if fn not in _listeners[event]:
-            _listeners[event].append(fn)
+            _listeners[event] = (*_listeners[event], fn)
     install()
 
 
 def remove_listener(event: str, fn: Callable) -> None:
     with _lock:
         if fn in _listeners[event]:
-            _listeners[event].remove(fn)
+            _listeners[event] = tuple(f for f in _listeners[event] if f != fn)
 
 
 def _strict() -> bool:
@@ -115,7 +121,7 @@ def _strict() -> bool:
 
 
 def _fire(event: str, worker, *args) -> None:
-    for fn in list(_listeners[event]):
+    for fn in _listeners[event]:
         try:
             fn(worker, *args)
         except Exception as exc:
@@ -205,10 +211,17 @@ def _wrap(cls, method: str, before: str | None, after: str | None) -> None:
         outer = not self.__dict__.get(key, False)
         if outer:
             self.__dict__[key] = True
+        loading = method == "load_model"  # weight processing inside it is no update
         try:
             if outer and before:
                 _fire(before, self)
-            result = original(self, *args, **kwargs)
+            if loading:
+                _update_state.depth += 1
+            try:
+                result = original(self, *args, **kwargs)
+            finally:
+                if loading:
+                    _update_state.depth -= 1
             if outer and after:
                 _fire(after, self)
             return result
@@ -346,8 +359,8 @@ def uninstall() -> None:
         if _finder is not None and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
         _finder = None
-        for lst in _listeners.values():
-            lst.clear()
+        for event in _listeners:
+            _listeners[event] = ()
 
 
 # Note [lost SIGTERM]

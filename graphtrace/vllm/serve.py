@@ -133,10 +133,17 @@ class ServeGuard:
     def mark(self, method: str) -> None:
         """A weight update starts (or goes on): the engine is dirty until a check passes. The
         guard is built now, from the capture-time owners, before the update moves them."""
+        if self.dirty:  # the common case, once per call of a per-tensor sync: no lock
+            if self.updates[-1:] != [method]:
+                self.updates.append(method)
+            return
+        if self.vt is None:  # the trace is gone
+            return
         with _lock:
             if not self.dirty:
                 try:
-                    self.refresh()
+                    if self.refresh() is None:
+                        return  # no graph captured yet: nothing can read a stale storage
                 except Exception:
                     self._failed("building the guard before " + method)
             self.dirty = True

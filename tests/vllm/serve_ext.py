@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 HOLDER = "model.layers.0.self_attn.qkv_proj.injected_scale"
+_FIRST: dict[int, torch.Tensor] = {}  # the tensor the graphs captured, per layer
 
 
 def _layer(worker):
@@ -51,7 +52,7 @@ def _derive(layer) -> None:
     if getattr(layer, "graphtrace_test_mode", "copy") == "rebind":
         layer.injected_scale = _ones(layer)  # the bug: a new tensor
     else:  # the fix: the captured tensor, new values written into it
-        layer.injected_scale = layer.graphtrace_test_first
+        layer.injected_scale = _FIRST[id(layer)]
         layer.injected_scale.copy_(_ones(layer))
 
 
@@ -82,7 +83,7 @@ class ServeTestExtension:
 
         method.process_weights_after_loading = process_weights_after_loading
         layer.injected_scale = _ones(layer)
-        layer.graphtrace_test_first = layer.injected_scale  # the test's own reference
+        _FIRST[id(layer)] = layer.injected_scale  # off the model: not a second owner
         layer.register_forward_hook(_apply_scale)
         self.graphtrace_test_loader()
         return HOLDER
@@ -114,7 +115,7 @@ class ServeTestExtension:
 
     def graphtrace_test_holder_is_captured(self) -> bool:
         layer = _layer(self)
-        return layer.injected_scale is layer.graphtrace_test_first
+        return layer.injected_scale is _FIRST[id(layer)]
 
     # -- the clients' weight sync, worker side ----------------------------------------------
     def update_weight(self, name: str, folder: str) -> int:

@@ -4,24 +4,24 @@ core in this process) guarded by ``trace_llm(guard="raise")`` or by the plugin
 stale one and a correct one; prints one JSON line.
 
 usage: python serve_run.py MODEL_DIR CHANGED_DIR MODE PATHS
-  MODE: trace_llm or plugin; PATHS: comma-separated keys of serve_ext.SYNCS
+  MODE: trace_llm, plugin (engine core in this process) or plugin_mp (multiprocessing on:
+  the TRL path needs the worker in this process); PATHS: comma-separated keys of serve_ext.SYNCS
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 
 
 def main() -> None:
     model_dir, changed_dir, mode, paths = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+    from serve_ext import SYNCS
     from vllm import LLM, SamplingParams
 
     import graphtrace.vllm as gv
     from graphtrace.vllm import tiny
-    from serve_ext import SYNCS
 
     kw = tiny.engine_kwargs(model_dir, worker_extension_cls="serve_ext.ServeTestExtension")
     vt = None
@@ -35,6 +35,9 @@ def main() -> None:
 
     def gen():
         outs = llm.generate([{"prompt_token_ids": p} for p in tiny.PROMPTS], sp, use_tqdm=False)
+        reasons = {o.outputs[0].finish_reason for o in outs}
+        if "error" in reasons:  # a refused step, seen by a client in another process
+            raise RuntimeError(f"finish_reason error: {sorted(map(str, reasons))}")
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def status():
