@@ -33,10 +33,10 @@ import sys
 import time
 
 import torch
+from bench_guard import MLP, LlamaForCausalLM
 from torch import nn
 
 import graphtrace as gt
-from bench_guard import MLP, LlamaForCausalLM
 from graphtrace.vllm import hooks
 from graphtrace.vllm.serve import ServeGuard, before_step
 
