@@ -246,6 +246,8 @@ def _wrap_serve(cls, method: str, role: str) -> None:
     if role == "step":
         def wrapper(self, *args, **kwargs):
             refused = serve.before_step(self)
+            if refused is serve.DRAIN:
+                return serve.drain_step(self, original)
             if refused is not None:
                 return refused
             return original(self, *args, **kwargs)

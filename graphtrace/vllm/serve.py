@@ -24,7 +24,8 @@ capture-time owners first, if graphs were captured since) and the check runs onc
    ``vt.check()`` (in process);
 3. otherwise before the next forward: vLLM 0.32's ``EngineCore.step`` (and
    ``step_with_batch_queue``) is wrapped; when requests wait and an update is pending, the
-   check runs before ``scheduler.schedule()``. A raise from the worker's ``execute_model``
+   check runs before ``scheduler.schedule()`` (batches still in flight under async
+   scheduling are drained first, scheduling nothing new: `drain_step`). A raise from the worker's ``execute_model``
    comes after the scheduler has scheduled the step's requests; they never get their
    ``update_from_output``, and the next ``generate`` spins forever (the issue's finding).
    Before scheduling, the step can be refused cleanly: every unfinished request is finished
@@ -59,7 +60,7 @@ from typing import Callable
 logger = logging.getLogger("graphtrace.vllm")
 
 __all__ = ["ServeGuard", "ACTIONS", "COMPLETE_UPDATES", "local_guards", "before_step",
-           "after_client_step", "mark_remote_update"]
+           "drain_step", "DRAIN", "after_client_step", "mark_remote_update"]
 
 ACTIONS = ("raise", "warn", "recapture")
 # Entry points that are a whole update by themselves: checked when they return.
@@ -323,8 +324,10 @@ def before_step(core):
     if not local and not pending:
         return None
     try:
-        if not core.scheduler.has_requests() or getattr(core, "batch_queue", None):
-            return None  # nothing to schedule, or a batch in flight: finish it first
+        if getattr(core, "batch_queue", None):
+            return DRAIN  # batches in flight (async scheduling): finish them, schedule none
+        if not core.scheduler.has_requests():
+            return None
     except Exception:
         logger.exception("graphtrace: before_step (ignored)")
         return None
@@ -352,6 +355,22 @@ def before_step(core):
     outputs = _refuse(core)
     core.__dict__["_graphtrace_refused"] = refused
     return outputs, False
+
+
+DRAIN = object()  # before_step's answer while batches are in flight
+
+
+def drain_step(core, step):
+    """One ``step_with_batch_queue`` that schedules nothing: it waits for the oldest batch in
+    flight and processes its output, so that the check can run before the next schedule (a
+    refusal cannot finish requests whose batch is still running). Untested: vLLM 0.32's CPU
+    platform turns async scheduling off, so its engine core never has a batch queue here."""
+    scheduler = core.scheduler
+    scheduler.has_requests = lambda: False  # an instance attribute shadows the method
+    try:
+        return step(core)
+    finally:
+        scheduler.__dict__.pop("has_requests", None)
 
 
 def _refuse(core) -> dict:
