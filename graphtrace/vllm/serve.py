@@ -135,8 +135,9 @@ class ServeGuard:
         """A weight update starts (or goes on): the engine is dirty until a check passes. The
         guard is built now, from the capture-time owners, before the update moves them."""
         if self.dirty:  # the common case, once per call of a per-tensor sync: no lock
-            if self.updates[-1:] != [method]:
-                self.updates.append(method)
+            updates = self.updates
+            if not updates or updates[-1] != method:
+                updates.append(method)
             return
         if self.vt is None:  # the trace is gone
             return
@@ -159,8 +160,8 @@ class ServeGuard:
         from graphtrace.guard import StaleGraphError, describe, empty_problems
 
         vt = self.vt
-        several = _world_group() is not None  # then every rank checks: the ranks gather
-        if vt is None or not (self.dirty or force or several):
+        several = _world_group() is not None  # then the ranks agree: every rank or none checks
+        if vt is None or not (self.dirty or force or (several and _any_rank(self.dirty))):
             return {"ok": True, "checked": False}
         action = self.action()
         problems, failure = empty_problems(), None
