@@ -160,8 +160,11 @@ class ServeGuard:
         from graphtrace.guard import StaleGraphError, describe, empty_problems
 
         vt = self.vt
-        several = _world_group() is not None  # then the ranks agree: every rank or none checks
-        if vt is None or not (self.dirty or force or (several and _any_rank(self.dirty))):
+        several = _world_group() is not None
+        if several:  # the ranks agree (every rank takes part): every rank checks, or none
+            if not (_any_rank(self.dirty) or force) or vt is None:
+                return {"ok": True, "checked": False}
+        elif vt is None or not (self.dirty or force):
             return {"ok": True, "checked": False}
         action = self.action()
         problems, failure = empty_problems(), None
