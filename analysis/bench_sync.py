@@ -37,6 +37,7 @@ from bench_guard import MLP, LlamaForCausalLM
 from torch import nn
 
 import graphtrace as gt
+from _common import revision
 from graphtrace.vllm import hooks
 from graphtrace.vllm.serve import ServeGuard, before_step
 
@@ -212,6 +213,7 @@ def main(argv=None) -> int:
     rows = [measure(*r) for r in runs]
     lines = [
         "# check before serve: what the guard adds to one weight sync (one load_weights per tensor)",
+        f"# graphtrace {revision()}",
         f"# python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}, "
         f"threads {torch.get_num_threads()}, load average at start {load:.1f} (a shared machine: "
         "timings vary with it)",
