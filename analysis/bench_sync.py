@@ -189,6 +189,7 @@ def measure(name: str, layers: int, big: bool, sizes: list[int], repeat: int) ->
         except gt.StaleGraphError as exc:
             refused = "kernel_scale" in str(exc)
     finally:
+        sg.close()
         hooks.uninstall()
     return {"name": name, "layers": layers, "params": n_params, "tensors": len(sg.guard),
             "graphs": len(t.captures), "capture_s": capture_s, "calls": len(weights),

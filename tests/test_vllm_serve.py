@@ -63,6 +63,7 @@ def guarded():
     hooks.add_listener("before_update", sg.before_update)
     hooks.add_listener("after_update", sg.after_update)
     yield model, sg, engine, graph
+    sg.close()
     hooks.uninstall()
 
 
@@ -115,6 +116,7 @@ def test_nothing_captured_nothing_to_check():
         sg = ServeGuard(Engine(t), "raise")
         sg.mark("load_weights")
         assert not sg.dirty and sg.check("before_forward") == {"ok": True, "checked": False}
+        sg.close()
 
 
 def test_in_flight_batches_are_drained_before_the_check(guarded):

@@ -303,6 +303,8 @@ class VllmTrace:
     def __exit__(self, *exc) -> None:
         for event, fn in self._listeners():
             hooks.remove_listener(event, fn)
+        if self.serve_guard is not None:
+            self.serve_guard.close()
         self._open = False
         if self._env_set:
             os.environ.pop(MP_ENV, None)

@@ -112,6 +112,11 @@ class ServeGuard:
         value = self._action() if callable(self._action) else self._action
         return value if value in ACTIONS else "raise"
 
+    def close(self) -> None:
+        """Its trace ended: the engine's steps no longer consult it."""
+        with _lock:
+            _guards.discard(self)
+
     def folder(self) -> Path | None:
         return self._folder() if self._folder is not None else None
 
