@@ -66,3 +66,17 @@ def test_bench_guard_quick(tmp_path):
     assert "found by check and diff alike (3 edges, stale): yes" in out
     assert "parameters 39 (9 per layer)" in out
     assert out_file.read_text().startswith("# graphtrace guard.check() vs t.diff()")
+
+
+def test_bench_sync_quick(tmp_path):
+    out_file = tmp_path / "sync.txt"
+    out = _run("bench_sync.py", "--out", str(out_file))
+    header = next(line for line in out.splitlines() if line.startswith("| model"))
+    for col in ("sync, no hook (ms)", "per update: hooks + one check (ms)", "old per-call cost (ms)",
+                "checks per update", "stale update refused"):
+        assert col in header, col
+    rows = [line.split("|") for line in out.splitlines() if line.startswith(("| tiny", "| big"))]
+    assert len(rows) == 2
+    for row in rows:  # one check per update, and the rebinding update is caught
+        assert row[-4].strip() == "1" and row[-2].strip() == "yes", row
+    assert out_file.read_text().startswith("# check before serve")

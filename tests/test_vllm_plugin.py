@@ -3,8 +3,8 @@ without vLLM: what a weight update that leaves a graph reading a stale storage d
 ``GRAPHTRACE_GUARD=warn`` (logged, recorded, the update stands) and ``raise`` (the update
 fails with `StaleGraphError`), and that a clean update passes both. The worker-side session
 is a real `VllmTrace` (it imports no vLLM) whose model is watched and captured directly, as
-the plugin's hooks would after ``Worker.load_model``; the update hooks are the plugin's own
-listeners. tests/vllm/test_guard_plugin.py runs the same policy inside a real engine."""
+the plugin's hooks would after ``Worker.load_model``; the update hooks are its ServeGuard's
+listeners (graphtrace/vllm/serve.py). tests/vllm/test_guard_plugin.py runs the same policy inside a real engine."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def worker(monkeypatch, tmp_path):
     monkeypatch.setenv(plugin.ENV_DIR, str(tmp_path))
     monkeypatch.delenv(plugin.ENV_GUARD, raising=False)
     monkeypatch.delenv(plugin.ENV_STRICT, raising=False)
-    vt = VllmTrace(strict=True, in_process=False)
+    vt = VllmTrace(strict=True, in_process=False, guard=plugin.guard_action,
+                   guard_dir=plugin._guard_folder)  # as the plugin's _before_load makes it
     vt.__enter__()
     try:
         model = Model()
@@ -66,17 +67,18 @@ def worker(monkeypatch, tmp_path):
             model(torch.rand(2, 4))
         vt.graphs.append(g)  # kept alive like a CUDA graph's capture artifacts
         monkeypatch.setattr(plugin, "_session", vt)
-        monkeypatch.setattr(plugin, "_guard_state", None)
         yield model, tmp_path / "guard" / "rank0"
     finally:
         vt.__exit__(None, None, None)
 
 
 def weight_update(model: Model, update) -> None:
-    """One weight update as the plugin's hooks see it (Note [weight updates])."""
-    plugin._guard_before_update(None, "reload_weights")
+    """One weight update as the plugin's hooks see it (Note [weight updates]): a whole
+    update (``reload_weights``), checked when it returns (Note [check before serve])."""
+    guard = plugin.serve_guard()
+    guard.before_update(None, "reload_weights")
     update(model)
-    plugin._guard_after_update(None, "reload_weights")
+    guard.after_update(None, "reload_weights")
 
 
 def checks(folder) -> list[dict]:

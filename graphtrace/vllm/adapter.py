@@ -250,13 +250,18 @@ class VllmTrace:
     ``runner_attrs``: the model runner attributes watched (None: all of them).
     ``in_process``: set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` on entry when unset, refuse
     when it is set otherwise (default True; False leaves the environment alone, for a
-    worker process where the plugin made the trace).
+    worker process where the plugin made the trace). ``guard``: check every weight update
+    before the engine serves from it (``"raise"``, ``"warn"``, ``"recapture"``, or a callable
+    returning one; None: off): the plugin's guard mode, in process (Note [check before
+    serve] in graphtrace/vllm/serve.py); ``guard_dir``: a callable giving the folder for the
+    guard's ``checks.jsonl`` (None: entries kept in ``vt.serve_guard.history`` only).
     """
 
     def __init__(self, *, strict: bool = False, watch_runner: bool = True,
                  keep_graphs: bool = True, runner_attrs: Iterable[str] | None = RUNNER_INPUT_ATTRS,
                  modules: str = "forward", provenance: bool | None = None,
-                 pause_provenance: bool = True, in_process: bool = True):
+                 pause_provenance: bool = True, in_process: bool = True,
+                 guard=None, guard_dir=None):
         self.strict = strict
         self.watch_runner = watch_runner
         self.keep_graphs = keep_graphs
@@ -276,6 +281,11 @@ class VllmTrace:
         self.pause_provenance = pause_provenance
         self.in_process = in_process
         self._env_set = False
+        self.serve_guard = None
+        if guard is not None:
+            from graphtrace.vllm.serve import ServeGuard
+
+            self.serve_guard = ServeGuard(self, guard, guard_dir)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "VllmTrace":
@@ -293,6 +303,8 @@ class VllmTrace:
     def __exit__(self, *exc) -> None:
         for event, fn in self._listeners():
             hooks.remove_listener(event, fn)
+        if self.serve_guard is not None:
+            self.serve_guard.close()
         self._open = False
         if self._env_set:
             os.environ.pop(MP_ENV, None)
@@ -301,10 +313,14 @@ class VllmTrace:
 
     def _listeners(self) -> list:
         out = [("after_load", self._on_load)]
+        if self.serve_guard is not None:
+            out.append(("before_update", self.serve_guard.before_update))
         if self.pause_provenance:
             out.append(("after_warmup", self._provenance_off))
             out += [("before_update", self._provenance_on),  # Note [weight updates] in hooks
                     ("after_update", self._provenance_off)]
+        if self.serve_guard is not None:  # last: a raise there skips the listeners after it
+            out.append(("after_update", self.serve_guard.after_update))
         return out
 
     def _provenance_off(self, worker=None, *args) -> None:
@@ -326,6 +342,10 @@ class VllmTrace:
         if active_trace() is not self.trace:
             return
         self.watch_worker(worker)
+        if self.serve_guard is not None:  # a bare load_weights is an update too
+            model = hooks.worker_model(worker)
+            if model is not None:
+                hooks.wrap_model_updates(model)
 
     # -- models ------------------------------------------------------------------------------
     def watch_worker(self, worker) -> "VllmTrace":
@@ -477,6 +497,13 @@ class VllmTrace:
         report = self.trace.diff()
         report.meta["vllm"] = _plain(self.info())
         return report
+
+    def check(self, trigger: str = "check") -> dict:
+        """The explicit end of a weight update (``guard=`` on): check now if an update is
+        pending; raises `graphtrace.StaleGraphError` under ``raise``. Returns the entry."""
+        if self.serve_guard is None:
+            raise GraphtraceError("this VllmTrace has no guard: trace_llm(guard='raise')")
+        return self.serve_guard.check(trigger)
 
     def guard(self):
         """A `graphtrace.Guard` of the graphs captured so far (docs/guard.md): check it after

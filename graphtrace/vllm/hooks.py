@@ -27,15 +27,20 @@ raises on purpose to fail the update (fail closed).
 
 Note [weight updates]
 ~~~~~~~~~~~~~~~~~~~~~
-vLLM 0.32 changes a worker's weights in three ways: ``Worker.reload_weights`` (layerwise
-reload; it calls ``model.load_weights`` inside), the weight-transfer session
-``Worker.start_weight_update`` .. ``update_weights`` (per chunk) .. ``finish_weight_update``
-(RL trainers; ``update_weights`` calls ``model.load_weights`` per chunk), and a bare
-``model.load_weights(weights)`` that RL frameworks run through ``collective_rpc``. The
-model class's ``load_weights`` is wrapped when the model is loaded (`wrap_model_updates`).
+vLLM 0.32 changes a worker's weights through: ``Worker.reload_weights`` (layerwise reload; it
+calls ``model.load_weights`` inside), the weight-transfer session ``Worker.start_weight_update``
+.. ``update_weights`` (per chunk) .. ``finish_weight_update`` (RL trainers; ``update_weights``
+calls ``model.load_weights`` per chunk), a bare ``model.load_weights(weights)`` (TRL colocate
+calls it on the worker's model directly, OpenRLHF and verl through ``collective_rpc``), and
+``vllm.model_executor.model_loader.utils.process_weights_after_loading``, which verl calls
+itself once after its buckets (wrapped as a module attribute: a caller that imported the name
+before the plugin registered keeps the original; verl imports it when it calls it). The model
+class's ``load_weights`` is wrapped when the model is loaded (`wrap_model_updates`).
 ``before_update`` fires when the outermost of these starts, ``after_update`` when it ends
 without raising: calls nested inside another, and ``load_weights`` inside an open transfer
-session, fire nothing (the model is half-updated until the session finishes).
+session, fire nothing (the model is half-updated until the session finishes). What the
+guard does with them: Note [check before serve] in graphtrace/vllm/serve.py, which also
+explains the wrapped ``EngineCore.step`` / ``collective_rpc`` and ``LLMEngine.step``.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ logger = logging.getLogger("graphtrace.vllm")
 
 EVENTS = ("before_load", "after_load", "after_warmup", "shutdown", "before_update",
           "after_update", "engine_loop")
-_listeners: dict[str, list[Callable]] = {e: [] for e in EVENTS}
+# tuples, replaced on change: firing (once per load_weights call of a per-tensor sync) copies none
+_listeners: dict[str, tuple[Callable, ...]] = {e: () for e in EVENTS}
 _lock = threading.RLock()
 _patched: set[str] = set()
 
@@ -80,6 +86,17 @@ _TARGETS = {
         # DPEngineCoreProc has its own busy loop
         ("EngineCoreProc", "run_busy_loop", "engine_loop", None),
         ("DPEngineCoreProc", "run_busy_loop", "engine_loop", None),
+        # Note [check before serve] in graphtrace/vllm/serve.py
+        ("EngineCore", "step", "step", None),
+        ("EngineCore", "step_with_batch_queue", "step", None),
+        ("EngineCore", "collective_rpc", "rpc", None),
+    ],
+    "vllm.v1.engine.llm_engine": [
+        ("LLMEngine", "step", "client_step", None),
+    ],
+    "vllm.model_executor.model_loader.utils": [
+        # verl runs it itself once after its buckets (None: a module-level function)
+        (None, "process_weights_after_loading", "update", "call"),
     ],
 }
 
@@ -89,14 +106,14 @@ def add_listener(event: str, fn: Callable) -> None:
         raise ValueError(f"unknown event {event!r}; events: {', '.join(EVENTS)}")
     with _lock:
         if fn not in _listeners[event]:
-            _listeners[event].append(fn)
+            _listeners[event] = (*_listeners[event], fn)
     install()
 
 
 def remove_listener(event: str, fn: Callable) -> None:
     with _lock:
         if fn in _listeners[event]:
-            _listeners[event].remove(fn)
+            _listeners[event] = tuple(f for f in _listeners[event] if f != fn)
 
 
 def _strict() -> bool:
@@ -104,7 +121,7 @@ def _strict() -> bool:
 
 
 def _fire(event: str, worker, *args) -> None:
-    for fn in list(_listeners[event]):
+    for fn in _listeners[event]:
         try:
             fn(worker, *args)
         except Exception as exc:
@@ -194,10 +211,17 @@ def _wrap(cls, method: str, before: str | None, after: str | None) -> None:
         outer = not self.__dict__.get(key, False)
         if outer:
             self.__dict__[key] = True
+        loading = method == "load_model"  # weight processing inside it is no update
         try:
             if outer and before:
                 _fire(before, self)
-            result = original(self, *args, **kwargs)
+            if loading:
+                _update_state.depth += 1
+            try:
+                result = original(self, *args, **kwargs)
+            finally:
+                if loading:
+                    _update_state.depth -= 1
             if outer and after:
                 _fire(after, self)
             return result
@@ -205,6 +229,40 @@ def _wrap(cls, method: str, before: str | None, after: str | None) -> None:
             if outer:
                 self.__dict__.pop(key, None)
 
+    wrapper.__graphtrace_wrapped__ = True
+    wrapper.__graphtrace_original__ = original
+    setattr(cls, method, wrapper)
+
+
+def _wrap_serve(cls, method: str, role: str) -> None:
+    """The engine's per-step and per-RPC points of Note [check before serve]
+    (graphtrace/vllm/serve.py): ``step`` may be refused before it schedules anything,
+    ``rpc`` marks an update pending, ``client_step`` raises a refusal in the client."""
+    original = cls.__dict__.get(method)
+    if original is None or getattr(original, "__graphtrace_wrapped__", False):
+        return
+    from graphtrace.vllm import serve
+
+    if role == "step":
+        def wrapper(self, *args, **kwargs):
+            refused = serve.before_step(self)
+            if refused is serve.DRAIN:
+                return serve.drain_step(self, original)
+            if refused is not None:
+                return refused
+            return original(self, *args, **kwargs)
+    elif role == "rpc":
+        def wrapper(self, method, *args, **kwargs):
+            try:
+                return original(self, method, *args, **kwargs)
+            finally:
+                serve.mark_remote_update(self, method)
+    else:
+        def wrapper(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            serve.after_client_step(self)
+            return result
+    functools.update_wrapper(wrapper, original)
     wrapper.__graphtrace_wrapped__ = True
     wrapper.__graphtrace_original__ = original
     setattr(cls, method, wrapper)
@@ -218,11 +276,13 @@ def _patch_module(name: str) -> None:
         if module is None:
             return
         for cls_name, method, before, after in _TARGETS[name]:
-            cls = getattr(module, cls_name, None)
+            cls = module if cls_name is None else getattr(module, cls_name, None)
             if cls is None:
                 continue
             if before == "update":
                 _wrap_update(cls, method, after)
+            elif before in ("step", "rpc", "client_step"):
+                _wrap_serve(cls, method, before)
             else:
                 _wrap(cls, method, before, after)
         _patched.add(name)
@@ -287,7 +347,7 @@ def uninstall() -> None:
         for name in list(_patched):
             module = sys.modules.get(name)
             for cls_name, method, _b, _a in _TARGETS[name]:
-                cls = getattr(module, cls_name, None)
+                cls = module if cls_name is None else getattr(module, cls_name, None)
                 fn = cls.__dict__.get(method) if cls is not None else None
                 if fn is not None and getattr(fn, "__graphtrace_wrapped__", False):
                     setattr(cls, method, fn.__graphtrace_original__)
@@ -301,8 +361,8 @@ def uninstall() -> None:
         if _finder is not None and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
         _finder = None
-        for lst in _listeners.values():
-            lst.clear()
+        for event in _listeners:
+            _listeners[event] = ()
 
 
 # Note [lost SIGTERM]

@@ -25,18 +25,20 @@ Environment: ``GRAPHTRACE_VLLM=1`` (on), ``GRAPHTRACE_VLLM_DIR`` (default
 ``GRAPHTRACE_PROVENANCE=0`` (no creation sites in the report: the worker's eager forwards then
 run without provenance's dispatch mode; see Note [provenance] in graphtrace/provenance.py).
 
-Guard mode, ``GRAPHTRACE_VLLM=guard``: all of the above, and after every weight update
-(``reload_weights``, a weight-transfer session's ``finish_weight_update``, a bare
-``model.load_weights`` run through ``collective_rpc``; Note [weight updates] in
-graphtrace.vllm.hooks) each worker runs ``graphtrace.Guard.check()`` over the graphs
-captured so far and writes ``$GRAPHTRACE_VLLM_DIR/guard/rank<R>/`` (``guard.json``: the
-manifest; ``checks.jsonl``: one line per check; ``problems-<N>.csv``). ``GRAPHTRACE_GUARD``
-says what a problem does: ``raise`` (default: the update fails with `graphtrace.StaleGraphError`
-listing the problems, in every rank that has them), ``warn`` (logged; the update stands) or
-``recapture`` (the graphs are captured again, then checked; see `_recapture`: vLLM 0.32 has no
-public way to re-capture its CUDA graphs, so this re-records the plugin's emulated dummy-run
-graphs on CPU and raises where it cannot). An internal error of the guard itself is logged
-and counted, never raised (fail open), unless ``GRAPHTRACE_STRICT=1``.
+Guard mode, ``GRAPHTRACE_VLLM=guard``: all of the above, and every weight update is checked
+once, before the engine serves from it (Note [check before serve] in graphtrace/vllm/serve.py):
+any weight mutation (``reload_weights``, a weight-transfer session, the model's
+``load_weights`` from any path, vLLM's ``process_weights_after_loading``; Note [weight
+updates] in graphtrace.vllm.hooks) marks the worker dirty; the check runs when
+``reload_weights`` / ``finish_weight_update`` return, at ``collective_rpc("graphtrace_check")``
+(the explicit end of an update), or else before the next forward. Each check is a line of
+``$GRAPHTRACE_VLLM_DIR/guard/rank<R>/checks.jsonl`` (``guard.json``: the manifest;
+``problems-<N>.csv``). ``GRAPHTRACE_GUARD`` says what a problem does: ``raise`` (default:
+that call raises `graphtrace.StaleGraphError`; before a forward, the engine refuses the step,
+finishing its requests with ``finish_reason="error"``, until a correct update passes),
+``warn`` (logged; it serves) or ``recapture`` (the graphs are captured again, then checked:
+`graphtrace.vllm.serve.ServeGuard._recapture`). An internal error of the guard itself is
+logged and counted, never raised (fail open), unless ``GRAPHTRACE_STRICT=1``.
 
 From the client (string method names work across processes without pickling code)::
 
@@ -69,13 +71,6 @@ ENV_MODULES = "GRAPHTRACE_MODULES"
 ENV_GUARD = "GRAPHTRACE_GUARD"
 DEFAULT_DIR = "graphtrace-vllm"
 GUARD_ACTIONS = ("raise", "warn", "recapture")
-# Blind-spot kinds the worker guard accepts (Note [blind spots in the guard], graphtrace/guard.py):
-# "forward context": attention ops fetch the KV cache by layer name inside the op; a weight
-# update never touches the KV cache, and no holder can be checked, so it would fail every
-# update. "opaque handle": vLLM's CPU linears read oneDNN handles (a pointer in a 0-d tensor);
-# the handle's identity is guarded like any tensor (a rebuilt handle is a stale edge), only
-# the packed weights behind it are unseen. docs/vllm.md.
-GUARD_ACCEPT = ("forward context", "opaque handle")
 
 _session = None          # the VllmTrace of this process (one per worker process)
 _lock = threading.RLock()
@@ -83,7 +78,8 @@ _registered = False
 _written: dict[str, str] = {}
 _counter = 0
 
-__all__ = ["register", "enabled", "guard_mode", "guard_action", "rpc_guard_status", "session",
+__all__ = ["register", "enabled", "guard_mode", "guard_action", "rpc_guard_status", "rpc_check",
+           "serve_guard", "session",
            "modules_setting", "write_report", "rpc_write_report", "rpc_capture", "rpc_capture_dummy", "rpc_status", "WORKER_METHODS"]
 
 
@@ -126,10 +122,10 @@ def register() -> None:
     hooks.add_listener("after_warmup", _after_warmup)
     hooks.add_listener("shutdown", _on_shutdown)
     hooks.add_listener("engine_loop", _engine_loop)
-    if guard_mode():
-        hooks.add_listener("after_load", _guard_after_load)
-        hooks.add_listener("before_update", _guard_before_update)
-        hooks.add_listener("after_update", _guard_after_update)
+    if guard_mode():  # a process without workers (the engine core) asks them before a step
+        from graphtrace.vllm import serve
+
+        serve.enable_remote()
     atexit.register(_at_exit)
     logger.info("graphtrace: vLLM plugin registered in pid %d", os.getpid())
 
@@ -169,142 +165,26 @@ def _before_load(worker) -> None:
             logger.warning("graphtrace: a trace is already open in pid %d (graphtrace.vllm."
                            "trace_llm?); the plugin leaves this worker to it", os.getpid())
             return
-        vt = VllmTrace(strict=_strict(), modules=modules_setting(), in_process=False)
+        vt = VllmTrace(strict=_strict(), modules=modules_setting(), in_process=False,
+                       guard=guard_action if guard_mode() else None, guard_dir=_guard_folder)
         vt.__enter__()  # watches the worker's model right after load_model
         _session = vt
 
 
-# -- guard mode --------------------------------------------------------------------------------
+# -- guard mode (Note [check before serve] in graphtrace/vllm/serve.py) -------------------------
 
-class _WorkerGuard:
-    """This worker's guard: rebuilt when graphs were captured since, checked after updates."""
-
-    def __init__(self):
-        self.guard = None
-        self.n_graphs = 0       # captures the guard covers (graph ids below first_graph dropped)
-        self.first_graph = 0    # graphs captured before a recapture are gone
-        self.checks = 0
-        self.errors = 0
-        self.last: dict | None = None
-
-    def refresh(self):
-        captures = _session.trace.captures
-        if self.guard is None or len(captures) != self.n_graphs:
-            if len(captures) <= self.first_graph:
-                self.guard = None
-            else:
-                self.guard = _session.trace.guard(first_graph=self.first_graph,
-                                                  accept=GUARD_ACCEPT)
-                self.folder().mkdir(parents=True, exist_ok=True)
-                self.guard.to_json(self.folder() / "guard.json")
-            self.n_graphs = len(captures)
-        return self.guard
-
-    def folder(self) -> Path:
-        from graphtrace.vllm import hooks
-
-        rank = hooks.worker_rank(_session.worker) if _session.worker is not None else 0
-        return out_dir() / "guard" / f"rank{rank}"
-
-
-_guard_state: _WorkerGuard | None = None
-
-
-def _guard_after_load(worker) -> None:
+def _guard_folder() -> Path | None:
     from graphtrace.vllm import hooks
 
-    model = hooks.worker_model(worker)
-    if model is not None:
-        hooks.wrap_model_updates(model)  # a bare load_weights is an update too
-
-
-def _guard_before_update(obj, method: str) -> None:
-    global _guard_state
     if _session is None:
-        return
-    with _lock:
-        if _guard_state is None:
-            _guard_state = _WorkerGuard()
-        try:
-            _guard_state.refresh()  # capture-time owners: made before the update changes them
-        except Exception:
-            _guard_failed("building the guard before " + method)
+        return None
+    rank = hooks.worker_rank(_session.worker) if _session.worker is not None else 0
+    return out_dir() / "guard" / f"rank{rank}"
 
 
-def _guard_after_update(obj, method: str) -> None:
-    """Check this worker's guard after a weight update and act on GRAPHTRACE_GUARD. With
-    several ranks every rank reaches the same collectives, whatever happened locally."""
-    global _guard_state
-    if _session is None:
-        return
-    import sys
-
-    from graphtrace.guard import StaleGraphError, describe, empty_problems
-
-    action = guard_action()
-    several = _world_group() is not None
-    problems, failure = empty_problems(), None
-    with _lock:
-        if _guard_state is None:
-            _guard_state = _WorkerGuard()
-        state = _guard_state
-        try:
-            guard = state.refresh()
-            if guard is not None:
-                problems = guard.check()
-        except Exception:
-            failure = sys.exc_info()
-            _guard_failed("checking the guard after " + method)
-        if action == "recapture" and (_any_rank(len(problems) > 0) if several else len(problems)):
-            try:  # a dummy run is collective under tensor parallelism: all ranks re-capture
-                problems = _recapture(state, problems)
-            except Exception:
-                failure = failure or sys.exc_info()
-                _guard_failed("re-capturing after " + method)
-        if failure is None and state.guard is not None:
-            try:
-                _record_check(state, method, problems, action)
-            except Exception:
-                failure = sys.exc_info()
-                _guard_failed("writing the guard check after " + method)
-    try:
-        # graphs captured after this update: their owners from a fresh walk
-        _session.trace.models_changed()
-    except Exception:
-        _guard_failed("refreshing owners after " + method)
-    if action == "warn":
-        if len(problems):
-            logger.warning("graphtrace guard (rank %s, after %s): %s", _rank(), method,
-                           describe(problems))
-    elif not several:
-        if len(problems):
-            raise StaleGraphError(f"graphtrace guard (rank {_rank()}, after {method}): "
-                                  f"{describe(problems)}", problems)
-    else:
-        _raise_for_all_ranks(problems, method)
-    if failure is not None and _strict():
-        raise failure[1].with_traceback(failure[2])
-
-
-def _raise_for_all_ranks(problems, method: str) -> None:
-    """Note [one rank raises]."""
-    from graphtrace.guard import StaleGraphError, describe
-
-    ranks = _gather_problems(problems)
-    bad = {rank: frame for rank, frame in ranks if len(frame)}
-    if not bad:
-        return
-    if not _is_last_rank():
-        if len(problems):
-            logger.error("graphtrace guard (rank %s, after %s): %s (the last rank raises for "
-                         "all ranks)", _rank(), method, describe(problems))
-        return
-    import pandas as pd
-
-    text = "\n".join(f"rank {rank}: {describe(frame)}" for rank, frame in bad.items())
-    merged = pd.concat([f.assign(rank=r) for r, f in bad.items()], ignore_index=True)
-    raise StaleGraphError(f"graphtrace guard (after {method}), problems in rank(s) "
-                          f"{', '.join(map(str, bad))} of {len(ranks)}:\n{text}", merged)
+def serve_guard():
+    """This worker's `graphtrace.vllm.serve.ServeGuard` (None outside guard mode)."""
+    return _session.serve_guard if _session is not None else None
 
 
 # Note [one rank raises]
@@ -318,122 +198,25 @@ def _raise_for_all_ranks(problems, method: str) -> None:
 # successful responses were read. Each rank still writes its own check to checks.jsonl.
 
 
-def _world_group():
-    try:
-        from vllm.distributed.parallel_state import get_world_group
-
-        group = get_world_group()
-    except Exception:  # no distributed state (tests, a bare worker)
-        return None
-    return group if getattr(group, "world_size", 1) > 1 else None
-
-
-def _is_last_rank() -> bool:
-    group = _world_group()
-    return group is None or group.rank_in_group == group.world_size - 1
-
-
-def _any_rank(flag: bool) -> bool:
-    """True on every rank if it is True on any (an all_gather over the world CPU group)."""
-    import torch.distributed as dist
-
-    group = _world_group()
-    gathered: list = [None] * group.world_size
-    dist.all_gather_object(gathered, bool(flag), group=group.cpu_group)
-    return any(gathered)
-
-
-def _gather_problems(problems):
-    """[(rank, problems)] of every rank of the world group, or None with one worker."""
-    group = _world_group()
-    if group is None:
-        return None
-    import pandas as pd
-    import torch.distributed as dist
-
-    mine = (_rank(), problems.to_dict("records"), list(problems.columns))
-    gathered: list = [None] * group.world_size
-    dist.all_gather_object(gathered, mine, group=group.cpu_group)
-    return [(rank, pd.DataFrame(rows, columns=columns)) for rank, rows, columns in gathered]
-
-
-def _rank() -> int:
-    from graphtrace.vllm import hooks
-
-    return hooks.worker_rank(_session.worker) if _session.worker is not None else 0
-
-
-def _guard_failed(where: str) -> None:
-    """Count and log an internal error of the guard (raised later only with GRAPHTRACE_STRICT=1,
-    after the ranks agreed: Note [one rank raises])."""
-    if _guard_state is not None:
-        _guard_state.errors += 1
-    logger.exception("graphtrace: guard error %s (fail open)", where)
-
-
-def _record_check(state: _WorkerGuard, method: str, problems, action: str) -> None:
-    """Append one line to ``guard/rank<R>/checks.jsonl``; problems to ``problems-<N>.csv``."""
-    import json
-    import time
-
-    state.checks += 1
-    folder = state.folder()
-    folder.mkdir(parents=True, exist_ok=True)
-    entry = {"check": state.checks, "pid": os.getpid(), "rank": _rank(), "trigger": method,
-             "action": action, "ok": not len(problems), "n_problems": int(len(problems)),
-             "verdicts": sorted(set(problems["verdict"])) if len(problems) else [],
-             "owners": sorted(set(problems["owners"])) if len(problems) else [],
-             "graphs": len(state.guard.graphs), "storages": len(state.guard),
-             "time": time.time()}
-    if len(problems):
-        problems.to_csv(folder / f"problems-{state.checks}.csv", index=False)
-        entry["problems_csv"] = f"problems-{state.checks}.csv"
-    with open(folder / "checks.jsonl", "a") as f:
-        f.write(json.dumps(entry) + "\n")
-    state.last = entry
-
-
-def _recapture(state: _WorkerGuard, problems):
-    """GRAPHTRACE_GUARD=recapture: capture the graphs again on the updated model, then check.
-
-    vLLM 0.32 exposes no public way to re-capture its CUDA graphs (``capture_model`` and
-    ``CUDAGraphWrapper.clear_all_graphs`` are runner internals, used at startup): on CUDA
-    the problems stand and the update fails. On CPU the plugin's own emulated graphs of
-    vLLM's dummy run (``GRAPHTRACE_VLLM_EMULATE``, ``graphtrace_capture_dummy``) are
-    dropped and recorded again; graphs of armed forwards (``graphtrace_capture``) are dropped
-    (they need a new request to record). The guard then covers the new graphs only.
-    """
-    from graphtrace.vllm.adapter import capture_dummy_run
-
-    captures = _session.trace.captures
-    if any(c.kind == "cuda" for c in captures[state.first_graph:]):
-        logger.error("graphtrace: GRAPHTRACE_GUARD=recapture: vLLM 0.32 has no public API "
-                     "to re-capture CUDA graphs; failing the update instead")
-        return problems
-    _session.trace.models_changed()  # the updated model's
-    worker = _session.worker
-    dummy = [c.label for c in captures[state.first_graph:] if c.info.get("dummy_run")]
-    _session.graphs.clear()  # the emulated graphs: the old storages die with them
-    state.first_graph = len(captures)
-    for label in dict.fromkeys(dummy):
-        capture_dummy_run(_session, worker, label, None, True)
-    state.guard = None
-    guard = state.refresh()
-    if guard is None:
-        logger.warning("graphtrace: recapture: no graph could be re-recorded; nothing to guard")
-        return problems.iloc[0:0]
-    logger.info("graphtrace: recaptured %d graph(s) after a weight update", len(guard.graphs))
-    return guard.check()
-
 
 def rpc_guard_status(worker=None) -> dict:
-    """This worker's guard: mode, action, checks run, the last check's entry."""
-    state = _guard_state
-    return {"pid": os.getpid(), "guard_mode": guard_mode(), "action": guard_action(),
-            "checks": state.checks if state else 0, "errors": state.errors if state else 0,
-            "storages": len(state.guard) if state and state.guard is not None else 0,
-            "last": state.last if state else None,
-            "folder": str(state.folder()) if state and _session is not None else ""}
+    """This worker's guard: mode, action, dirty, checks run, the last check's entry."""
+    guard = serve_guard()
+    out = {"pid": os.getpid(), "guard_mode": guard_mode(), "action": guard_action(),
+           "checks": 0, "errors": 0, "storages": 0, "last": None, "folder": "",
+           "dirty": False, "updates": []}
+    if guard is not None:
+        out.update(guard.status())
+    return out
+
+
+def rpc_check(worker=None, trigger: str = "graphtrace_check") -> dict:
+    """The explicit end of a weight update: check now if the worker is dirty (raises
+    `graphtrace.StaleGraphError` under GRAPHTRACE_GUARD=raise); the check's entry."""
+    guard = serve_guard()
+    if guard is None:
+        return {"ok": True, "checked": False, "guard_mode": guard_mode()}
+    return guard.check(trigger)
 
 
 def _after_warmup(worker) -> None:
@@ -568,6 +351,7 @@ WORKER_METHODS = {
     "graphtrace_capture_dummy": rpc_capture_dummy,
     "graphtrace_status": rpc_status,
     "graphtrace_guard_status": rpc_guard_status,
+    "graphtrace_check": rpc_check,
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+_FIRST: dict[int, torch.Tensor] = {}  # the holder the graphs captured, per layer
 
 def _layer(worker):
     return worker.model_runner.get_model().model.layers[0].self_attn.qkv_proj
@@ -31,18 +32,21 @@ class GuardTestExtension:
                 return
             if getattr(target, "graphtrace_test_rebinds", False):
                 target.injected_scale = _ones(target)  # the bug: a new tensor
-            else:
-                target.injected_scale.copy_(_ones(target))  # the fix: same storage
+            else:  # the fix: the captured storage, new values written into it
+                target.injected_scale = _FIRST[id(target)]
+                target.injected_scale.copy_(_ones(target))
 
         method.process_weights_after_loading = process_weights_after_loading
         layer.injected_scale = _ones(layer)
+        _FIRST[id(layer)] = layer.injected_scale  # off the model: not a second owner
         layer.register_forward_hook(_apply_scale)
         return "model.layers.0.self_attn.qkv_proj.injected_scale"
 
-    def graphtrace_test_rebind(self) -> bool:
-        """From now on PWAL rebinds the injected holder (the bug)."""
-        _layer(self).graphtrace_test_rebinds = True
-        return True
+    def graphtrace_test_rebind(self, on: bool = True) -> bool:
+        """From now on PWAL rebinds the injected holder (the bug), or (``on=False``) writes
+        into the captured one again (the fix)."""
+        _layer(self).graphtrace_test_rebinds = on
+        return on
 
     def graphtrace_test_load_norm(self) -> int:
         """A bare ``model.load_weights`` (what RL frameworks call through collective_rpc)."""

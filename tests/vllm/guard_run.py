@@ -6,8 +6,9 @@ usage: python guard_run.py MODEL_DIR CHANGED_DIR TP BACKEND
   everything runs in this one process.
 
 Steps: inject a holder that PWAL keeps (tests/vllm/guard_ext.py); capture a decode graph; a bare
-model.load_weights and a clean reload (must pass); make PWAL rebind the holder; a reload (must
-fail in every rank); the guard status and a report per rank.
+model.load_weights and a clean reload (must pass: one check, at the reload's end); make PWAL
+rebind the holder; a reload (must fail in every rank); the guard status and a report per rank;
+generate (refused); a correct reload (passes) and generate (serves again).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
 
     def gen():
         outs = llm.generate([{"prompt_token_ids": p} for p in tiny.PROMPTS], sp, use_tqdm=False)
+        if any(o.outputs[0].finish_reason == "error" for o in outs):  # refused, client elsewhere
+            raise RuntimeError("finish_reason error")
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def attempt(name, method, **kwargs):
@@ -62,8 +65,15 @@ def main() -> None:
     llm.collective_rpc("graphtrace_test_rebind")
     attempt("bad_reload", "reload_weights", weights_path=model_dir)
     out["status_bad"] = llm.collective_rpc("graphtrace_guard_status")
-    out["after_bad"] = gen()  # the engine still serves (the update failed, not the engine)
     out["reports"] = llm.collective_rpc("graphtrace_write_report", kwargs={"tag": "after_bad"})
+    try:  # refused until a correct update passes (Note [check before serve])
+        out["after_bad"] = {"ok": True, "value": gen()}
+    except Exception as exc:
+        out["after_bad"] = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+    llm.collective_rpc("graphtrace_test_rebind", kwargs={"on": False})
+    attempt("fixed_reload", "reload_weights", weights_path=model_dir)
+    out["after_fixed"] = gen()  # serves again
+    llm.collective_rpc("graphtrace_test_rebind")
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         # one process: the worker reads GRAPHTRACE_GUARD from this very environment
         os.environ["GRAPHTRACE_GUARD"] = "warn"

@@ -73,19 +73,26 @@ def _assert_guarded_run(result: dict, out: Path, ranks: int) -> None:
     assert "StaleGraphError" in bad["type"] + bad["message"] or "graphtrace guard" in bad["message"]
     assert "stale" in bad["message"] and f"owned by {HOLDER} [moved]" in bad["message"]
     assert "read by: decode" in bad["message"]
-    # the engine still serves, on the weights the failed update brought (the originals)
-    assert result["after_bad"] == result["before"]
+    # the engine refuses to serve until a correct update passes, and then serves again on the
+    # weights the update brought (the originals)
+    assert not result["after_bad"]["ok"], result["after_bad"]
+    if ranks == 1:  # the engine core in the client's process: the very error
+        assert result["after_bad"]["type"] == "StaleGraphError"
+        assert HOLDER in result["after_bad"]["message"]
+    assert result["fixed_reload"] == {"ok": True}, result["fixed_reload"]
+    assert result["after_fixed"] == result["before"]
     statuses = result["status_bad"]
     assert sorted(s["pid"] for s in statuses) == sorted({s["pid"] for s in statuses})
     for rank in range(ranks):
         checks = _checks(out, rank)
-        # load_weights, the clean reload, the bad reload: one line each, in every rank
-        assert [c["trigger"] for c in checks[:3]] == ["load_weights", "reload_weights",
-                                                      "reload_weights"]
-        assert [c["ok"] for c in checks[:3]] == [True, True, False]
-        assert checks[2]["verdicts"] == ["stale"] and checks[2]["owners"] == [HOLDER]
-        assert checks[2]["rank"] == rank
-        problems = (out / "guard" / f"rank{rank}" / checks[2]["problems_csv"]).read_text()
+        # load_weights and the clean reload (one update, checked once at the reload's end),
+        # the bad reload: one line each, in every rank
+        assert [c["trigger"] for c in checks[:2]] == ["reload_weights", "reload_weights"]
+        assert checks[0]["updates"] == ["load_weights", "reload_weights"]
+        assert [c["ok"] for c in checks[:2]] == [True, False]
+        assert checks[1]["verdicts"] == ["stale"] and checks[1]["owners"] == [HOLDER]
+        assert checks[1]["rank"] == rank
+        problems = (out / "guard" / f"rank{rank}" / checks[1]["problems_csv"]).read_text()
         assert HOLDER in problems
         manifest = json.loads((out / "guard" / f"rank{rank}" / "guard.json").read_text())
         paths = {o["path"] for s in manifest["storages"] for o in s["owners"]}

@@ -1,0 +1,481 @@
+"""Check before serve: the guard's unit is the weight update, not the call.
+
+One implementation for the worker plugin (``GRAPHTRACE_VLLM=guard``) and the in-process
+``graphtrace.vllm.trace_llm(guard="raise")``: a :class:`ServeGuard` belongs to one
+`VllmTrace`; the weight-update hooks of graphtrace.vllm.hooks mark it dirty; it is checked
+once when the update is complete (Note [check before serve]).
+
+Note [check before serve]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+RL clients push weights through many doors (Note [weight updates] in graphtrace.vllm.hooks):
+``reload_weights``; a transfer session (``start_weight_update`` .. ``finish_weight_update``);
+the worker model's ``load_weights`` once per tensor (TRL colocate; OpenRLHF's
+``collective_rpc("update_weight")``) or per bucket and then vLLM's
+``process_weights_after_loading`` once (verl). A check after each call would run inside the
+client's receive loop (a thousand checks per sync) and a raise there would leave the model
+half-updated (and, in verl, be hidden as the ``__context__`` of its cleanup's error); the
+rebinding that makes a graph stale may come last (verl's ``process_weights_after_loading``).
+So every such entry point only marks the engine *dirty* (the guard is built from the
+capture-time owners first, if graphs were captured since) and the check runs once:
+
+1. at the end of an entry point that is a whole update by itself (``reload_weights``,
+   ``finish_weight_update``): its caller gets `StaleGraphError` from that call;
+2. at an explicit end of update: ``collective_rpc("graphtrace_check")`` (plugin) or
+   ``vt.check()`` (in process);
+3. otherwise before the next forward: vLLM 0.32's ``EngineCore.step`` (and
+   ``step_with_batch_queue``) is wrapped; when requests wait and an update is pending, the
+   check runs before ``scheduler.schedule()`` (batches still in flight under async
+   scheduling are drained first, scheduling nothing new: `drain_step`). A raise from the worker's ``execute_model``
+   comes after the scheduler has scheduled the step's requests; they never get their
+   ``update_from_output``, and the next ``generate`` spins forever (the issue's finding).
+   Before scheduling, the step can be refused cleanly: every unfinished request is finished
+   with ``RequestStatus.FINISHED_ERROR`` (``finish_reason="error"``; vLLM's own path for a
+   request-level failure) and the step returns their outputs, so the client's request state
+   is closed and the engine keeps serving. In one process (``LLM`` with
+   ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: RL colocate mode, ``trace_llm``) the client's
+   ``LLMEngine.step`` then raises the `StaleGraphError` itself, after those outputs were
+   processed: ``llm.generate`` raises it, unwrapped. With the engine core in its own process
+   the worker's state is not visible to it: the engine core marks an update pending after
+   every ``collective_rpc`` it forwards (the only way a client reaches a worker there) and
+   asks the workers (``graphtrace_check``, a no-op where clean) before the next step; the
+   refused requests finish with ``finish_reason="error"`` and the engine core logs why.
+
+The dirty flag is cleared only by a passing check (``raise``), or once the problems were
+logged (``warn``) or re-captured away (``recapture``). So a refused engine refuses every
+forward until a correct update (or a re-capture) passes. An internal error of the guard
+is logged and counted and the engine serves (fail open), unless ``GRAPHTRACE_STRICT=1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger("graphtrace.vllm")
+
+__all__ = ["ServeGuard", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDATES", "local_guards", "before_step",
+           "drain_step", "DRAIN", "after_client_step", "mark_remote_update"]
+
+ACTIONS = ("raise", "warn", "recapture")
+# Blind-spot kinds the engine's guard accepts (Note [blind spots in the guard], graphtrace/guard.py):
+# "forward context": attention ops fetch the KV cache by layer name inside the op; a weight
+# update never touches the KV cache, and no holder can be checked, so it would fail every
+# update. "opaque handle": vLLM's CPU linears read oneDNN handles (a pointer in a 0-d tensor);
+# the handle's identity is guarded like any tensor (a rebuilt handle is a stale edge), only
+# the packed weights behind it are unseen. docs/vllm.md.
+GUARD_ACCEPT = ("forward context", "opaque handle")
+# Entry points that are a whole update by themselves: checked when they return.
+COMPLETE_UPDATES = frozenset({"reload_weights", "finish_weight_update"})
+
+_guards: "weakref.WeakSet[ServeGuard]" = weakref.WeakSet()
+_lock = threading.RLock()
+
+
+def local_guards() -> list["ServeGuard"]:
+    """The ServeGuards of this process (one per guarded VllmTrace)."""
+    return list(_guards)
+
+
+class ServeGuard:
+    """The update state of one guarded `VllmTrace` (Note [check before serve]).
+
+    ``action``: ``raise``, ``warn`` or ``recapture``, or a callable returning one (the plugin
+    reads ``GRAPHTRACE_GUARD`` at each check). ``folder``: where ``guard.json``,
+    ``checks.jsonl`` and ``problems-<N>.csv`` go (a callable; None: nothing written, the
+    entries are kept in ``history``).
+    """
+
+    def __init__(self, vt, action: str | Callable[[], str] = "raise",
+                 folder: Callable[[], Path | None] | None = None):
+        if isinstance(action, str) and action not in ACTIONS:
+            raise ValueError(f"guard action {action!r} is not one of {', '.join(ACTIONS)}")
+        self._vt = weakref.ref(vt)
+        self._action = action
+        self._folder = folder
+        self.guard = None
+        self.n_graphs = 0       # captures the guard covers
+        self.first_graph = 0    # graphs captured before a recapture are gone
+        self.checks = 0
+        self.errors = 0
+        self.dirty = False
+        self.updates: list[str] = []  # the entry points that mutated weights since the last pass
+        self.last: dict | None = None
+        self.history: list[dict] = []
+        with _lock:
+            _guards.add(self)
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def vt(self):
+        return self._vt()
+
+    def action(self) -> str:
+        value = self._action() if callable(self._action) else self._action
+        return value if value in ACTIONS else "raise"
+
+    def close(self) -> None:
+        """Its trace ended: the engine's steps no longer consult it."""
+        with _lock:
+            _guards.discard(self)
+
+    def folder(self) -> Path | None:
+        return self._folder() if self._folder is not None else None
+
+    def refresh(self):
+        """The guard of the graphs captured so far (rebuilt when graphs were captured since)."""
+        vt = self.vt
+        captures = vt.trace.captures
+        if self.guard is None or len(captures) != self.n_graphs:
+            if len(captures) <= self.first_graph:
+                self.guard = None
+            else:
+                self.guard = vt.trace.guard(first_graph=self.first_graph, accept=GUARD_ACCEPT)
+                folder = self.folder()
+                if folder is not None:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    self.guard.to_json(folder / "guard.json")
+            self.n_graphs = len(captures)
+        return self.guard
+
+    def mark(self, method: str) -> None:
+        """A weight update starts (or goes on): the engine is dirty until a check passes. The
+        guard is built now, from the capture-time owners, before the update moves them."""
+        if self.dirty:  # the common case, once per call of a per-tensor sync: no lock
+            updates = self.updates
+            if not updates or updates[-1] != method:
+                updates.append(method)
+            return
+        if self.vt is None:  # the trace is gone
+            return
+        with _lock:
+            if not self.dirty:
+                try:
+                    if self.refresh() is None:
+                        return  # no graph captured yet: nothing can read a stale storage
+                except Exception:
+                    self._failed("building the guard before " + method)
+            self.dirty = True
+            if not self.updates or self.updates[-1] != method:
+                self.updates.append(method)
+
+    # -- the check ---------------------------------------------------------------------------
+    def check(self, trigger: str, *, force: bool = False) -> dict:
+        """Check once if dirty (or ``force``): returns the check's entry ({"ok": True,
+        "checked": False} when clean); raises `StaleGraphError` under ``raise`` (in the last
+        rank, for all ranks: Note [one rank raises] in graphtrace.vllm.plugin)."""
+        from graphtrace.guard import StaleGraphError, describe, empty_problems
+
+        vt = self.vt
+        several = _world_group() is not None
+        if several:  # the ranks agree (every rank takes part): every rank checks, or none
+            if not (_any_rank(self.dirty) or force) or vt is None:
+                return {"ok": True, "checked": False}
+        elif vt is None or not (self.dirty or force):
+            return {"ok": True, "checked": False}
+        action = self.action()
+        problems, failure = empty_problems(), None
+        with _lock:
+            try:
+                guard = self.refresh()
+                if guard is not None:
+                    problems = guard.check()
+            except Exception:
+                failure = sys.exc_info()
+                self._failed("checking the guard (" + trigger + ")")
+            if action == "recapture" and (_any_rank(len(problems) > 0) if several else len(problems)):
+                try:  # a dummy run is collective under tensor parallelism: all ranks re-capture
+                    problems = self._recapture(problems)
+                except Exception:
+                    failure = failure or sys.exc_info()
+                    self._failed("re-capturing (" + trigger + ")")
+            entry = self._record(trigger, problems, action)
+            try:  # graphs captured from now on: their owners from a fresh walk
+                vt.trace.models_changed()
+            except Exception:
+                self._failed("refreshing owners (" + trigger + ")")
+            ranks = _gather_problems(problems, self.rank()) if several else None
+            bad = any(len(f) for _, f in ranks) if several else bool(len(problems))
+            what = self._what(trigger)
+            if action != "raise" or not bad:  # all ranks agree: they stay dirty together
+                self.dirty = False
+                self.updates = []
+        if action == "warn":
+            if len(problems):
+                logger.warning("graphtrace guard (rank %s, %s): %s", self.rank(), what,
+                               describe(problems))
+        elif not several:
+            if len(problems):
+                raise StaleGraphError(f"graphtrace guard (rank {self.rank()}, {what}): "
+                                      f"{describe(problems)}", problems)
+        else:
+            _raise_for_all_ranks(ranks, problems, what, self.rank())
+        if failure is not None and _strict():
+            raise failure[1].with_traceback(failure[2])
+        return entry
+
+    def _what(self, trigger: str) -> str:
+        updates = ", ".join(self.updates) or "no update"
+        return f"{trigger} after {updates}" if trigger not in self.updates else f"after {updates}"
+
+    def rank(self) -> int:
+        from graphtrace.vllm import hooks
+
+        vt = self.vt
+        worker = vt.worker if vt is not None else None
+        return hooks.worker_rank(worker) if worker is not None else 0
+
+    def _failed(self, where: str) -> None:
+        self.errors += 1
+        logger.exception("graphtrace: guard error %s (fail open)", where)
+
+    def _record(self, trigger: str, problems, action: str) -> dict:
+        """One entry per check: in ``history``, and a line of ``checks.jsonl`` (with the
+        problems in ``problems-<N>.csv``) when the guard has a folder."""
+        import json
+
+        self.checks += 1
+        n = int(len(problems))
+        entry = {"check": self.checks, "pid": os.getpid(), "rank": self.rank(),
+                 "trigger": trigger, "updates": list(self.updates), "action": action,
+                 "ok": not n, "checked": True, "n_problems": n,
+                 "verdicts": sorted(set(problems["verdict"])) if n else [],
+                 "owners": sorted(set(problems["owners"])) if n else [],
+                 "graphs": len(self.guard.graphs) if self.guard is not None else 0,
+                 "storages": len(self.guard) if self.guard is not None else 0,
+                 "time": time.time()}
+        folder = self.folder()
+        if folder is not None and self.guard is not None:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                if n:
+                    problems.to_csv(folder / f"problems-{self.checks}.csv", index=False)
+                    entry["problems_csv"] = f"problems-{self.checks}.csv"
+                with open(folder / "checks.jsonl", "a") as f:
+                    f.write(json.dumps(entry) + "\n")
+            except Exception:
+                self._failed("writing the guard check (" + trigger + ")")
+        self.last = entry
+        self.history.append(entry)
+        del self.history[:-100]
+        return entry
+
+    def _recapture(self, problems):
+        """``recapture``: capture the graphs again on the updated model, then check.
+
+        vLLM 0.32 exposes no public way to re-capture its CUDA graphs (``capture_model`` and
+        ``CUDAGraphWrapper.clear_all_graphs`` are runner internals, used at startup): on CUDA
+        the problems stand. On CPU the emulated graphs of vLLM's dummy run
+        (``GRAPHTRACE_VLLM_EMULATE``, ``graphtrace_capture_dummy``, ``vt.capture_dummy``) are
+        dropped and recorded again; graphs of armed forwards are dropped (they need a new
+        request to record). The guard then covers the new graphs only.
+        """
+        from graphtrace.vllm.adapter import capture_dummy_run
+
+        vt = self.vt
+        captures = vt.trace.captures
+        if any(c.kind == "cuda" for c in captures[self.first_graph:]):
+            logger.error("graphtrace: recapture: vLLM 0.32 has no public API to re-capture "
+                         "CUDA graphs; the problems stand")
+            return problems
+        vt.trace.models_changed()  # the updated model's
+        dummy = [c.label for c in captures[self.first_graph:] if c.info.get("dummy_run")]
+        vt.graphs.clear()  # the emulated graphs: the old storages die with them
+        self.first_graph = len(captures)
+        for label in dict.fromkeys(dummy):
+            capture_dummy_run(vt, vt.worker, label, None, True)
+        self.guard = None
+        guard = self.refresh()
+        if guard is None:
+            logger.warning("graphtrace: recapture: no graph could be re-recorded; nothing to guard")
+            return problems.iloc[0:0]
+        logger.info("graphtrace: recaptured %d graph(s) after a weight update", len(guard.graphs))
+        return guard.check()
+
+    def status(self) -> dict:
+        return {"pid": os.getpid(), "action": self.action(), "dirty": self.dirty,
+                "updates": list(self.updates), "checks": self.checks, "errors": self.errors,
+                "storages": len(self.guard) if self.guard is not None else 0,
+                "last": self.last, "folder": str(self.folder() or "")}
+
+    # -- hook listeners (graphtrace.vllm.hooks events) ---------------------------------------
+    def before_update(self, obj, method: str) -> None:
+        self.mark(method)
+
+    def after_update(self, obj, method: str) -> None:
+        if method in COMPLETE_UPDATES:
+            self.check(method)
+
+
+# -- the engine core (Note [check before serve], 3.) -------------------------------------------
+
+_remote = {"on": False}  # the plugin's guard mode in a process without workers (engine core)
+# collective_rpc methods that change no weights (graphtrace's own queries)
+_READ_ONLY = frozenset({"graphtrace_check", "graphtrace_status", "graphtrace_guard_status",
+                        "graphtrace_write_report", "graphtrace_capture",
+                        "graphtrace_capture_dummy"})
+
+
+def enable_remote() -> None:
+    """This process forwards collective_rpc to guarded workers in other processes."""
+    _remote["on"] = True
+
+
+def mark_remote_update(core, method) -> None:
+    """``EngineCore.collective_rpc`` ran ``method``: a worker may have changed weights."""
+    if _remote["on"] and not (isinstance(method, str) and method in _READ_ONLY):
+        core.__dict__["_graphtrace_pending"] = True
+
+
+def before_step(core):
+    """Before ``EngineCore.step`` schedules anything: None to go on, or the step's result
+    (outputs finishing every unfinished request with an error) to refuse it."""
+    local = [g for g in _guards if g.dirty] if _guards else ()
+    pending = core.__dict__.get("_graphtrace_pending", False)
+    if not local and not pending:
+        return None
+    try:
+        if getattr(core, "batch_queue", None):
+            return DRAIN  # batches in flight (async scheduling): finish them, schedule none
+        if not core.scheduler.has_requests():
+            return None
+    except Exception:
+        logger.exception("graphtrace: before_step (ignored)")
+        return None
+    from graphtrace.guard import StaleGraphError
+
+    try:
+        for guard in local:
+            guard.check("before_forward")
+        if pending:
+            core.model_executor.collective_rpc("graphtrace_check",
+                                               kwargs={"trigger": "before_forward"})
+            core.__dict__["_graphtrace_pending"] = False
+        return None
+    except StaleGraphError as exc:
+        refused = exc
+    except Exception as exc:  # from workers in other processes: the executor's own wrapper
+        if "StaleGraphError" not in f"{type(exc).__name__}: {exc}" and "graphtrace guard" not in str(exc):
+            if _strict():
+                raise
+            logger.exception("graphtrace: checking the workers before a step failed (fail open)")
+            core.__dict__["_graphtrace_pending"] = False
+            return None
+        refused = exc
+    logger.error("graphtrace: refusing to serve until a correct weight update: %s", refused)
+    outputs = _refuse(core)
+    core.__dict__["_graphtrace_refused"] = refused
+    return outputs, False
+
+
+DRAIN = object()  # before_step's answer while batches are in flight
+
+
+def drain_step(core, step):
+    """One ``step_with_batch_queue`` that schedules nothing: it waits for the oldest batch in
+    flight and processes its output, so that the check can run before the next schedule (a
+    refusal cannot finish requests whose batch is still running). Untested: vLLM 0.32's CPU
+    platform turns async scheduling off, so its engine core never has a batch queue here."""
+    scheduler = core.scheduler
+    scheduler.has_requests = lambda: False  # an instance attribute shadows the method
+    try:
+        return step(core)
+    finally:
+        scheduler.__dict__.pop("has_requests", None)
+
+
+def _refuse(core) -> dict:
+    """Finish every unfinished request with FINISHED_ERROR; the step's outputs for them."""
+    from collections import defaultdict
+
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+    from vllm.v1.request import RequestStatus
+
+    finished = core.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR) or []
+    by_client: dict[int, list[str]] = defaultdict(list)
+    for request in finished:
+        by_client[getattr(request, "client_index", 0)].append(request.request_id)
+    return {client: EngineCoreOutputs(
+                finished_requests=set(ids),
+                outputs=[EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR) for rid in ids])
+            for client, ids in by_client.items()}
+
+
+def after_client_step(llm_engine) -> None:
+    """In-process client (``LLMEngine.step``): raise the refusal of the step just processed,
+    after its error outputs closed the client's requests."""
+    client = getattr(llm_engine, "engine_core", None)
+    core = getattr(client, "engine_core", None)
+    if core is None or not hasattr(core, "__dict__"):
+        return
+    refused = core.__dict__.pop("_graphtrace_refused", None)
+    if refused is not None:
+        raise refused
+
+
+# -- several ranks (Note [one rank raises] in graphtrace/vllm/plugin.py) -----------------------
+
+def _strict() -> bool:
+    return os.environ.get("GRAPHTRACE_STRICT") == "1"
+
+
+def _world_group():
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+    except Exception:  # no distributed state (tests, a bare worker)
+        return None
+    return group if getattr(group, "world_size", 1) > 1 else None
+
+
+def _is_last_rank() -> bool:
+    group = _world_group()
+    return group is None or group.rank_in_group == group.world_size - 1
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank if it is True on any (an all_gather over the world CPU group)."""
+    import torch.distributed as dist
+
+    group = _world_group()
+    gathered: list = [None] * group.world_size
+    dist.all_gather_object(gathered, bool(flag), group=group.cpu_group)
+    return any(gathered)
+
+
+def _gather_problems(problems, rank: int):
+    """[(rank, problems)] of every rank of the world group."""
+    import pandas as pd
+    import torch.distributed as dist
+
+    group = _world_group()
+    mine = (rank, problems.to_dict("records"), list(problems.columns))
+    gathered: list = [None] * group.world_size
+    dist.all_gather_object(gathered, mine, group=group.cpu_group)
+    return [(r, pd.DataFrame(rows, columns=columns)) for r, rows, columns in gathered]
+
+
+def _raise_for_all_ranks(ranks, problems, what: str, rank: int) -> None:
+    """Note [one rank raises] in graphtrace/vllm/plugin.py; `ranks`: `_gather_problems`."""
+    from graphtrace.guard import StaleGraphError, describe
+
+    bad = {r: frame for r, frame in ranks if len(frame)}
+    if not bad:
+        return
+    if not _is_last_rank():
+        if len(problems):
+            logger.error("graphtrace guard (rank %s, %s): %s (the last rank raises for all "
+                         "ranks)", rank, what, describe(problems))
+        return
+    import pandas as pd
+
+    text = "\n".join(f"rank {r}: {describe(frame)}" for r, frame in bad.items())
+    merged = pd.concat([f.assign(rank=r) for r, f in bad.items()], ignore_index=True)
+    raise StaleGraphError(f"graphtrace guard ({what}), problems in rank(s) "
+                          f"{', '.join(map(str, bad))} of {len(ranks)}:\n{text}", merged)

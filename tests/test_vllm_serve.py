@@ -1,0 +1,134 @@
+"""`graphtrace.vllm.serve`: the update state machine of check before serve (Note [check before
+serve]) on a small model, through the real hooks (`hooks.wrap_model_updates`), no vLLM needed.
+The engine-level behaviour is tested with a real vLLM in tests/vllm/test_check_before_serve.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import graphtrace as gt
+from graphtrace.vllm import hooks
+from graphtrace.vllm.serve import DRAIN, ServeGuard, before_step, drain_step
+
+
+class Kernel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, 4), requires_grad=False)
+        self.scale = functools.partial(torch.mul, other=torch.ones(4))  # a derived holder
+
+    def forward(self, x):
+        return self.scale(x @ self.weight)
+
+    def load_weights(self, weights):
+        """vLLM's contract: copy each (name, tensor) into the registered tensor; a buggy
+        kernel re-derives its holder as a new tensor."""
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+        if getattr(self, "rebinds", False):
+            self.scale = functools.partial(torch.mul, other=torch.ones(4))
+        return {n for n, _ in weights}
+
+
+class Engine:  # what a ServeGuard reads of its VllmTrace
+    def __init__(self, trace):
+        self.trace, self.worker, self.graphs = trace, None, []
+
+
+class Core:  # what the pre-step test reads of vLLM's EngineCore
+    def __init__(self, requests=True, batch_queue=None):
+        self.requests = requests
+        self.batch_queue = batch_queue
+        self.scheduler = self
+
+    def has_requests(self):
+        return self.requests
+
+
+@pytest.fixture
+def guarded():
+    model = Kernel()
+    with torch.no_grad(), gt.trace(model) as t:
+        with gt.capture("decode") as graph:
+            model(torch.ones(2, 4))
+    engine = Engine(t)
+    sg = ServeGuard(engine, "raise")
+    hooks.wrap_model_updates(model)
+    hooks.add_listener("before_update", sg.before_update)
+    hooks.add_listener("after_update", sg.after_update)
+    yield model, sg, engine, graph
+    sg.close()
+    hooks.uninstall()
+
+
+def _sync(model):
+    for name, p in model.named_parameters():  # one call per tensor, as TRL and OpenRLHF
+        model.load_weights([(name, p.detach() + 1)])
+
+
+def test_a_clean_update_is_checked_once_before_the_next_forward(guarded):
+    model, sg, _, _ = guarded
+    _sync(model)
+    _sync(model)
+    assert sg.dirty and sg.checks == 0  # nothing checked inside the client's loop
+    assert before_step(Core()) is None  # passes: the step goes on
+    assert sg.checks == 1 and not sg.dirty and sg.last["updates"] == ["load_weights"]
+    assert before_step(Core()) is None and sg.checks == 1  # clean: no check per step
+
+
+def test_a_stale_update_stays_refused_until_a_correct_one_passes(guarded):
+    model, sg, _, _ = guarded
+    captured = model.scale  # the test's own reference to the holder the graph read
+    model.rebinds = True
+    _sync(model)
+    with pytest.raises(gt.StaleGraphError, match=r"owned by scale\.keywords\['other'\] \[moved\]"):
+        sg.check("before_forward")
+    assert sg.dirty  # only a passing check clears it
+    with pytest.raises(gt.StaleGraphError):
+        sg.check("graphtrace_check")
+    assert [e["ok"] for e in sg.history] == [False, False]
+    # a fix that points the holder back at the captured tensor: the engine may serve again
+    model.rebinds = False
+    model.scale = captured
+    _sync(model)
+    assert sg.check("before_forward")["ok"] and not sg.dirty
+
+
+def test_warn_serves_and_clears(guarded, caplog):
+    model, sg, _, _ = guarded
+    sg._action = "warn"
+    model.rebinds = True
+    _sync(model)
+    entry = sg.check("before_forward")
+    assert not entry["ok"] and not sg.dirty
+    assert "graphtrace guard" in caplog.text
+
+
+def test_nothing_captured_nothing_to_check():
+    model = Kernel()
+    with gt.trace(model) as t:
+        sg = ServeGuard(Engine(t), "raise")
+        sg.mark("load_weights")
+        assert not sg.dirty and sg.check("before_forward") == {"ok": True, "checked": False}
+        sg.close()
+
+
+def test_in_flight_batches_are_drained_before_the_check(guarded):
+    model, sg, _, _ = guarded
+    _sync(model)
+    core = Core(batch_queue=["batch in flight"])
+    assert before_step(core) is DRAIN and sg.dirty  # not checked while a batch runs
+    seen = []
+    drain_step(core, lambda c: seen.append(c.scheduler.has_requests()))
+    assert seen == [False] and core.has_requests()  # scheduled nothing; restored after
+
+
+def test_a_bad_action_is_refused():
+    with pytest.raises(ValueError, match="not one of raise, warn, recapture"):
+        ServeGuard(Engine(None), "ignore")

@@ -1,0 +1,133 @@
+"""Check before serve (Note [check before serve] in graphtrace/vllm/serve.py) with a real vLLM:
+each RL client path (serve_ext.py: TRL colocate, OpenRLHF's worker extension, verl's bucketed
+update, vLLM's reload_weights) pushes a clean update, a stale one (the layer's weight
+processing rebinds a derived holder the captured graph reads) and a correct one, guarded by
+``trace_llm(guard="raise")`` or by the plugin (``GRAPHTRACE_VLLM=guard``). The tiny fp32
+Llama runs on every CPU kind. Each engine runs in a subprocess (serve_run.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+HOLDER = "model.layers.0.self_attn.qkv_proj.injected_scale"
+HANDLE = "model.layers.0.self_attn.qkv_proj.cpu_linear.__closure__['handler'].handler_tensor"
+CLIENT_PATHS = ("trl", "openrlhf", "verl")
+
+
+@pytest.fixture(scope="module")
+def changed_llama(tiny_llama_dir, tmp_path_factory):
+    from graphtrace.vllm import tiny
+
+    return tiny.write_changed_checkpoint(tiny_llama_dir, tmp_path_factory.mktemp("changed"))
+
+
+def _run(model_dir, changed, tmp_path: Path, mode: str, paths: str, timeout: int = 600):
+    from graphtrace.vllm import tiny
+
+    env = dict(os.environ)
+    env.update(tiny.engine_env(str(tmp_path / "cache"), multiprocessing=mode == "plugin_mp"))
+    env.update(GRAPHTRACE_STRICT="1", GRAPHTRACE_VLLM_DIR=str(tmp_path / "out"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")]))
+    env.pop("GRAPHTRACE_GUARD", None)  # the default: raise
+    if mode.startswith("plugin"):
+        env["GRAPHTRACE_VLLM"] = "guard"
+    else:
+        env.pop("GRAPHTRACE_VLLM", None)
+    proc = subprocess.run([sys.executable, str(HERE / "serve_run.py"), str(model_dir),
+                           str(changed), mode, paths], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GRAPHTRACE_RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"rc={proc.returncode}\nstdout tail:\n{proc.stdout[-3000:]}\n"
+        f"stderr tail:\n{proc.stderr[-8000:]}")
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def _assert_client_path(r: dict, path: str, in_process: bool) -> None:
+    clean, stale, fixed = r["clean"], r["stale"], r["fixed"]
+    # a clean update: every tensor loaded, ONE check (before the next forward), it serves
+    assert clean["sync"]["ok"], clean["sync"]
+    assert clean["generate"]["ok"], clean["generate"]
+    assert clean["checks"] == 1, (path, clean["after_generate"])
+    last = clean["after_generate"]["last"]
+    assert last["ok"] and last["trigger"] == "before_forward"
+    assert not clean["after_generate"]["dirty"]
+    # the stale update completes (graphtrace raises nothing inside the client's loop)
+    assert stale["sync"] == {"ok": True, "value": clean["sync"]["value"]}, stale["sync"]
+    assert stale["after_sync"]["dirty"] and stale["after_sync"]["checks"] == \
+        clean["after_generate"]["checks"]  # nothing checked during the sync
+    if path == "verl":  # the rebinding happened in the final process_weights_after_loading
+        assert stale["after_sync"]["updates"] == ["load_weights", "process_weights_after_loading"]
+    # ... the next forward is refused, naming the holder
+    gen = stale["generate"]
+    assert not gen["ok"]
+    if in_process:  # the client gets StaleGraphError itself, hiding nothing and hidden by nothing
+        assert gen["type"] == "StaleGraphError" and gen["context"] is None, gen
+        assert HOLDER in gen["message"] and "stale" in gen["message"]
+    else:  # engine core in its own process: the step's requests finish with an error
+        assert "finish_reason error" in gen["message"], gen
+    last = stale["after_generate"]["last"]
+    assert not last["ok"] and last["owners"] == [HOLDER] and last["verdicts"] == ["stale"]
+    assert stale["after_generate"]["dirty"]  # refused until a correct update passes
+    expected = 2 if path == "openrlhf" else 1  # openrlhf: + the explicit graphtrace_check
+    if in_process:
+        assert stale["checks"] == expected, (path, stale["after_generate"])
+    else:  # requests reach the engine core one by one: each refused step checks again
+        assert stale["checks"] >= expected, (path, stale["after_generate"])
+    if path == "openrlhf":
+        assert not stale["explicit"]["ok"] and HOLDER in stale["explicit"]["message"]
+        if in_process:
+            assert stale["explicit"]["type"] == "StaleGraphError"
+    assert not stale["generate_again"]["ok"]
+    assert not stale["holder_is_captured"]
+    # a correct update: it serves again, the outputs of the clean update's weights
+    assert fixed["sync"]["ok"] and fixed["generate"]["ok"], fixed
+    assert fixed["generate"]["value"] == clean["generate"]["value"]
+    assert fixed["holder_is_captured"] and not fixed["after_generate"]["dirty"]
+    assert fixed["after_generate"]["last"]["ok"]
+
+
+@pytest.mark.parametrize("mode", ["trace_llm", "plugin"])
+def test_client_paths_in_one_process(tiny_llama_dir, changed_llama, tmp_path, mode):
+    result = _run(tiny_llama_dir, changed_llama, tmp_path, mode, ",".join(CLIENT_PATHS) + ",reload")
+    assert result["holder"] == HOLDER
+    for path in CLIENT_PATHS:
+        _assert_client_path(result["paths"][path], path, in_process=True)
+    # vLLM's reload_weights is a whole update: checked when it returns, and its caller gets
+    # the error. On CPU it also rebuilds every linear layer's oneDNN handle
+    # (dispatch_cpu_unquantized_gemm in process_weights_after_loading): the captured graph's
+    # handles are stale whatever the kernel does (tests/vllm/test_llama_fp32.py)
+    reload = result["paths"]["reload"]
+    for step in ("clean", "stale", "fixed"):
+        r = reload[step]
+        assert r["sync"]["type"] == "StaleGraphError" and HANDLE in r["sync"]["message"], r
+        assert r["generate"]["type"] == "StaleGraphError"  # still refused, the engine alive
+        assert r["after_generate"]["last"]["updates"] == ["reload_weights"]
+    assert HOLDER in reload["stale"]["sync"]["message"]
+    assert HOLDER not in reload["fixed"]["sync"]["message"]
+    assert result["final"]["type"] == "StaleGraphError"
+    if mode == "plugin":  # the plugin's record of each check
+        lines = (tmp_path / "out" / "guard" / "rank0" / "checks.jsonl").read_text().splitlines()
+        checks = [json.loads(ln) for ln in lines]
+        assert checks[0]["trigger"] == "before_forward" and checks[0]["updates"] == ["load_weights"]
+        assert any(c["trigger"] == "graphtrace_check" for c in checks)
+
+
+def test_client_paths_engine_core_in_another_process(tiny_llama_dir, changed_llama, tmp_path):
+    """Multiprocessing on (the TRL path needs the worker in the client's process)."""
+    result = _run(tiny_llama_dir, changed_llama, tmp_path, "plugin_mp", "openrlhf,verl")
+    for path in ("openrlhf", "verl"):
+        r = result["paths"][path]
+        _assert_client_path(r, path, in_process=False)
+    assert result["final"]["ok"]
