@@ -36,7 +36,14 @@ from graphtrace.lineage import Derived, Source
 from graphtrace.opaque import storage_of
 from graphtrace.owners import OwnerSnapshot, PathSet, resolve_path
 from graphtrace.recorder import Recorder
-from graphtrace.verdict import View, freshness_of, impact_of, owner_status, verdict_of
+from graphtrace.verdict import (
+    View,
+    freed_sources,
+    freshness_of,
+    impact_of,
+    owner_status,
+    verdict_of,
+)
 from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED
 
 __all__ = ["Guard", "StaleGraphError", "load_guard", "guard_of",
@@ -230,9 +237,27 @@ class Guard:
             if status != HOLDS:
                 bad.add(i)
         unrefreshed = self._unrefreshed(models, bad) if self._derived else set()
-        if not bad and not unrefreshed:
+        freed = self._freed(models, bad) if self._derived else {}
+        if not bad and not unrefreshed and not freed:
             return empty_problems()
-        return self._problems(bad | unrefreshed, statuses, live_ptrs, tensors, unrefreshed)
+        return self._problems(bad | unrefreshed | set(freed), statuses, live_ptrs, tensors,
+                              unrefreshed, freed)
+
+    def _freed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> dict[int, list]:
+        """The captured handles with a dangling source, and those sources (the verdict
+        engine's freed_sources: weak handles only, so none from JSON; Note [dangling
+        sources] in graphtrace/lineage.py)."""
+        def resolve(model: str, path: str):
+            return resolve_path(models[model], path) if model in models else None
+
+        out = {}
+        for i, d in self._derived.items():
+            if not d.handle or i in bad or self._internal[i]:
+                continue
+            gone = freed_sources(d, resolve)
+            if gone:
+                out[i] = gone
+        return out
 
     def _unrefreshed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> set[int]:
         """The derived storages whose owners all hold them (or that have none) and whose
@@ -268,7 +293,9 @@ class Guard:
         return out
 
     def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list,
-                  tensors: list, unrefreshed: set[int] = frozenset()) -> pd.DataFrame:
+                  tensors: list, unrefreshed: set[int] = frozenset(),
+                  freed: Mapping[int, list] | None = None) -> pd.DataFrame:
+        freed = freed or {}
         by_storage: dict[int, list[int]] = {}
         for row, (i, *_rest) in enumerate(self._owners):
             if i in bad:
@@ -279,7 +306,7 @@ class Guard:
             st = [statuses[r] for r in owner_rows]
             ref = self._refs[i]
             alive = (not ref.expired()) if ref is not None else not self._dead[i]
-            verdict = verdict_of(st, alive, self._internal[i], i in unrefreshed)
+            verdict = verdict_of(st, alive, self._internal[i], i in unrefreshed, i in freed)
             if verdict not in GUARD_PROBLEMS:
                 continue
             moved = [r for r in owner_rows if statuses[r] == MOVED]
@@ -291,6 +318,8 @@ class Guard:
             impacts: dict[View | None, str] = {}
             derived = self._derived.get(i)
             derived_from = derived.derived_from if derived is not None else ""
+            if i in freed:
+                derived_from = derived.marked(freed[i])
             for g, view in zip(self._graph_ids[i], self._views[i]):
                 if verdict in ("stale", "diverged"):
                     if view not in impacts:

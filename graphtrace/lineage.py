@@ -18,11 +18,12 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphtrace._compat import free_weak_ref, storage_weak_ref, weak_ref_expired
+from graphtrace._compat import free_weak_ref, op_schema, storage_weak_ref, weak_ref_expired
 from graphtrace._schema import op_info, tensors_in
 from graphtrace.encoding import OUT_FRESH, WRITE
 
-__all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "MAX_EDGES", "MAX_SOURCES", "SOURCE_KINDS"]
+__all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "Handle", "MAX_EDGES",
+           "MAX_SOURCES", "MAX_PENDING", "SOURCE_KINDS"]
 
 # Note [lineage]
 # ~~~~~~~~~~~~~~
@@ -63,9 +64,39 @@ __all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "MAX_EDG
 # made while provenance is paused or off, and anything inside a capture region (a graph
 # that rewrites a storage every replay is `internal`: Note [write before read]).
 
+# Note [dangling sources]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A *handle* is a value an op makes from storages it read that may keep a raw pointer to
+# them: an op outside aten/prim whose schema returns an int (vLLM's
+# `_C::create_onednn_scaled_mm_handler(Tensor b, Tensor b_scales, ...) -> int`, a pointer to
+# a native oneDNN primitive) or a ScriptObject. An int handle reaches a tensor through
+# `torch.tensor(value)` (`aten::lift_fresh`: vLLM's `handler_tensor`), which lineage links
+# back to the op by value (only 1-element int64 tensors, only while an int handle is
+# pending). The handle's storage (the pointer tensor, or the ScriptObject's proxy storage,
+# Note [opaque handles]) becomes a lineage node derived from what the op read, so it is
+# `derived_from` and can be `unrefreshed` like any derived storage ("opaque handles as
+# derived"). When the handle is made, the registered parameters and buffers among its
+# sources are named (a walk of the watched models' registered tensors, cached and redone
+# only on a miss) and held by weak handles.
+#
+# Later, a handle that is alive while one of those named sources was freed reads through a
+# pointer to freed memory, unless it copied what it needed. Lineage cannot tell a copy from
+# a pointer (the op is native code), so it uses what the model says now: a freed source whose
+# owner path now reaches a live tensor (the model keeps that value in *another* storage: a
+# reload's temporary, copied back into the original parameter and dropped) is `dangling`; a
+# freed source whose path reaches nothing (the holder released it on purpose after the
+# handle consumed it: vLLM sets the int8 weight to None after prepacking it) is `released`,
+# listed but not a verdict. A plain tensor derived from a freed source is never dangling: a
+# fresh tensor holds values, not pointers (a rebound source makes it `unrefreshed`). A
+# captured handle with a dangling source gets the verdict `dangling` from the verdict
+# engine (graphtrace.verdict.freed_sources; the guard asks the same weak handles); every
+# live handle with a freed source, captured or not, is a row of `Trace.dangling_sources()`
+# and of the report's `findings` (no graph needed).
+
 ENV = "GRAPHTRACE_LINEAGE"
 MAX_EDGES = 1_000_000   # source entries kept in all (see Note [lineage])
 MAX_SOURCES = 64        # sources kept per written storage
+MAX_PENDING = 1024      # int handles waiting for their tensor (Note [dangling sources])
 SOURCE_KINDS = ("parameter", "buffer")  # owner kinds `derived_from` names
 _OVERWRITES = frozenset({"aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor",
                          "aten::zero_"})
@@ -104,12 +135,27 @@ class Derived(NamedTuple):
     owner_versions: dict          # (model, path) -> the captured storage's owner's `_version`
     stale: bool                   # a source was rewritten after it, before the capture
     clock: int                    # its own lineage clock when matched
+    handle: bool = False          # a handle (Note [dangling sources]): a freed source dangles
 
     @property
     def derived_from(self) -> str:
         """The `derived_from` text: the sources' paths, sorted, unique, '; '-joined."""
         return "; ".join(sorted({(f"{s.model}:" if s.model else "") + s.path
                                  for s in self.sources}))
+
+    def marked(self, freed) -> str:
+        """`derived_from` with each source of `freed` marked ` (freed)`."""
+        names = {(f"{s.model}:" if s.model else "") + s.path for s in freed}
+        return "; ".join(p + " (freed)" if p in names else p
+                         for p in self.derived_from.split("; "))
+
+
+class Handle(NamedTuple):
+    """A handle an op made (Note [dangling sources]): the op, and the registered parameters
+    and buffers among its sources then, as (model, path, kind, StorageWeakRef)."""
+
+    op: str
+    sources: tuple
 
 
 class _Op(NamedTuple):
@@ -120,6 +166,8 @@ class _Op(NamedTuple):
     fresh: bool                # some return is a fresh tensor
     writes: bool               # some argument is written
     overwrites: bool           # copy_ / fill_ / zero_: a full write replaces the sources
+    handle: str                # "int" / "object": it returns a handle (Note [dangling sources])
+    lift: bool                 # aten::lift_fresh: where `torch.tensor(int handle)` arrives
 
 
 _OPS: dict = {}
@@ -133,8 +181,24 @@ def _op(func) -> _Op:
         by_keyword = {n: a == WRITE for n, a in info.by_keyword.values()}
         found = _OPS[func] = _Op(positional, by_keyword,
                                  any(r == OUT_FRESH for r in info.returns),
-                                 any(by_keyword.values()), info.name in _OVERWRITES)
+                                 any(by_keyword.values()), info.name in _OVERWRITES,
+                                 _returns_handle(func, info.name),
+                                 info.name == "aten::lift_fresh")
     return found
+
+
+def _returns_handle(func, name: str) -> str:
+    """"int" or "object" when `func` is an op outside aten/prim returning an int or a
+    ScriptObject (Note [dangling sources]); "" otherwise."""
+    if name.split("::", 1)[0] in ("aten", "prim"):
+        return ""
+    try:
+        types = [str(r.type) for r in op_schema(func).returns]
+    except Exception:
+        return ""
+    if any(t.startswith("__torch__.") for t in types):
+        return "object"
+    return "int" if any(t in ("int", "SymInt") for t in types) else ""
 
 
 def _walk(value, writes: bool, keyword: bool, written: list, reads: dict) -> None:
@@ -170,6 +234,12 @@ class Lineage:
         self._mark = 0
         self.captured: dict[int, Derived] = {}   # recorder storage id -> Derived
         self._matched = 0
+        # Note [dangling sources]: handle storage address -> Handle; int handles waiting for
+        # the tensor that will hold them (value -> (Handle, sources)); the watched models
+        self.handles: dict[int, Handle] = {}
+        self.pending: dict[int, tuple] = {}
+        self.models: Callable[[], Mapping[str, torch.nn.Module]] | None = None
+        self._registered: dict[int, list] | None = None  # address -> [(model, path, kind, t)]
 
     # -- recording (the per-op hook) -----------------------------------------------------
     def _node(self, storage: torch.UntypedStorage, address: int) -> list:
@@ -183,6 +253,10 @@ class Lineage:
         op = _OPS.get(func)
         if op is None:
             op = _op(func)
+        if op.lift:
+            if self.pending:
+                self._lift(out)
+            return
         if not op.writes and not op.fresh:
             return
         reads: dict[int, torch.UntypedStorage] = {}
@@ -227,6 +301,9 @@ class Lineage:
             c = node[1]
             if a not in sources or c < sources[a]:
                 sources[a] = c
+        if op.handle and reads:
+            self._handle(func, op.handle, reads, sources, out)
+            return
         targets: list = []  # (storage, replace its sources?)
         seen: set = set()
         for t, is_out in written:
@@ -292,6 +369,120 @@ class Lineage:
         if len(nodes) + self.n_edges > 2 * self._mark + 4096:
             self.sweep()
 
+    # -- handles (Note [dangling sources]) ---------------------------------------------------
+    def _handle(self, func, kind: str, reads: dict, sources: dict, out) -> None:
+        """An op made a handle from `reads` (whose sources, with theirs, are `sources`)."""
+        handle = Handle(op_info(func).name, self._name(sources, reads))
+        if kind == "object":
+            from graphtrace.opaque import is_opaque, proxy_storage
+
+            for obj in (out if isinstance(out, (list, tuple)) else (out,)):
+                if is_opaque(obj):
+                    self._set_handle(proxy_storage(obj), handle, sources)
+            return
+        for value in (out if isinstance(out, (list, tuple)) else (out,)):
+            if isinstance(value, int) and not isinstance(value, bool):
+                if len(self.pending) >= MAX_PENDING:
+                    self.pending.pop(next(iter(self.pending)))
+                self.pending[value] = (handle, sources)
+
+    def _lift(self, out) -> None:
+        """`torch.tensor(value)`: the tensor that holds a pending int handle."""
+        if type(out) not in _PLAIN or out.dtype != torch.int64 or out.numel() != 1:
+            return
+        found = self.pending.pop(int(out.item()), None)
+        if found is not None:
+            self._set_handle(out.untyped_storage(), *found)
+
+    def _set_handle(self, storage: torch.UntypedStorage, handle: Handle, sources: dict) -> None:
+        a = storage._cdata
+        node = self.nodes.get(a)
+        if node is None:
+            node = self._node(storage, a)
+        self.clock += 1
+        node[1] = self.clock
+        old = node[2]
+        node[2] = dict(sources) or None
+        self.n_edges += len(sources) - (len(old) if old else 0)
+        self.handles[a] = handle
+
+    def _registered_tensors(self, refresh: bool) -> dict[int, list]:
+        """Address -> [(model, path, kind, StorageWeakRef)] of the watched models'
+        registered parameters and buffers (cached; `refresh`: walk again)."""
+        if self._registered is None or refresh:
+            found: dict[int, list] = {}
+            refs: dict[int, StorageWeakRef] = {}
+            models = self.models() if self.models is not None else {}
+            for name, model in models.items():
+                for kind, named in (("parameter", model.named_parameters),
+                                    ("buffer", model.named_buffers)):
+                    for path, t in named(remove_duplicate=False):
+                        try:
+                            st = t.untyped_storage()
+                        except Exception:
+                            continue
+                        a = st._cdata
+                        if a not in refs:
+                            refs[a] = StorageWeakRef(st)
+                        found.setdefault(a, []).append((name, path, kind, refs[a]))
+            self._registered = found
+        return self._registered
+
+    def _name(self, sources: dict, direct) -> tuple:
+        """The registered parameters and buffers among `sources` (addresses), with weak
+        handles to their storages; the cached walk is redone once when one of the `direct`
+        reads is not in it (a parameter registered since, a reload's temporary)."""
+        def hit(registered, a):
+            entries = registered.get(a)
+            return entries is not None and not entries[0][3].expired()
+
+        registered = self._registered_tensors(False)
+        if not all(hit(registered, a) for a in direct):
+            registered = self._registered_tensors(True)
+        named = [entry for a in sources if hit(registered, a) for entry in registered[a]]
+        return tuple(sorted(named, key=lambda n: (n[0], n[1])))
+
+    def dangling(self, models: Mapping[str, torch.nn.Module]) -> list[dict]:
+        """Every live handle with a named source that was freed since it was made (Note
+        [dangling sources]): one dict per (handle, freed source) with `status` `dangling`
+        (the source's path now reaches a live tensor) or `released` (it reaches nothing)."""
+        from graphtrace.owners import resolve_path, walk_owners
+
+        live = {a: h for a, h in self.handles.items()
+                if a in self.nodes and not weak_ref_expired(self.nodes[a][0])}
+        rows: list[dict] = []
+        freed = {a: [s for s in h.sources if s[3].expired()] for a, h in live.items()}
+        freed = {a: f for a, f in freed.items() if f}
+        if not freed:
+            return rows
+        holders: dict[int, list[str]] = {}
+        for name, model in models.items():
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                for path, _kind, t in walk_owners(model):
+                    try:
+                        from graphtrace.opaque import storage_of
+
+                        a = storage_of(t)._cdata
+                    except Exception:
+                        continue
+                    if a in freed:
+                        holders.setdefault(a, []).append((f"{name}:" if name else "") + path)
+        for a, sources in sorted(freed.items()):
+            h = live[a]
+            for model, path, kind, _ref in sources:
+                try:
+                    now = resolve_path(models[model], path) if model in models else None
+                except Exception:
+                    now = None
+                status = "dangling" if isinstance(now, torch.Tensor) else "released"
+                rows.append({"holder": "; ".join(sorted(holders.get(a, []))), "op": h.op,
+                             "source": (f"{model}:" if model else "") + path,
+                             "source_kind": kind, "status": status})
+        return rows
+
     # -- memory ------------------------------------------------------------------------------
     def sweep(self) -> None:
         """Drop the nodes of dead storages and purge their addresses from every record."""
@@ -300,6 +491,7 @@ class Lineage:
         dead = [a for a, node in nodes.items() if expired(node[0])]
         for a in dead:
             node = nodes.pop(a)
+            self.handles.pop(a, None)
             free(node[0])
             if node[2]:
                 self.n_edges -= len(node[2])
@@ -320,6 +512,7 @@ class Lineage:
         for node in nodes.values():
             free(node[0])
         self.n_edges = 0
+        self.handles, self.pending, self._registered = {}, {}, None
 
     def __del__(self):
         try:
@@ -410,6 +603,13 @@ class Lineage:
                     src_node = nodes.get(src)
                     if src_node is not None and src_node[1] > clock:
                         stale = True  # the source was rewritten after this storage was
+            handle = self.handles.get(address)
+            if handle is not None:  # its sources named when it was made (Note [dangling sources])
+                have = {(s.model, s.path, s.ref.cdata) for s in sources}
+                for model, path, kind, ref in handle.sources:
+                    if (model, path, ref.cdata) not in have:
+                        sources.append(Source(model, path, kind, ref, 0, 0, None,
+                                              node[2].get(ref.cdata, 0)))
             if not sources:
                 continue
             versions = {}
@@ -418,10 +618,10 @@ class Lineage:
                 if isinstance(t, torch.Tensor):
                     versions[(m, p)] = t._version
             self.captured[sid] = Derived(tuple(sorted(sources, key=lambda s: (s.model, s.path))),
-                                         versions, stale, node[1])
+                                         versions, stale, node[1], handle is not None)
 
     def meta(self) -> dict:
         return {"enabled": True, "ops": self.n_ops, "nodes": len(self.nodes),
                 "edges": self.n_edges, "max_edges": self.max_edges,
                 "ops_skipped": self.ops_skipped, "truncated": self.truncated,
-                "captured_derived": len(self.captured)}
+                "captured_derived": len(self.captured), "handles": len(self.handles)}

@@ -366,6 +366,9 @@ class Trace:
         # which storages each op wrote from which it read, in provenance's mode (Note [lineage])
         if self.provenance is not None and (lineage_by_default() if lineage is None else lineage):
             self.provenance.lineage = Lineage(self.recorder.fail)
+            trace = weakref.ref(self)  # no cycle: the lineage names handles' sources by it
+            self.provenance.lineage.models = lambda: (trace().models if trace() is not None
+                                                      else {})
         self._patch = _CudaGraphPatch(self)
         self.compiled_regions = CompiledPatch(self)  # compiled regions: Note [Compiled regions]
         self._open = False
@@ -668,6 +671,17 @@ class Trace:
     def lineage(self):
         """The trace's `graphtrace.lineage.Lineage` (None when lineage or provenance is off)."""
         return self.provenance.lineage if self.provenance is not None else None
+
+    def findings(self):
+        """What lineage found beside the graphs' edges, graph or no graph: one row per live
+        handle and source of it that was freed (`kind` `dangling source`, or `released
+        source` when the model dropped that path on purpose; Note [dangling sources] in
+        graphtrace/lineage.py), columns graphtrace.vocab.FINDING_FIELDS. The same rows are
+        `t.diff().findings`. Empty without lineage."""
+        from graphtrace.diff import lineage_findings
+        from graphtrace.report.core import findings_frame
+
+        return findings_frame(lineage_findings(self.lineage, self.models, self.recorder.fail))
 
     def guard(self, first_graph: int = 0):
         """A `graphtrace.guard.Guard` of the owned storages captured so far (graph ids from

@@ -1,0 +1,194 @@
+"""Dangling sources (issue 24, Note [dangling sources] in graphtrace/lineage.py): a handle an
+op made from given storages (an int pointer held in a tensor, as vLLM's oneDNN handler holds
+one) whose source was freed while the model keeps that value elsewhere is `dangling`, with
+the freed source named: with a graph (the edge's verdict, in `t.diff()` and `guard.check()`)
+and without one (`t.findings()`, `report.findings`).
+
+The stand-in op keeps what vLLM's `_C::create_onednn_scaled_mm_handler` keeps: a copy of the
+weight (prepacked) and a *pointer* to the weight scale; here the pointer is a weak reference,
+and a forward through a handle whose scale is gone returns NaN (what reading freed memory
+gives is whatever the allocator put there)."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import graphtrace as gt
+from graphtrace.vocab import FINDING_FIELDS
+
+_lib = torch.library.Library("gt_handles", "DEF")
+_lib.define("make_handle(Tensor w, Tensor s) -> int")
+_lib.define("use_handle(Tensor x, Tensor h) -> Tensor")
+_REGISTRY: dict[int, tuple] = {}
+
+
+def _make_handle(w, s):
+    key = 0x7F0000000000 + len(_REGISTRY) * 64  # looks like a pointer; unique per handle
+    _REGISTRY[key] = (w.detach().clone(), weakref.ref(s))  # copies w, points at s
+    return key
+
+
+def _use_handle(x, h):
+    w, s = _REGISTRY[int(h.item())]
+    scale = s()
+    if scale is None:  # the pointer reaches freed memory
+        return torch.full((x.shape[0], w.shape[0]), float("nan"))
+    return (x @ w.t()) * scale.reshape(1, -1)
+
+
+_lib.impl("make_handle", _make_handle, "CPU")
+_lib.impl("use_handle", _use_handle, "CPU")
+
+
+class Handler:
+    """vLLM's CPUDNNLGEMMHandler: the pointer, in a tensor so that it is not inlined."""
+
+    def __init__(self, weight, scale):
+        self.handler_tensor = torch.tensor(torch.ops.gt_handles.make_handle(weight, scale),
+                                           dtype=torch.int64)
+
+
+class HandleLinear(nn.Module):
+    def __init__(self, n=4, k=8, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(n, k, generator=g), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.rand(n, 1, generator=g) + 0.5,
+                                         requires_grad=False)
+        self.handler = None
+
+    def process_weights_after_loading(self):
+        """As vLLM's CPU int8 kernel: build the handle, then release the prepacked weight."""
+        self.handler = Handler(self.weight, self.weight_scale)
+        self.weight = None
+
+    def forward(self, x):
+        return torch.ops.gt_handles.use_handle(x, self.handler.handler_tensor)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = HandleLinear()
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def layerwise_reload(model, keep=None):
+    """vLLM's layerwise reload, as it treats this layer: the new values go into temporaries
+    registered on the layer, the layer is processed, the values are copied back into the
+    original parameter, which is registered again, and the temporaries are dropped (`keep`:
+    a list that keeps them, the repro's control)."""
+    layer = model.proj
+    original = layer.weight_scale
+    g = torch.Generator().manual_seed(1)
+    layer.weight = nn.Parameter(torch.randn(4, 8, generator=g), requires_grad=False)
+    layer.weight_scale = nn.Parameter(original.detach().clone(), requires_grad=False)
+    layer.process_weights_after_loading()
+    with torch.no_grad():
+        original.copy_(layer.weight_scale)
+    if keep is not None:
+        keep.append(layer.weight_scale)
+    layer.weight_scale = original
+
+
+X = torch.rand(2, 8, generator=torch.Generator().manual_seed(2))
+
+
+def _loaded():
+    model = Model()
+    model.proj.process_weights_after_loading()
+    return model
+
+
+def test_a_handle_whose_source_the_reload_freed_is_a_finding_without_a_graph():
+    model = _loaded()
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        assert t.findings().empty
+        layerwise_reload(model)
+        out = model(X)
+    assert torch.isnan(out).all()  # the stand-in's pointer reaches a freed scale
+    f = t.findings()
+    assert list(f.columns) == list(FINDING_FIELDS)
+    rows = {r.source: r for r in f.itertuples()}
+    assert set(rows) == {"proj.weight_scale", "proj.weight"}
+    scale, weight = rows["proj.weight_scale"], rows["proj.weight"]
+    assert scale.kind == "dangling source" and scale.source_kind == "parameter"
+    assert scale.holder == "proj.handler.handler_tensor"
+    assert scale.op == "gt_handles::make_handle"
+    # the weight was prepacked and set to None on purpose: listed, not dangling
+    assert weight.kind == "released source"
+
+
+def test_keeping_the_source_alive_is_clean():
+    model, keep = _loaded(), []
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        layerwise_reload(model, keep=keep)
+        out = model(X)
+    assert torch.isfinite(out).all()
+    f = t.findings()
+    assert set(f["kind"]) == {"released source"}  # only the consumed weight
+    keep.clear()  # the temporary goes now: the same handle dangles
+    assert set(t.findings()["kind"]) == {"released source", "dangling source"}
+
+
+def test_a_captured_handle_with_a_freed_source_is_dangling_in_diff_and_guard(tmp_path):
+    model = _loaded()
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        layerwise_reload(model)
+        with gt.capture("decode"):
+            model(X)
+    report = t.diff()
+    e = report.edges[report.edges["owners"] == "proj.handler.handler_tensor"]
+    assert list(e["verdict"].astype(str)) == ["dangling"]
+    assert e["derived_from"].astype(str).iloc[0] == "proj.weight; proj.weight_scale (freed)"
+    assert e["impact"].astype(str).iloc[0] == "unknown"
+    assert set(report.findings["kind"]) == {"dangling source", "released source"}
+    rows = t.guard().check()
+    assert list(rows["verdict"]) == ["dangling"]
+    assert list(rows["derived_from"]) == ["proj.weight; proj.weight_scale (freed)"]
+    with pytest.raises(gt.StaleGraphError, match="dangling"):
+        t.guard().enforce()
+    # the findings survive the round trip through CSV
+    loaded = gt.load_report(report.to_csv(tmp_path / "r"))
+    assert loaded.findings.equals(report.findings)
+
+
+def test_a_captured_handle_whose_sources_live_is_stable_and_derived():
+    model = Model()
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        model.proj.weight_scale.mul_(1.0)  # something lineage saw write the scale
+        model.proj.process_weights_after_loading()
+        with gt.capture("decode"):
+            model(X)
+    report = t.diff()
+    e = report.edges[report.edges["owners"] == "proj.handler.handler_tensor"]
+    assert list(e["verdict"].astype(str)) == ["stable"]
+    assert e["derived_from"].astype(str).iloc[0] == "proj.weight; proj.weight_scale"
+    assert t.guard().check().empty
+    assert set(report.findings["kind"]) == {"released source"}
+
+
+def test_a_handle_is_derived_and_unrefreshed_when_its_source_changes_in_place():
+    model = Model()
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        model.proj.process_weights_after_loading()
+        with gt.capture("decode"):
+            model(X)
+        model.proj.weight_scale.mul_(2.0)  # a new scale, and no new handle
+    e = t.diff().edges
+    e = e[e["owners"] == "proj.handler.handler_tensor"]
+    assert list(e["verdict"].astype(str)) == ["unrefreshed"]
+    assert list(t.guard().check()["verdict"]) == ["unrefreshed"]
+
+
+def test_no_lineage_no_findings():
+    model = _loaded()
+    with torch.no_grad(), gt.trace(model, strict=True, lineage=False) as t:
+        layerwise_reload(model)
+    assert t.findings().empty
