@@ -56,6 +56,9 @@ __all__ = [
     "dispatch_stack_len", "dispatch_stack_at",
     # provenance
     "PROVENANCE", "PROVENANCE_OFF", "current_dispatch_mode_stack", "push_mode", "pop_mode",
+    # handle ops the dispatch mode cannot see (lineage)
+    "HANDLE_OPS", "all_op_names", "has_kernel_for", "OpOverloadPacket", "function_stack_len",
+    "function_stack_at",
     # Dynamo's cache (attribution)
     "DYNAMO_CACHE", "dynamo_cache_entries",
     # the native dispatch
@@ -159,6 +162,18 @@ PROVENANCE = _PROV not in _missing
 PROVENANCE_OFF = "" if PROVENANCE else _message(_PROV)  # why, where it is off
 if not PROVENANCE:
     current_dispatch_mode_stack = push_mode = pop_mode = _unavailable(_PROV)
+
+# -- handle ops the dispatch mode cannot see: optional (Note [dangling sources]) --------------
+_HND = ("handles made by ops with a composite kernel (lineage's handle mode: vLLM's "
+        "`_C::create_onednn_scaled_mm_handler`)")
+all_op_names = _lookup(_HND, "torch._C:_dispatch_get_all_op_names")
+has_kernel_for = _lookup(_HND, "torch._C:_dispatch_has_kernel_for_dispatch_key")
+OpOverloadPacket = _lookup(_HND, "torch._ops:OpOverloadPacket")
+function_stack_len = _lookup(_HND, "torch._C:_len_torch_function_stack")
+function_stack_at = _lookup(_HND, "torch._C:_get_function_stack_at")
+HANDLE_OPS = _HND not in _missing
+if not HANDLE_OPS:
+    all_op_names = has_kernel_for = function_stack_len = function_stack_at = _unavailable(_HND)
 
 # -- Dynamo's code cache: optional ------------------------------------------------------------
 _DYN = ("which modules Dynamo compiled (forward wrappers may make modules compiled before the "

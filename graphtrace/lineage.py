@@ -283,24 +283,7 @@ class Lineage:
                 if w is not None:
                     _walk(a, w, True, written, reads)
         nodes = self.nodes
-        # the sources of what this op read: each read storage and its own sources (the
-        # oldest clock of a source seen twice)
-        sources: dict[int, int] = {}
-        for a, s in reads.items():
-            node = nodes.get(a)
-            if node is None:
-                node = self._node(s, a)
-            src = node[2]
-            if src:
-                if sources:
-                    for b, cb in src.items():
-                        if b not in sources or cb < sources[b]:
-                            sources[b] = cb
-                else:
-                    sources = dict(src)
-            c = node[1]
-            if a not in sources or c < sources[a]:
-                sources[a] = c
+        sources = self._sources_of(reads)
         if op.handle and reads:
             self._handle(func, op.handle, reads, sources, out)
             return
@@ -369,7 +352,40 @@ class Lineage:
         if len(nodes) + self.n_edges > 2 * self._mark + 4096:
             self.sweep()
 
+    def _sources_of(self, reads: dict) -> dict[int, int]:
+        """The sources of what an op read: each read storage and its own sources (the oldest
+        clock of a source seen twice)."""
+        nodes = self.nodes
+        sources: dict[int, int] = {}
+        for a, s in reads.items():
+            node = nodes.get(a)
+            if node is None:
+                node = self._node(s, a)
+            src = node[2]
+            if src:
+                if sources:
+                    for b, cb in src.items():
+                        if b not in sources or cb < sources[b]:
+                            sources[b] = cb
+                else:
+                    sources = dict(src)
+            c = node[1]
+            if a not in sources or c < sources[a]:
+                sources[a] = c
+        return sources
+
     # -- handles (Note [dangling sources]) ---------------------------------------------------
+    def record_handle(self, func, kind: str, args, kwargs, out) -> None:
+        """A handle op the dispatch mode does not see (`HandleMode`): every tensor argument
+        is read."""
+        reads: dict[int, torch.UntypedStorage] = {}
+        written: list = []
+        _walk(args, False, False, written, reads)
+        if kwargs:
+            _walk(kwargs, False, True, written, reads)
+        if reads:
+            self._handle(func, kind, reads, self._sources_of(reads), out)
+
     def _handle(self, func, kind: str, reads: dict, sources: dict, out) -> None:
         """An op made a handle from `reads` (whose sources, with theirs, are `sources`)."""
         handle = Handle(op_info(func).name, self._name(sources, reads))
@@ -625,3 +641,85 @@ class Lineage:
                 "edges": self.n_edges, "max_edges": self.max_edges,
                 "ops_skipped": self.ops_skipped, "truncated": self.truncated,
                 "captured_derived": len(self.captured), "handles": len(self.handles)}
+
+
+# -- handle ops with a composite kernel (Note [dangling sources]) -------------------------------
+
+# Note [handle mode]
+# ~~~~~~~~~~~~~~~~~~
+# An op whose kernel is registered as CompositeImplicitAutograd (a C++ function given to
+# `def` with no dispatch key: vLLM's `_C::create_onednn_scaled_mm_handler`) runs before the
+# Python dispatch key and calls no other op, so provenance's dispatch mode never sees it.
+# A TorchFunctionMode does (`torch.ops` calls go through `__torch_function__`). Lineage
+# pushes one, `HandleMode`, only when such ops that make handles exist in this process
+# (`invisible_handle_ops`: outside aten/prim, a tensor argument, an int or ScriptObject
+# return, a composite kernel; found once per set of registered op names), and only while
+# provenance's mode is pushed and running; every other call it passes through after one
+# dict lookup. Under Dynamo (`torch.compiler.is_compiling()`) it passes everything through;
+# a function compiled while it is on the stack is compiled again once without it (Dynamo
+# guards on the function-mode stack).
+
+_INVISIBLE: dict = {}        # packet or overload -> (overload, "int" / "object")
+_SCANNED = [-1]               # how many op names the last scan saw
+
+
+def invisible_handle_ops() -> dict:
+    """The handle ops the dispatch mode cannot see, by their packet and overloads (rescanned
+    when the number of registered op names changed)."""
+    from graphtrace._compat import HANDLE_OPS, all_op_names, has_kernel_for
+
+    if not HANDLE_OPS:
+        return _INVISIBLE
+    names = all_op_names()
+    if len(names) == _SCANNED[0]:
+        return _INVISIBLE
+    _SCANNED[0] = len(names)
+    for full in names:
+        ns, _, rest = full.partition("::")
+        if ns in ("aten", "prim", "prims") or not has_kernel_for(full, "CompositeImplicitAutograd"):
+            continue
+        try:
+            packet = getattr(getattr(torch.ops, ns), rest.partition(".")[0])
+            overloads = [getattr(packet, o) for o in packet.overloads()]
+        except Exception:
+            continue
+        for overload in overloads:
+            schema = op_schema(overload)
+            kind = _returns_handle(overload, f"{ns}::x")
+            if kind and any("Tensor" in str(a.type) for a in schema.arguments):
+                _INVISIBLE[overload] = (overload, kind)
+                if len(overloads) == 1:
+                    _INVISIBLE[packet] = (overload, kind)
+    return _INVISIBLE
+
+
+def handle_mode(lineage: "Lineage", active: Callable[[], Callable[[], bool] | None]):
+    """A `HandleMode` for `lineage` when this process has invisible handle ops, else None.
+    `active`: a weak method (no cycle through the mode) saying whether to note now."""
+    if not invisible_handle_ops():
+        return None
+    from torch.overrides import TorchFunctionMode
+
+    class HandleMode(TorchFunctionMode):
+        """Note [handle mode]."""
+
+        lineage_off = False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                return out
+            try:
+                found = _INVISIBLE.get(func)
+            except TypeError:  # an unhashable callable
+                found = None
+            if found is not None and not self.lineage_off and (active() or bool)():
+                try:
+                    lineage.record_handle(found[0], found[1], args, kwargs, out)
+                except Exception as exc:  # fail open
+                    if lineage.fail is not None:
+                        lineage.fail("lineage", exc)
+            return out
+
+    return HandleMode()
