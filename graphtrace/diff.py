@@ -395,7 +395,7 @@ def lineage_findings(lineage, models: Mapping[str, torch.nn.Module], fail) -> li
     if lineage is None:
         return []
     try:
-        return [dict(r, kind=r["status"] + " source") for r in lineage.dangling(models)]
+        return lineage.dangling(models) + lineage.non_idempotent()
     except Exception as exc:  # fail open
         fail("findings", exc)
         return []

@@ -64,6 +64,26 @@ __all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "Handle"
 # made while provenance is paused or off, and anything inside a capture region (a graph
 # that rewrites a storage every replay is `internal`: Note [write before read]).
 
+# Note [non-idempotent steps]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A process step that updates a registered parameter or buffer in place from its own value
+# (`scale.mul_(2)`, `w.div_(s)`, `torch.mul(w, s, out=w)`) gives a different result each
+# time it runs on the same loaded weights: a second sync without a reload first compounds
+# it (ROCm ATOM #2028: a scale normalised in place each sync, 2^N after N syncs). Identity
+# checks and a same-weights reload run once cannot see it. While a trace is open, outside
+# capture regions, lineage notes every write whose new value reads the storage it writes --
+# an in-place op other than the pure overwrites (`copy_`, `fill_`, `zero_`, `index_put_`,
+# the random fills, ...: `_SELF_FREE`) or an `out=` buffer that is also an input -- when
+# that storage is a registered parameter or buffer of a watched model (the walk of their
+# registered tensors that lineage keeps: taken once, again after each capture and when an
+# unknown `nn.Parameter` is written), as one record per (storage, op, call site) with the
+# number of times it ran (provenance gives the site: the user code's file and line). An
+# optimizer's step is training, not a process step: lineage is told by torch.optim's global
+# step hooks and notes nothing inside one. A forward run outside a capture region that
+# updates a registered buffer in place (a step counter) is noted too: it is just as
+# non-idempotent. The records are findings (`Trace.findings()`, `report.findings`, kind
+# `non-idempotent step`), not a verdict: the graph's edges are judged as before.
+
 # Note [dangling sources]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A *handle* is a value an op makes from storages it read that may keep a raw pointer to
@@ -101,6 +121,15 @@ SOURCE_KINDS = ("parameter", "buffer")  # owner kinds `derived_from` names
 _OVERWRITES = frozenset({"aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor",
                          "aten::zero_"})
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# in-place ops whose new value of `self` does not depend on its old one (Note [non-idempotent
+# steps]); every other `aten::name_` op reads the storage it writes
+_SELF_FREE = frozenset({
+    "copy_", "fill_", "zero_", "index_put_", "index_copy_", "index_fill_", "masked_fill_",
+    "masked_scatter_", "set_", "resize_", "resize_as_", "uniform_", "normal_", "random_",
+    "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_", "detach_",
+    "requires_grad_", "as_strided_", "t_", "transpose_", "squeeze_", "unsqueeze_",
+    "swapdims_", "swapaxes_", "scatter_.src", "scatter_.value", "copy_sparse_to_sparse_"})
+MAX_SELF_UPDATES = 4096  # distinct (storage, op, line) records kept
 
 
 def enabled_by_default() -> bool:
@@ -156,6 +185,7 @@ class Handle(NamedTuple):
 
     op: str
     sources: tuple
+    site: str = ""   # where it was made (provenance's site text)
 
 
 class _Op(NamedTuple):
@@ -168,6 +198,7 @@ class _Op(NamedTuple):
     overwrites: bool           # copy_ / fill_ / zero_: a full write replaces the sources
     handle: str                # "int" / "object": it returns a handle (Note [dangling sources])
     lift: bool                 # aten::lift_fresh: where `torch.tensor(int handle)` arrives
+    self_reads: bool           # an in-place op whose new value depends on the old one
 
 
 _OPS: dict = {}
@@ -183,8 +214,16 @@ def _op(func) -> _Op:
                                  any(r == OUT_FRESH for r in info.returns),
                                  any(by_keyword.values()), info.name in _OVERWRITES,
                                  _returns_handle(func, info.name),
-                                 info.name == "aten::lift_fresh")
+                                 info.name == "aten::lift_fresh", _self_reads(info.name))
     return found
+
+
+def _self_reads(name: str) -> bool:
+    """Does the in-place op `name` (`aten::mul_.Tensor`) read the `self` it writes?"""
+    base = name.split("::", 1)[-1]
+    stem = base.split(".", 1)[0]
+    return stem.endswith("_") and not stem.startswith("_") and stem not in _SELF_FREE \
+        and base not in _SELF_FREE
 
 
 def _returns_handle(func, name: str) -> str:
@@ -239,6 +278,11 @@ class Lineage:
         self.handles: dict[int, Handle] = {}
         self.pending: dict[int, tuple] = {}
         self.models: Callable[[], Mapping[str, torch.nn.Module]] | None = None
+        # Note [non-idempotent steps]: (address, op, site) -> [StorageWeakRef, times seen]
+        self.self_updates: dict[tuple, list] = {}
+        self.optimizer_steps = 0  # > 0 inside torch.optim's step (not a process step)
+        self.site: Callable | None = None  # func -> its call site's text (provenance's)
+        self._missed: set = set()  # Parameters not found by a fresh walk of the models
         self._registered: dict[int, list] | None = None  # address -> [(model, path, kind, t)]
 
     # -- recording (the per-op hook) -----------------------------------------------------
@@ -282,6 +326,14 @@ class Lineage:
                 w = op.by_keyword.get(name)
                 if w is not None:
                     _walk(a, w, True, written, reads)
+        if written and self.optimizer_steps == 0:  # Note [non-idempotent steps]
+            for t, is_out in written:
+                try:
+                    s = t.untyped_storage()
+                except Exception:
+                    continue
+                if (op.self_reads and not is_out) or s._cdata in reads:
+                    self._self_update(func, t, s)
         nodes = self.nodes
         sources = self._sources_of(reads)
         if op.handle and reads:
@@ -374,6 +426,48 @@ class Lineage:
                 sources[a] = c
         return sources
 
+    # -- non-idempotent steps (Note [non-idempotent steps]) ------------------------------------
+    def _self_update(self, func, t: torch.Tensor, s: torch.UntypedStorage) -> None:
+        """An op wrote the storage `s` (through `t`) from its own value: keep a record when
+        `s` is a registered parameter or buffer of a watched model."""
+        a = s._cdata
+        registered = self._registered_tensors(False)
+        entries = registered.get(a)
+        if entries is None or entries[0][3].expired():
+            if type(t) is not torch.nn.Parameter or a in self._missed:
+                return  # `.data` of a parameter the last walk saw is found above
+            registered = self._registered_tensors(True)
+            entries = registered.get(a)
+            if entries is None:
+                self._missed.add(a)
+                return
+        name = op_info(func).name
+        site = self.site() if self.site is not None else None
+        key = (a, name, site(func) if site is not None else "")
+        record = self.self_updates.get(key)
+        if record is not None and not record[0].expired():
+            record[1] += 1
+        elif len(self.self_updates) < MAX_SELF_UPDATES:
+            self.self_updates[key] = [entries[0][3], 1]
+
+    def non_idempotent(self) -> list[dict]:
+        """One record per registered storage, op and line that updated the storage from its
+        own value while the trace was open (Note [non-idempotent steps])."""
+        rows = []
+        registered = None
+        for (a, op, site), (ref, n) in self.self_updates.items():
+            if ref.expired():
+                continue
+            if registered is None:
+                registered = self._registered_tensors(True)
+            entries = registered.get(a, ())
+            paths = sorted((f"{m}:" if m else "") + p for m, p, _k, _r in entries)
+            if not paths:
+                continue
+            rows.append({"kind": "non-idempotent step", "holder": "; ".join(paths), "op": op,
+                         "source": "", "source_kind": entries[0][2], "site": site, "n": n})
+        return rows
+
     # -- handles (Note [dangling sources]) ---------------------------------------------------
     def record_handle(self, func, kind: str, args, kwargs, out) -> None:
         """A handle op the dispatch mode does not see (`HandleMode`): every tensor argument
@@ -388,7 +482,9 @@ class Lineage:
 
     def _handle(self, func, kind: str, reads: dict, sources: dict, out) -> None:
         """An op made a handle from `reads` (whose sources, with theirs, are `sources`)."""
-        handle = Handle(op_info(func).name, self._name(sources, reads))
+        site = self.site() if self.site is not None else None
+        handle = Handle(op_info(func).name, self._name(sources, reads),
+                        site(func) if site is not None else "")
         if kind == "object":
             from graphtrace.opaque import is_opaque, proxy_storage
 
@@ -460,8 +556,9 @@ class Lineage:
 
     def dangling(self, models: Mapping[str, torch.nn.Module]) -> list[dict]:
         """Every live handle with a named source that was freed since it was made (Note
-        [dangling sources]): one dict per (handle, freed source) with `status` `dangling`
-        (the source's path now reaches a live tensor) or `released` (it reaches nothing)."""
+        [dangling sources]): one dict per (handle, freed source), `kind` `dangling source`
+        (the source's path now reaches a live tensor) or `released source` (it reaches
+        nothing)."""
         from graphtrace.owners import resolve_path, walk_owners
 
         live = {a: h for a, h in self.handles.items()
@@ -494,9 +591,10 @@ class Lineage:
                 except Exception:
                     now = None
                 status = "dangling" if isinstance(now, torch.Tensor) else "released"
-                rows.append({"holder": "; ".join(sorted(holders.get(a, []))), "op": h.op,
+                rows.append({"kind": f"{status} source",
+                             "holder": "; ".join(sorted(holders.get(a, []))), "op": h.op,
                              "source": (f"{model}:" if model else "") + path,
-                             "source_kind": kind, "status": status})
+                             "source_kind": kind, "site": h.site, "n": 1})
         return rows
 
     # -- memory ------------------------------------------------------------------------------
@@ -564,6 +662,7 @@ class Lineage:
         `models` (through `snapshot`'s cached owner walks, graphtrace.owners)."""
         from graphtrace.owners import resolve_path
 
+        self._registered = None  # walked again when next needed (Note [non-idempotent steps])
         new = storages.registered_since(self._matched)
         self._matched = new.end
         nodes = self.nodes
@@ -723,3 +822,29 @@ def handle_mode(lineage: "Lineage", active: Callable[[], Callable[[], bool] | No
             return out
 
     return HandleMode()
+
+
+def optimizer_hooks(lineage: "Lineage") -> list:
+    """Global torch.optim step hooks that tell `lineage` when an optimizer step runs (its
+    in-place updates are training, not a non-idempotent process step: Note [non-idempotent
+    steps]); the lineage is held weakly. Remove them with `.remove()`."""
+    import weakref
+
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    ref = weakref.ref(lineage)
+
+    def pre(optimizer, args, kwargs) -> None:
+        found = ref()
+        if found is not None:
+            found.optimizer_steps += 1
+
+    def post(optimizer, args, kwargs) -> None:
+        found = ref()
+        if found is not None:
+            found.optimizer_steps = max(0, found.optimizer_steps - 1)
+
+    return [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]

@@ -256,6 +256,7 @@ class Provenance:
         self.mode = ProvenanceMode(self)
         self.lineage = None  # a graphtrace.lineage.Lineage when the trace records lineage
         self.handle_mode = None  # lineage's TorchFunctionMode (Note [handle mode])
+        self._optimizer_hooks: list = []  # lineage's (Note [non-idempotent steps])
         self.captured: dict[int, int] = {}
         self.thread: int | None = None
         self._matched = 0
@@ -286,8 +287,10 @@ class Provenance:
         self.thread = threading.get_ident()
         self.mode.__enter__()
         if self.lineage is not None:  # Note [handle mode] in graphtrace/lineage.py
-            from graphtrace.lineage import handle_mode
+            from graphtrace.lineage import handle_mode, optimizer_hooks
 
+            self.lineage.site = weakref.WeakMethod(self.site_text)
+            self._optimizer_hooks = optimizer_hooks(self.lineage)
             self.handle_mode = handle_mode(self.lineage, weakref.WeakMethod(self._noting))
             if self.handle_mode is not None:
                 self.handle_mode.__enter__()
@@ -310,11 +313,18 @@ class Provenance:
                     push_mode(mode)
             self.mode.paused = True
             self._pop_handle_mode()
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        self._optimizer_hooks = []
         self.thread = None
         self._suspended = None
         self.table.sweep()
         if self.lineage is not None:
             self.lineage.sweep()
+
+    def site_text(self, func) -> str:
+        """The text of the user code's call site of `func` now (for lineage's records)."""
+        return self.text(self._site(func))
 
     def _noting(self) -> bool:
         """Is provenance's mode running on this thread (pushed, not paused)? For lineage's

@@ -79,8 +79,9 @@ BLIND_SPOT_FIELDS = ("kind", "text", "holder", "op", "model", "graph")  # meta /
 FINDING_KINDS = (
     "dangling source",          # a live handle whose source was freed, kept elsewhere by the model
     "released source",          # ... whose source the model dropped on purpose (consumed)
+    "non-idempotent step",      # a registered storage updated in place from its own value
 )
-FINDING_FIELDS = ("kind", "holder", "op", "source", "source_kind", "status")
+FINDING_FIELDS = ("kind", "holder", "op", "source", "source_kind", "site", "n")
 
 # -- frames ----------------------------------------------------------------------------------
 # Column kinds: "int" int64 (no NA); "Int" nullable Int64; "bool" (no NA); "str" ("" when
