@@ -448,7 +448,7 @@ def _derived_json(d: Derived) -> dict:
                         for s in d.sources],
             "owner_versions": [{"model": m, "path": p, "version": v}
                                for (m, p), v in d.owner_versions.items()],
-            "stale": d.stale, "process": _PROCESS}
+            "stale": d.stale, "process": _PROCESS, **({"handle": True} if d.handle else {})}
 
 
 def _derived_from_json(data: object, models: list, fail, where: str) -> Derived:
@@ -472,13 +472,14 @@ def _derived_from_json(data: object, models: list, fail, where: str) -> Derived:
                 raise TypeError
             versions[(o["model"], o["path"])] = o.get("version") if same else None
         stale = data.get("stale", False)
-        if not isinstance(stale, bool) or not sources:
+        handle = data.get("handle", False)  # Note [dangling sources] in graphtrace/lineage.py
+        if not isinstance(stale, bool) or not isinstance(handle, bool) or not sources:
             raise TypeError
     except (TypeError, KeyError, AttributeError):
         raise fail(f"{where} must be an object with \"sources\" (a non-empty list of "
                    "{model, path, kind, data_ptr, nbytes, version}), \"owner_versions\" "
-                   "and a bool \"stale\"") from None
-    return Derived(tuple(sources), versions, stale, 0)
+                   "and a bool \"stale\" (and \"handle\")") from None
+    return Derived(tuple(sources), versions, stale, 0, handle)
 
 
 def _view_json(view: View) -> dict:

@@ -181,7 +181,8 @@ class Derived(NamedTuple):
 
 class Handle(NamedTuple):
     """A handle an op made (Note [dangling sources]): the op, and the registered parameters
-    and buffers among its sources then, as (model, path, kind, StorageWeakRef)."""
+    and buffers among its sources then, as (model, path, kind, StorageWeakRef, data_ptr,
+    nbytes)."""
 
     op: str
     sources: tuple
@@ -283,7 +284,8 @@ class Lineage:
         self.optimizer_steps = 0  # > 0 inside torch.optim's step (not a process step)
         self.site: Callable | None = None  # func -> its call site's text (provenance's)
         self._missed: set = set()  # Parameters not found by a fresh walk of the models
-        self._registered: dict[int, list] | None = None  # address -> [(model, path, kind, t)]
+        self._registered: dict[int, list] | None = None  # address -> [(model, path, kind, ref)]
+        self._geometry: dict[int, tuple[int, int]] = {}  # address -> (data_ptr, nbytes)
 
     # -- recording (the per-op hook) -----------------------------------------------------
     def _node(self, storage: torch.UntypedStorage, address: int) -> list:
@@ -522,6 +524,7 @@ class Lineage:
         """Address -> [(model, path, kind, StorageWeakRef)] of the watched models'
         registered parameters and buffers (cached; `refresh`: walk again)."""
         if self._registered is None or refresh:
+            self._geometry: dict[int, tuple[int, int]] = {}  # address -> (data_ptr, nbytes)
             found: dict[int, list] = {}
             refs: dict[int, StorageWeakRef] = {}
             models = self.models() if self.models is not None else {}
@@ -536,6 +539,7 @@ class Lineage:
                         a = st._cdata
                         if a not in refs:
                             refs[a] = StorageWeakRef(st)
+                            self._geometry[a] = (st.data_ptr(), st.nbytes())
                         found.setdefault(a, []).append((name, path, kind, refs[a]))
             self._registered = found
         return self._registered
@@ -551,7 +555,8 @@ class Lineage:
         registered = self._registered_tensors(False)
         if not all(hit(registered, a) for a in direct):
             registered = self._registered_tensors(True)
-        named = [entry for a in sources if hit(registered, a) for entry in registered[a]]
+        named = [entry + self._geometry[a] for a in sources if hit(registered, a)
+                 for entry in registered[a]]
         return tuple(sorted(named, key=lambda n: (n[0], n[1])))
 
     def dangling(self, models: Mapping[str, torch.nn.Module]) -> list[dict]:
@@ -564,7 +569,7 @@ class Lineage:
         live = {a: h for a, h in self.handles.items()
                 if a in self.nodes and not weak_ref_expired(self.nodes[a][0])}
         rows: list[dict] = []
-        freed = {a: [s for s in h.sources if s[3].expired()] for a, h in live.items()}
+        freed = {a: [s[:4] for s in h.sources if s[3].expired()] for a, h in live.items()}
         freed = {a: f for a, f in freed.items() if f}
         if not freed:
             return rows
@@ -721,9 +726,9 @@ class Lineage:
             handle = self.handles.get(address)
             if handle is not None:  # its sources named when it was made (Note [dangling sources])
                 have = {(s.model, s.path, s.ref.cdata) for s in sources}
-                for model, path, kind, ref in handle.sources:
+                for model, path, kind, ref, ptr, nbytes in handle.sources:
                     if (model, path, ref.cdata) not in have:
-                        sources.append(Source(model, path, kind, ref, 0, 0, None,
+                        sources.append(Source(model, path, kind, ref, ptr, nbytes, None,
                                               node[2].get(ref.cdata, 0)))
             if not sources:
                 continue

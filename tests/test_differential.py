@@ -290,6 +290,32 @@ def refit_and_drop_cache(m, keep):
     m.layers[1]._A_neg_exp_cache = -torch.exp(m.layers[1].A_log)  # rebuilt, not in place
 
 
+# -- dangling sources (issue 24): a handle made inside the trace from a registered scale ----
+
+def _handle_model():
+    from tests.test_dangling_sources import Model as HandleModel
+
+    m = HandleModel()
+    m.proj.process_weights_after_loading()
+    return m
+
+
+def process_again(m):
+    """A process step inside the trace: the handle is made from the registered scale."""
+    m.proj.weight = nn.Parameter(torch.rand(4, 8), requires_grad=False)
+    m.proj.process_weights_after_loading()
+
+
+def rebind_scale(m, keep):
+    """A reload that binds a new scale parameter and does not make the handle again: the
+    handle's pointer reaches the freed old scale."""
+    m.proj.weight_scale = nn.Parameter(m.proj.weight_scale.detach() * 2, requires_grad=False)
+
+
+def scale_in_place(m, keep):
+    m.proj.weight_scale.mul_(2.0)
+
+
 @dataclasses.dataclass
 class Scenario:
     build: Callable[[], nn.Module]
@@ -299,6 +325,7 @@ class Scenario:
     compiled: bool = False
     needs: str = ""
     warmup: bool = False          # an eager forward inside the trace before the captures
+    setup: Callable | None = None  # a process step inside the trace before the captures
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -356,6 +383,12 @@ SCENARIOS: dict[str, Scenario] = {
                                                 {"unknown", "manifest"}, warmup=True),
     "derived-cache-compiled-refit": Scenario(_mamba(), refit(), {"unrefreshed"}, {"unknown"},
                                              compiled=True, warmup=True),
+    "handle-source-freed": Scenario(_handle_model, rebind_scale, {"dangling"}, {"unknown"},
+                                    setup=process_again),
+    "handle-source-in-place": Scenario(_handle_model, scale_in_place, {"unrefreshed"},
+                                       {"unknown"}, setup=process_again),
+    "handle-unchanged": Scenario(_handle_model, lambda m, keep: None, set(),
+                                 setup=process_again),
 }
 
 
@@ -369,6 +402,8 @@ def _run(name: str, tmp_path):
     width = 4 if isinstance(model, Packed) else 8
     keep = []
     with torch.no_grad(), gt.trace(model, strict=True) as t:
+        if sc.setup is not None:
+            sc.setup(model)
         if sc.warmup:  # eager, as a process step is (lineage does not see inside compiled code)
             model(torch.rand(2, width))
         for label, batch in (("decode", torch.rand(2, width)), ("prefill", torch.rand(4, width))):
