@@ -223,6 +223,8 @@ def _self_reads(name: str) -> bool:
     """Does the in-place op `name` (`aten::mul_.Tensor`) read the `self` it writes?"""
     base = name.split("::", 1)[-1]
     stem = base.split(".", 1)[0]
+    if stem.startswith("_foreach_"):  # torch.optim's multi-tensor updates
+        stem = stem[len("_foreach"):]
     return stem.endswith("_") and not stem.startswith("_") and stem not in _SELF_FREE \
         and base not in _SELF_FREE
 

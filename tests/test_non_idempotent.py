@@ -106,3 +106,16 @@ def test_lineage_off_notes_nothing():
     with torch.no_grad(), gt.trace(model, strict=True, lineage=False) as t:
         normalise(model)
     assert t.findings().empty
+
+
+def test_the_rocm_atom_case_doubles_the_scale_per_sync_and_counts_the_syncs():
+    from graphtrace.demo.cases import get
+    from graphtrace.demo.cases.rocm_atom_2028_scale_normalise import SYNCS, AtomModel
+
+    out = get("rocm-atom-2028-scale-normalise").run("buggy")
+    loaded = AtomModel().checkpoint(0)["layers.0.weight_scale"]
+    assert torch.allclose(out.scale[0], loaded * 2 ** (SYNCS + 1))  # first load + N syncs
+    f = out.report.findings
+    rows = f[f["holder"] == "layers.0.weight_scale"]
+    assert sorted(rows["n"].astype(int)) == [1, SYNCS]  # the first process step, the syncs
+    assert rows["site"].str.contains("rocm_atom_2028_scale_normalise.py").all()
