@@ -316,6 +316,30 @@ def scale_in_place(m, keep):
     m.proj.weight_scale.mul_(2.0)
 
 
+# -- the RL load_weights case (graphtrace.demo.cases.rl_load_weights_no_process) -----------
+
+def _rl(in_place=False):
+    def build():
+        from graphtrace.demo.cases.rl_load_weights_no_process import RLModel
+        return RLModel(in_place=in_place)
+    return build
+
+
+def rl_first_load(m):
+    """The engine's first load and process step, inside the trace."""
+    m.load(m.checkpoint(0))
+
+
+def rl_sync(process=False):
+    def update(m, keep):
+        with torch.no_grad():  # new weights into the live parameters (copy_, in place)
+            for name, new in m.checkpoint(1).items():
+                m.get_parameter(name).copy_(new)
+            if process:
+                m.process_weights_after_loading()
+    return update
+
+
 @dataclasses.dataclass
 class Scenario:
     build: Callable[[], nn.Module]
@@ -383,6 +407,16 @@ SCENARIOS: dict[str, Scenario] = {
                                                 {"unknown", "manifest"}, warmup=True),
     "derived-cache-compiled-refit": Scenario(_mamba(), refit(), {"unrefreshed"}, {"unknown"},
                                              compiled=True, warmup=True),
+    "rl-load-weights-only": Scenario(_rl(), rl_sync(), {"unrefreshed"}, {"unknown"},
+                                     setup=rl_first_load),
+    "rl-load-weights-only-compiled": Scenario(_rl(), rl_sync(), {"unrefreshed"}, {"unknown"},
+                                              setup=rl_first_load, compiled=True),
+    "rl-reprocess-rebind": Scenario(_rl(), rl_sync(process=True), {"stale"}, {"manifest"},
+                                    setup=rl_first_load),
+    "rl-reprocess-in-place": Scenario(_rl(in_place=True), rl_sync(process=True), set(),
+                                      setup=rl_first_load),
+    "rl-reprocess-in-place-compiled": Scenario(_rl(in_place=True), rl_sync(process=True),
+                                               set(), setup=rl_first_load, compiled=True),
     "handle-source-freed": Scenario(_handle_model, rebind_scale, {"dangling"}, {"unknown"},
                                     setup=process_again),
     "handle-source-in-place": Scenario(_handle_model, scale_in_place, {"unrefreshed"},
