@@ -286,6 +286,10 @@ class Lineage:
         self.optimizer_steps = 0  # > 0 inside torch.optim's step (not a process step)
         self.site: Callable | None = None  # func -> its call site's text (provenance's)
         self._missed: set = set()  # Parameters not found by a fresh walk of the models
+        # Note [handle mode]: called (a weak method) when handle ops appear after the start
+        self.want_handle_mode: Callable | None = None
+        self._tick = 0
+        self._looked = (0.0, 0)  # (when, len(sys.modules)) of the last look
         self._registered: dict[int, list] | None = None  # address -> [(model, path, kind, ref)]
         self._geometry: dict[int, tuple[int, int]] = {}  # address -> (data_ptr, nbytes)
 
@@ -298,6 +302,9 @@ class Lineage:
 
     def record(self, func, args, kwargs, out) -> None:
         """Note what `func` wrote from what it read (called by provenance's mode)."""
+        self._tick += 1
+        if not self._tick & 255 and self.want_handle_mode is not None:
+            self._look_for_handle_ops()
         op = _OPS.get(func)
         if op is None:
             op = _op(func)
@@ -429,6 +436,22 @@ class Lineage:
             if a not in sources or c < sources[a]:
                 sources[a] = c
         return sources
+
+    def _look_for_handle_ops(self) -> None:
+        """Every 256 ops, at most once a second and only after new imports: have ops with a
+        composite kernel that make handles been registered since (vLLM loads `_C` late)?"""
+        import sys
+        import time
+
+        now, n = time.monotonic(), len(sys.modules)
+        if now - self._looked[0] < 1.0 or n == self._looked[1]:
+            return
+        self._looked = (now, n)
+        if invisible_handle_ops():
+            want = self.want_handle_mode()
+            self.want_handle_mode = None
+            if want is not None:
+                want()
 
     # -- non-idempotent steps (Note [non-idempotent steps]) ------------------------------------
     def _self_update(self, func, t: torch.Tensor, s: torch.UntypedStorage) -> None:
@@ -759,9 +782,10 @@ class Lineage:
 # A TorchFunctionMode does (`torch.ops` calls go through `__torch_function__`). Lineage
 # pushes one, `HandleMode`, only when such ops that make handles exist in this process
 # (`invisible_handle_ops`: outside aten/prim, a tensor argument, an int or ScriptObject
-# return, a composite kernel; found once per set of registered op names), and only while
-# provenance's mode is pushed and running; every other call it passes through after one
-# dict lookup. Under Dynamo (`torch.compiler.is_compiling()`) it passes everything through;
+# return, a composite kernel; found once per set of registered op names; looked for again
+# every 256 ops, at most once a second, when modules were imported since: vLLM registers
+# `_C` after the trace may have opened), and only while provenance's mode is pushed and
+# running; every other call it passes through after one dict lookup. Under Dynamo (`torch.compiler.is_compiling()`) it passes everything through;
 # a function compiled while it is on the stack is compiled again once without it (Dynamo
 # guards on the function-mode stack).
 

@@ -287,13 +287,13 @@ class Provenance:
         self.thread = threading.get_ident()
         self.mode.__enter__()
         if self.lineage is not None:  # Note [handle mode] in graphtrace/lineage.py
-            from graphtrace.lineage import handle_mode, optimizer_hooks
+            from graphtrace.lineage import optimizer_hooks
 
             self.lineage.site = weakref.WeakMethod(self.site_text)
             self._optimizer_hooks = optimizer_hooks(self.lineage)
-            self.handle_mode = handle_mode(self.lineage, weakref.WeakMethod(self._noting))
-            if self.handle_mode is not None:
-                self.handle_mode.__enter__()
+            self._push_handle_mode()
+            if self.handle_mode is None:  # look again later (Note [handle mode])
+                self.lineage.want_handle_mode = weakref.WeakMethod(self._push_handle_mode)
 
     def stop(self) -> None:
         """Take the mode off this thread's dispatch stack (wherever it sits) and sweep."""
@@ -332,6 +332,15 @@ class Provenance:
         if self.mode.paused or self.thread != threading.get_ident():
             return False
         return self.mode in current_dispatch_mode_stack()
+
+    def _push_handle_mode(self) -> None:
+        from graphtrace.lineage import handle_mode
+
+        if self.handle_mode is not None or self.thread != threading.get_ident():
+            return
+        self.handle_mode = handle_mode(self.lineage, weakref.WeakMethod(self._noting))
+        if self.handle_mode is not None:
+            self.handle_mode.__enter__()
 
     def _pop_handle_mode(self) -> None:
         from graphtrace._compat import function_stack_at, function_stack_len
