@@ -208,3 +208,26 @@ def test_no_lineage_no_findings():
     with torch.no_grad(), gt.trace(model, strict=True, lineage=False) as t:
         layerwise_reload(model)
     assert t.findings().empty
+
+
+def test_the_lineage_is_in_report_graph_and_the_cli_prints_the_chain(tmp_path, capsys):
+    from graphtrace import cli
+
+    model = _loaded()
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        layerwise_reload(model)
+        with gt.capture("decode"):
+            model(X)
+    report = t.diff()
+    G = report.graph
+    (sid,) = set(report.edges.loc[report.edges["owners"] == "proj.handler.handler_tensor",
+                                  "storage_id"])
+    lineage = {(u, d["freed"]) for u, v, d in G.in_edges(f"storage:{sid}", data=True)
+               if d["relation"] == "derived_from"}
+    assert lineage == {("owner::proj.weight", False), ("owner::proj.weight_scale", True)}
+    folder = report.to_csv(tmp_path / "r")
+    assert cli.main(["report", str(folder), "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "chain: proj.weight_scale (freed) -> proj.handler.handler_tensor -> decode" in out
+    assert "Findings (2)" in out
+    assert "dangling source: proj.handler.handler_tensor <- proj.weight_scale" in out

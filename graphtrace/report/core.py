@@ -336,6 +336,22 @@ class Report:
             G.add_edge(o, s, key="owned_at_capture", **attrs)
             if str(r.status) == HOLDS:
                 G.add_edge(o, s, key="owns_now", relation="owns_now")
+        # lineage: source parameter -> derived storage (-> the graphs that read it, above)
+        if "derived_from" in e.columns:
+            pairs = e[["storage_id", "derived_from"]].astype({"derived_from": object})
+            for sid, text in pairs.drop_duplicates().itertuples(index=False):
+                for source in str(text or "").split("; "):
+                    if not source:
+                        continue
+                    freed = source.endswith(" (freed)")
+                    path = source.removesuffix(" (freed)")
+                    model, _, bare = path.rpartition(":") if ":" in path else ("", "", path)
+                    node = f"owner:{model}:{bare}"
+                    if node not in G:
+                        G.add_node(node, kind="owner", model=model, path=bare,
+                                   owner_kind="source", status="")
+                    G.add_edge(node, f"storage:{int(sid)}", key="derived_from",
+                               relation="derived_from", freed=freed)
         return G
 
     # ---- files
