@@ -823,36 +823,48 @@ def invisible_handle_ops() -> dict:
     return _INVISIBLE
 
 
+try:
+    from torch.overrides import TorchFunctionMode as _FunctionMode
+except ImportError:  # pragma: no cover - every tested torch has it
+    _FunctionMode = object
+
+
+class HandleMode(_FunctionMode):
+    """Note [handle mode]. A class at module level: torch.compile's packages save the
+    function-mode stack's types by name (vLLM's AOT compile)."""
+
+    lineage_off = False
+
+    def __init__(self, lineage: "Lineage", active: Callable[[], Callable[[], bool] | None]):
+        super().__init__()
+        self.lineage = lineage
+        self.active = active
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return out
+        try:
+            found = _INVISIBLE.get(func)
+        except TypeError:  # an unhashable callable
+            found = None
+        if found is not None and not self.lineage_off and (self.active() or bool)():
+            lineage = self.lineage
+            try:
+                lineage.record_handle(found[0], found[1], args, kwargs, out)
+            except Exception as exc:  # fail open
+                if lineage.fail is not None:
+                    lineage.fail("lineage", exc)
+        return out
+
+
 def handle_mode(lineage: "Lineage", active: Callable[[], Callable[[], bool] | None]):
     """A `HandleMode` for `lineage` when this process has invisible handle ops, else None.
     `active`: a weak method (no cycle through the mode) saying whether to note now."""
     if not invisible_handle_ops():
         return None
-    from torch.overrides import TorchFunctionMode
-
-    class HandleMode(TorchFunctionMode):
-        """Note [handle mode]."""
-
-        lineage_off = False
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            if torch.compiler.is_compiling():
-                return out
-            try:
-                found = _INVISIBLE.get(func)
-            except TypeError:  # an unhashable callable
-                found = None
-            if found is not None and not self.lineage_off and (active() or bool)():
-                try:
-                    lineage.record_handle(found[0], found[1], args, kwargs, out)
-                except Exception as exc:  # fail open
-                    if lineage.fail is not None:
-                        lineage.fail("lineage", exc)
-            return out
-
-    return HandleMode()
+    return HandleMode(lineage, active)
 
 
 def optimizer_hooks(lineage: "Lineage") -> list:
