@@ -495,6 +495,30 @@ class Lineage:
                          "source": "", "source_kind": entries[0][2], "site": site, "n": n})
         return rows
 
+    def declare(self, copy, source) -> None:
+        """Declared lineage (`Trace.watch_copy`): the storage of `copy` (a tensor or an
+        opaque handle) is derived from that of `source` as of now."""
+        from graphtrace.opaque import storage_of
+
+        if copy is None or not isinstance(source, torch.Tensor):
+            return
+        target, src = storage_of(copy), source.untyped_storage()
+        sources = self._sources_of({src._cdata: src})
+        a = target._cdata
+        node = self.nodes.get(a)
+        if node is None:
+            node = self._node(target, a)
+        self.clock += 1
+        node[1] = self.clock
+        old = node[2] or {}
+        new = dict(old)
+        for b, c in sources.items():
+            if b not in new or c < new[b]:
+                new[b] = c
+        new.pop(a, None)
+        self.n_edges += len(new) - len(old)
+        node[2] = new or None
+
     # -- handles (Note [dangling sources]) ---------------------------------------------------
     def record_handle(self, func, kind: str, args, kwargs, out) -> None:
         """A handle op the dispatch mode does not see (`HandleMode`): every tensor argument
@@ -840,6 +864,11 @@ class HandleMode(_FunctionMode):
         self.lineage = lineage
         self.active = active
 
+    def __reduce__(self):
+        """torch.compile's packages pickle the function-mode stack (vLLM's AOT compile): an
+        inert mode stands in for this one, with no lineage (nothing of the trace is saved)."""
+        return (_inert_handle_mode, ())
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -857,6 +886,12 @@ class HandleMode(_FunctionMode):
                 if lineage.fail is not None:
                     lineage.fail("lineage", exc)
         return out
+
+
+def _inert_handle_mode() -> HandleMode:
+    mode = HandleMode(None, lambda: None)
+    mode.lineage_off = True
+    return mode
 
 
 def handle_mode(lineage: "Lineage", active: Callable[[], Callable[[], bool] | None]):

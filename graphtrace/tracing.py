@@ -576,7 +576,11 @@ class Trace:
         registered weight at path `source`, both on the watched model `model`: the diff then
         reports a ``packed copy not rebuilt`` blind spot when the source changed while the
         copy stayed the same (Note [derived copies] in graphtrace/derived.py). Call it once
-        the copy is built; the fingerprint is taken now and again after each capture."""
+        the copy is built; the fingerprint is taken now and again after each capture. With
+        lineage on, it is also declared lineage (a producer graphtrace cannot see, such as a
+        C++ extension reading a raw pointer): the copy is derived from the source from now
+        on, so a captured copy is `unrefreshed` once the source changes and the copy does
+        not (`Lineage.declare`)."""
         for name, value in (("copy", copy), ("source", source), ("model", model)):
             if not isinstance(value, str):
                 raise TypeError(f"watch_copy: {name} must be a str, got {type(value).__name__}")
@@ -584,6 +588,14 @@ class Trace:
             raise GraphtraceError(f"watch_copy: no watched model is named {model!r}; watch it "
                                   "first (t.watch(model, name=...))")
         self.derived.add(model, copy, source, self.models)
+        if self.lineage is not None:
+            from graphtrace.owners import resolve_path
+
+            live = self.models.get(model)
+            try:
+                self.lineage.declare(resolve_path(live, copy), resolve_path(live, source))
+            except Exception as exc:  # fail open: the fingerprint above still stands
+                self.recorder.fail("watch_copy lineage", exc)
         return self
 
     # -- provenance --------------------------------------------------------------------------
