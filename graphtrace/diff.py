@@ -389,6 +389,31 @@ def _add(spots: list[BlindSpot], new: Iterable[BlindSpot]) -> None:
             spots.append(b)
 
 
+def _unseen_pointers(edges: pd.DataFrame) -> list[BlindSpot]:
+    """A pointer-valued tensor (one int64) that a custom op reads, with no lineage behind it
+    (made by a producer lineage cannot see: a raw pointer taken in C++, an op no mode sees):
+    an `opaque handle` blind spot naming its holder, never a silent `stable` (Note
+    [dangling sources] in graphtrace/lineage.py)."""
+    if edges.empty:
+        return []
+    dtype = edges["dtype"].astype(str)
+    shape = edges["shape"].astype(str)
+    ops = edges["ops"].astype(str)
+    owners = edges["owners"].astype(str)
+    pick = ((dtype.isin(("int64", "torch.int64"))) & shape.isin(("()", "(1,)", "[]", "[1]"))
+            & (edges["derived_from"].astype(str) == "") & (owners != "")
+            & ops.map(lambda o: any(not p.startswith("aten::") for p in o.split(";") if p)))
+    out = []
+    for holder, op in sorted(set(zip(owners[pick], ops[pick]))):
+        custom = next(p for p in op.split(";") if p and not p.startswith("aten::"))
+        out.append(BlindSpot(
+            "opaque handle", f"{holder}: a pointer-valued tensor read by {custom}, made by a "
+            "producer lineage did not see (a raw pointer taken in C++, an op no mode sees): "
+            "what it points to, and whether that is fresh, is unknown",
+            holder=holder.split("; ")[0], op=custom))
+    return out
+
+
 def lineage_findings(lineage, models: Mapping[str, torch.nn.Module], fail) -> list[dict]:
     """What lineage found beside the edges (Note [dangling sources] in graphtrace/lineage.py):
     one record per live handle and freed source, graph or not (`Report.findings`)."""
@@ -482,6 +507,8 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
         storages.loc[opaque_sids, "device"] = "opaque"
         _add(spots, _opaque_blind_spots(rec, edges))
     edges = pd.DataFrame(edges, columns=EDGE_COLUMNS, copy=False)  # fresh columns: no copy
+    if lineage is not None:
+        _add(spots, _unseen_pointers(edges))
 
     meta = {
         "graphtrace_version": __version__,

@@ -231,3 +231,27 @@ def test_the_lineage_is_in_report_graph_and_the_cli_prints_the_chain(tmp_path, c
     assert "chain: proj.weight_scale (freed) -> proj.handler.handler_tensor -> decode" in out
     assert "Findings (2)" in out
     assert "dangling source: proj.handler.handler_tensor <- proj.weight_scale" in out
+
+
+def test_a_pointer_made_where_lineage_cannot_see_is_a_blind_spot_naming_its_holder():
+    model = _loaded()  # the handle was made before the trace: no lineage behind it
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        with gt.capture("decode") as g:
+            model(X)
+    report = t.diff()
+    spots = [b for b in report.blind_spot_records if b.kind == "opaque handle"
+             and b.holder == "proj.handler.handler_tensor"]
+    assert len(spots) == 1 and spots[0].op == "gt_handles::use_handle"
+    assert "producer lineage did not see" in spots[0].text
+    assert "proj.handler.handler_tensor" in set(report.blind_spot_edges(spots[0])["owners"])
+    del g
+
+
+def test_a_pointer_lineage_saw_made_is_not_a_blind_spot():
+    model = Model()
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        model.proj.process_weights_after_loading()
+        with gt.capture("decode") as g:
+            model(X)
+    assert not [b for b in t.diff().blind_spot_records if b.kind == "opaque handle"]
+    del g
