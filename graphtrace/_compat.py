@@ -57,8 +57,8 @@ __all__ = [
     # provenance
     "PROVENANCE", "PROVENANCE_OFF", "current_dispatch_mode_stack", "push_mode", "pop_mode",
     # handle ops the dispatch mode cannot see (lineage)
-    "HANDLE_OPS", "all_op_names", "has_kernel_for", "OpOverloadPacket", "function_stack_len",
-    "function_stack_at",
+    "HANDLE_OPS", "all_op_names", "has_kernel_for", "registrations_for", "OpOverloadPacket",
+    "function_stack_len", "function_stack_at",
     # Dynamo's cache (attribution)
     "DYNAMO_CACHE", "dynamo_cache_entries",
     # the native dispatch
@@ -168,12 +168,14 @@ _HND = ("handles made by ops with a composite kernel (lineage's handle mode: vLL
         "`_C::create_onednn_scaled_mm_handler`)")
 all_op_names = _lookup(_HND, "torch._C:_dispatch_get_all_op_names")
 has_kernel_for = _lookup(_HND, "torch._C:_dispatch_has_kernel_for_dispatch_key")
+registrations_for = _lookup(_HND, "torch._C:_dispatch_get_registrations_for_dispatch_key")
 OpOverloadPacket = _lookup(_HND, "torch._ops:OpOverloadPacket")
 function_stack_len = _lookup(_HND, "torch._C:_len_torch_function_stack")
 function_stack_at = _lookup(_HND, "torch._C:_get_function_stack_at")
 HANDLE_OPS = _HND not in _missing
 if not HANDLE_OPS:
-    all_op_names = has_kernel_for = function_stack_len = function_stack_at = _unavailable(_HND)
+    all_op_names = has_kernel_for = registrations_for = function_stack_len = \
+        function_stack_at = _unavailable(_HND)
 
 # -- Dynamo's code cache: optional ------------------------------------------------------------
 _DYN = ("which modules Dynamo compiled (forward wrappers may make modules compiled before the "

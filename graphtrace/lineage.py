@@ -289,7 +289,7 @@ class Lineage:
         # Note [handle mode]: called (a weak method) when handle ops appear after the start
         self.want_handle_mode: Callable | None = None
         self._tick = 0
-        self._looked = (0.0, 0)  # (when, len(sys.modules)) of the last look
+        self._looked = (-1, 0)  # (composite registrations, len(sys.modules)) at the last look
         self._registered: dict[int, list] | None = None  # address -> [(model, path, kind, ref)]
         self._geometry: dict[int, tuple[int, int]] = {}  # address -> (data_ptr, nbytes)
 
@@ -438,15 +438,20 @@ class Lineage:
         return sources
 
     def _look_for_handle_ops(self) -> None:
-        """Every 256 ops, at most once a second and only after new imports: have ops with a
-        composite kernel that make handles been registered since (vLLM loads `_C` late)?"""
+        """Every 256 ops, after new imports only: were ops with a composite kernel registered
+        since (their count, ~0.4 ms), and do some of them make handles (vLLM loads `_C`
+        late)?"""
         import sys
-        import time
 
-        now, n = time.monotonic(), len(sys.modules)
-        if now - self._looked[0] < 1.0 or n == self._looked[1]:
+        from graphtrace._compat import HANDLE_OPS, registrations_for
+
+        n = len(sys.modules)
+        if n == self._looked[1] or not HANDLE_OPS:
             return
-        self._looked = (now, n)
+        composite = len(registrations_for("CompositeImplicitAutograd"))
+        seen, self._looked = self._looked[0], (composite, n)
+        if composite == seen:
+            return
         if invisible_handle_ops():
             want = self.want_handle_mode()
             self.want_handle_mode = None
@@ -807,9 +812,11 @@ class Lineage:
 # pushes one, `HandleMode`, only when such ops that make handles exist in this process
 # (`invisible_handle_ops`: outside aten/prim, a tensor argument, an int or ScriptObject
 # return, a composite kernel; found once per set of registered op names; looked for again
-# every 256 ops, at most once a second, when modules were imported since: vLLM registers
-# `_C` after the trace may have opened), and only while provenance's mode is pushed and
-# running; every other call it passes through after one dict lookup. Under Dynamo (`torch.compiler.is_compiling()`) it passes everything through;
+# every 256 ops when modules were imported and composite kernels registered since: vLLM
+# registers `_C` after the trace may have opened), and only while provenance's mode is
+# pushed and running (it leaves the stack with provenance's mode around capture regions, so
+# compiled code called there sees the function-mode stack it was compiled with); every other
+# call it passes through after one dict lookup. Under Dynamo (`torch.compiler.is_compiling()`) it passes everything through;
 # a function compiled while it is on the stack is compiled again once without it (Dynamo
 # guards on the function-mode stack).
 
