@@ -389,11 +389,12 @@ def _add(spots: list[BlindSpot], new: Iterable[BlindSpot]) -> None:
             spots.append(b)
 
 
-def _unseen_pointers(edges: pd.DataFrame) -> list[BlindSpot]:
+def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[BlindSpot]:
     """A pointer-valued tensor (one int64) that a custom op reads, with no lineage behind it
     (made by a producer lineage cannot see: a raw pointer taken in C++, an op no mode sees):
     an `opaque handle` blind spot naming its holder, never a silent `stable` (Note
-    [dangling sources] in graphtrace/lineage.py)."""
+    [dangling sources] in graphtrace/lineage.py). Holders in `named` already have one (the
+    vLLM adapter names its oneDNN handles)."""
     if edges.empty:
         return []
     dtype = edges["dtype"].astype(str)
@@ -405,6 +406,8 @@ def _unseen_pointers(edges: pd.DataFrame) -> list[BlindSpot]:
             & ops.map(lambda o: any(not p.startswith("aten::") for p in o.split(";") if p)))
     out = []
     for holder, op in sorted(set(zip(owners[pick], ops[pick]))):
+        if holder.split("; ")[0] in named:  # an integration already said what it is
+            continue
         custom = next(p for p in op.split(";") if p and not p.startswith("aten::"))
         out.append(BlindSpot(
             "opaque handle", f"{holder}: a pointer-valued tensor read by {custom}, made by a "
@@ -508,7 +511,8 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
         _add(spots, _opaque_blind_spots(rec, edges))
     edges = pd.DataFrame(edges, columns=EDGE_COLUMNS, copy=False)  # fresh columns: no copy
     if lineage is not None:
-        _add(spots, _unseen_pointers(edges))
+        _add(spots, _unseen_pointers(edges, {b.holder for b in spots
+                                             if b.kind == "opaque handle"}))
 
     meta = {
         "graphtrace_version": __version__,

@@ -814,9 +814,10 @@ class Lineage:
 # return, a composite kernel; found once per set of registered op names; looked for again
 # every 256 ops when modules were imported and composite kernels registered since: vLLM
 # registers `_C` after the trace may have opened), and only while provenance's mode is
-# pushed and running (it leaves the stack with provenance's mode around capture regions, so
-# compiled code called there sees the function-mode stack it was compiled with); every other
-# call it passes through after one dict lookup. Under Dynamo (`torch.compiler.is_compiling()`) it passes everything through;
+# pushed and running; every other call it passes through after one dict lookup. It stays
+# on the stack for the whole trace, capture regions included, so code compiled inside the
+# trace is not compiled again there; code compiled outside the trace is compiled once more
+# inside it (Dynamo guards on the function-mode stack), in processes with such ops only. Under Dynamo (`torch.compiler.is_compiling()`) it passes everything through;
 # a function compiled while it is on the stack is compiled again once without it (Dynamo
 # guards on the function-mode stack).
 
@@ -835,6 +836,7 @@ def invisible_handle_ops() -> dict:
     if len(names) == _SCANNED[0]:
         return _INVISIBLE
     _SCANNED[0] = len(names)
+    _INVISIBLE.clear()  # found again: a library that was destroyed takes its ops along
     for full in names:
         ns, _, rest = full.partition("::")
         if ns in ("aten", "prim", "prims") or not has_kernel_for(full, "CompositeImplicitAutograd"):

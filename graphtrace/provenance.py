@@ -346,7 +346,7 @@ class Provenance:
         from graphtrace._compat import function_stack_at, function_stack_len
 
         mode, self.handle_mode = self.handle_mode, None
-        if mode is None or getattr(mode, "_popped", False):
+        if mode is None:
             return
         n = function_stack_len()
         if n and function_stack_at(n - 1) is mode:
@@ -359,7 +359,6 @@ class Provenance:
         under the capture). Returns what `resume` undoes."""
         if self.thread != threading.get_ident():
             return None
-        self._handle_mode_off()
         top = dispatch_stack_len() - 1
         if top >= 0 and dispatch_stack_at(top) is self.mode:
             pop_mode()
@@ -374,27 +373,6 @@ class Provenance:
             push_mode(self.mode)
         elif token == "flag":
             self.mode.paused = False
-        if token is not None:
-            self._handle_mode_on()
-
-    def _handle_mode_off(self) -> None:
-        """Take lineage's handle mode off the function-mode stack (Note [handle mode])."""
-        from graphtrace._compat import function_stack_at, function_stack_len
-
-        mode = self.handle_mode
-        if mode is None or getattr(mode, "_popped", False):
-            return
-        n = function_stack_len()
-        if n and function_stack_at(n - 1) is mode:
-            mode.__exit__(None, None, None)
-            mode._popped = True
-
-    def _handle_mode_on(self) -> None:
-        mode = self.handle_mode
-        if mode is not None and getattr(mode, "_popped", False) \
-                and self.thread == threading.get_ident():
-            mode.__enter__()
-            mode._popped = False
 
     @property
     def suspended(self) -> bool:

@@ -43,11 +43,22 @@ def _use_handle(x, h):
 _lib.impl("make_handle", _make_handle, "CPU")
 _lib.impl("use_handle", _use_handle, "CPU")
 # as vLLM registers its handler factories (a C++ function given to `def`): a composite
-# kernel, which the dispatch mode never sees (Note [handle mode])
-_lib.define("make_handle_composite(Tensor w, Tensor s) -> int")
-_lib.impl("make_handle_composite", _make_handle, "CompositeImplicitAutograd")
+# kernel, which the dispatch mode never sees (Note [handle mode]); its own library, dropped
+# after this module so that later tests run without a handle mode
+_composite = torch.library.Library("gt_handles_composite", "DEF")
+_composite.define("make_handle(Tensor w, Tensor s) -> int")
+_composite.impl("make_handle", _make_handle, "CompositeImplicitAutograd")
 FACTORIES = {"cpu": torch.ops.gt_handles.make_handle,
-             "composite": torch.ops.gt_handles.make_handle_composite}
+             "composite": torch.ops.gt_handles_composite.make_handle}
+
+
+def teardown_module():
+    global _composite
+    FACTORIES.pop("composite", None)
+    _composite = None  # its finalizer removes the op
+    import gc
+
+    gc.collect()
 
 
 class Handler:
@@ -135,7 +146,7 @@ def test_a_handle_whose_source_the_reload_freed_is_a_finding_without_a_graph():
     scale, weight = rows["proj.weight_scale"], rows["proj.weight"]
     assert scale.kind == "dangling source" and scale.source_kind == "parameter"
     assert scale.holder == "proj.handler.handler_tensor"
-    assert scale.op in ("gt_handles::make_handle", "gt_handles::make_handle_composite")
+    assert scale.op in ("gt_handles::make_handle", "gt_handles_composite::make_handle")
     # the weight was prepacked and set to None on purpose: listed, not dangling
     assert weight.kind == "released source"
 
