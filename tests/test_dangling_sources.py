@@ -45,16 +45,23 @@ _lib.impl("use_handle", _use_handle, "CPU")
 # as vLLM registers its handler factories (a C++ function given to `def`): a composite
 # kernel, which the dispatch mode never sees (Note [handle mode]); its own library, dropped
 # after this module so that later tests run without a handle mode
-_composite = torch.library.Library("gt_handles_composite", "DEF")
-_composite.define("make_handle(Tensor w, Tensor s) -> int")
-_composite.impl("make_handle", _make_handle, "CompositeImplicitAutograd")
-FACTORIES = {"cpu": torch.ops.gt_handles.make_handle,
-             "composite": torch.ops.gt_handles_composite.make_handle}
+# (made when this module's tests run, not when pytest collects it: a registered composite
+# handle op puts a handle mode in every later trace of the process)
+_composite = None
+FACTORIES = {"cpu": torch.ops.gt_handles.make_handle, "composite": None}
+
+
+def _composite_factory():
+    global _composite
+    if _composite is None:
+        _composite = torch.library.Library("gt_handles_composite", "DEF")
+        _composite.define("make_handle(Tensor w, Tensor s) -> int")
+        _composite.impl("make_handle", _make_handle, "CompositeImplicitAutograd")
+    return torch.ops.gt_handles_composite.make_handle
 
 
 def teardown_module():
     global _composite
-    FACTORIES.pop("composite", None)
     _composite = None  # its finalizer removes the op
     import gc
 
@@ -122,7 +129,8 @@ X = torch.rand(2, 8, generator=torch.Generator().manual_seed(2))
 def factory(request, monkeypatch):
     """Each test with a handle op the dispatch mode sees and with one only the handle mode
     sees."""
-    monkeypatch.setattr(Handler, "factory", FACTORIES[request.param])
+    monkeypatch.setattr(Handler, "factory", FACTORIES[request.param]
+                        if request.param == "cpu" else _composite_factory())
     return request.param
 
 
