@@ -15,6 +15,14 @@ holder (detected by both).
 
     python analysis/bench_guard.py [--layers 80] [--graphs 67] [--out analysis/results/bench_guard.txt]
     python analysis/bench_guard.py --quick      # 4 layers, 3 graphs (tests)
+    python analysis/bench_guard.py --sizes vllm [--emulate 0|1] \
+        [--out analysis/results/bench_guard_vllm_sizes.txt]
+
+``--sizes vllm``: vLLM's default decode capture sizes instead (1, 2, 4, 8..248 by 8, 256..512
+by 16: 51 sizes), each captured twice, as FULL and PIECEWISE graphs (here both are the whole
+forward, labelled apart: 102 captures, batch sizes up to 512), with ``gt.capture(emulate=...)``
+(default 1, the CPU default: replayable emulated graphs). Also printed: the process's peak
+resident memory (the model, the trace and every graph) and the capture time.
 
 Exit status 1 when the full-size run misses the targets: check <= 10 ms and >= 50x faster
 than diff.
@@ -26,6 +34,7 @@ import argparse
 import functools
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -34,6 +43,7 @@ import torch
 from torch import nn
 
 import graphtrace as gt
+from _common import rss
 
 LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -119,6 +129,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model(ids))
 
 
+# vLLM 0.32's default cudagraph capture sizes up to 512 (vllm/config/vllm.py:2304: 1, 2, 4, then
+# multiples of 8 below 256, then of 16 up to 512)
+VLLM_SIZES = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)]
+
+
 def same_weights_reload(model: nn.Module) -> None:
     """What vLLM's layerwise reload does to registered tensors: copy into their storages."""
     with torch.no_grad():
@@ -143,9 +158,20 @@ def main(argv=None) -> int:
     ap.add_argument("--diff-repeat", type=int, default=3)
     ap.add_argument("--out", default=None, help="also write the table to this file")
     ap.add_argument("--quick", action="store_true", help="4 layers, 3 graphs (tests)")
+    ap.add_argument("--sizes", choices=("range", "vllm"), default="range",
+                    help="range: batch sizes 1..--graphs; vllm: vLLM's 51 default decode sizes, "
+                         "FULL and PIECEWISE (102 captures)")
+    ap.add_argument("--emulate", type=int, choices=(0, 1), default=1,
+                    help="gt.capture(emulate=...) (default 1: replayable emulated graphs)")
     args = ap.parse_args(argv)
     if args.quick:
         args.layers, args.graphs, args.check_repeat, args.diff_repeat = 4, 3, 5, 1
+    if args.sizes == "vllm":
+        sizes = VLLM_SIZES[:3] if args.quick else VLLM_SIZES
+        captures = [(f"{kind}_bs{bs}", bs) for kind in ("full", "piecewise") for bs in sizes]
+    else:
+        captures = [(f"decode_bs{bs}", bs) for bs in range(1, args.graphs + 1)]
+    args.graphs = len(captures)
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     torch.manual_seed(0)
@@ -155,14 +181,16 @@ def main(argv=None) -> int:
     assert per_layer == sorted(LAYER_PARAMS), per_layer
     n_params = sum(1 for _ in model.parameters())
 
+    rss_before = rss()
     t0 = time.perf_counter()
     with torch.no_grad(), gt.trace(model) as t:
         graphs = []
-        for bs in range(1, args.graphs + 1):
-            with gt.capture(f"decode_bs{bs}") as g:
+        for label, bs in captures:
+            with gt.capture(label, emulate=bool(args.emulate)) as g:
                 model(torch.arange(bs) % 32)
             graphs.append(g)
     capture_s = time.perf_counter() - t0
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     n_accesses = sum(c.n_accesses for c in t.captures)
 
     t0 = time.perf_counter()
@@ -182,7 +210,10 @@ def main(argv=None) -> int:
     layer.kernel_scale = functools.partial(torch.mul, other=torch.ones(8))
     problems = guard.check()
     stale = t.diff().stale
-    found = sorted(set(problems["verdict"])) == ["stale"] and set(problems["owners"]) == set(
+    # an emulated graph keeps the old tensor alive (stale); with emulate=False nothing does and
+    # the reload freed it (dangling)
+    verdict = "stale" if args.emulate else "dangling"
+    found = sorted(set(problems["verdict"])) == [verdict] and set(problems["owners"]) == set(
         stale["owners"].astype(str)) and len(problems) == len(stale) == args.graphs
     bad_ms = median_ms(guard.check, max(3, args.check_repeat // 5))
 
@@ -192,7 +223,10 @@ def main(argv=None) -> int:
         f"{platform.machine()}, threads {torch.get_num_threads()}, load average at start "
         f"{load:.1f} (a shared machine: timings vary with it)",
         f"layers {args.layers}, parameters {n_params} ({len(LAYER_PARAMS)} per layer), "
-        f"graphs {args.graphs}, accesses {n_accesses} (captured in {capture_s:.1f} s)",
+        f"graphs {args.graphs} ({'vLLM default decode sizes, FULL and PIECEWISE' if args.sizes == 'vllm' else 'batch sizes 1..N'}, "
+        f"emulate={bool(args.emulate)}), accesses {n_accesses} (captured in {capture_s:.1f} s)",
+        f"memory: {rss_before / 2**20:.0f} MiB resident before the trace, peak "
+        f"{peak_mib:.0f} MiB with every graph",
         f"guard: {len(guard)} storages, {guard.n_owners} owner paths; "
         f"built in {build_ms:.1f} ms",
         "",
@@ -203,7 +237,7 @@ def main(argv=None) -> int:
         f"| t.diff() (x{args.diff_repeat}) | {diff_ms:.1f} |",
         "",
         f"ratio diff / check: {ratio:.0f}x",
-        f"rebound holder: found by check and diff alike ({len(problems)} edges, stale): "
+        f"rebound holder: found by check and diff alike ({len(problems)} edges, {verdict}): "
         f"{'yes' if found else 'NO'}",
     ]
     targets = check_ms <= 10.0 and ratio >= 50.0

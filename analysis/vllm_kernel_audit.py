@@ -1758,8 +1758,13 @@ def _cause(reason: str) -> str:
 # :346-347, :1028-1031).
 # Each row records whether its code asked the AMX question and the answer (Outcome.amx_asked,
 # vllm_kernel_audit.cpu.json); the committed results name the kind of CPU they were made on
-# (cpu_features); CPU_DEPENDENT lists the rows whose outcome depends on the build. The tests
-# compare such rows only with results made on the same kind of CPU.
+# (cpu_features); CPU_DEPENDENT lists the rows whose outcome depends on the CPU. The tests
+# compare a row with committed results made on another kind of CPU only when both runs gave
+# vLLM's AMX question the same answer (or neither asked it) and, for a row that needs ops of
+# the AVX-512 build (BUILD_DEPENDENT), both CPUs load the same build (`comparable`). The main
+# results (analysis/results/vllm_kernel_audit.*) are of one kind; rows that differ on another
+# kind are compared with that kind's run in analysis/results/audit-cpu/<kind>/, where one is
+# committed.
 
 # row -> why its outcome depends on the CPU (Note [audit CPU paths])
 CPU_DEPENDENT: dict[str, str] = {
@@ -1775,6 +1780,26 @@ CPU_DEPENDENT: dict[str, str] = {
     "UnquantizedFusedMoEMethod": "CPU experts: AMX kernels with AMX "
                                  "(fused_moe/experts/cpu_moe.py:318-330)",
 }
+# the rows of CPU_DEPENDENT whose outcome depends on the ops vLLM's build has: the AVX2 build
+# lacks them, the AVX-512 build (which AMX CPUs load too) has them
+BUILD_DEPENDENT = frozenset({"CPUWNA16LinearKernel", "CPUFp8BlockScaledMMKernel",
+                             "CPUFp8PerTensorScaledMMLinearKernel",
+                             "CPUFP8W8A8ScaledMMLinearKernel", "CPUFp8W8A8BlockScaledMMKernel"})
+
+
+def _build(kind: str) -> str:
+    return "avx2" if kind in ("avx2", "other") else "avx512"
+
+
+def comparable(name: str, cpu: dict, other: dict) -> bool:
+    """Whether `name`'s row made on `cpu` (a .cpu.json) must equal its row made on `other`:
+    the same kind of CPU, or the same answer to vLLM's AMX question (or neither asked) and,
+    for a row in BUILD_DEPENDENT, the same build of vLLM's extension (Note [audit CPU paths])."""
+    if cpu["kind"] == other["kind"]:
+        return True
+    if cpu["amx_asked"].get(name) != other["amx_asked"].get(name):
+        return False
+    return name not in BUILD_DEPENDENT or _build(cpu["kind"]) == _build(other["kind"])
 
 
 # ---------------------------------------------------------------------------------------------

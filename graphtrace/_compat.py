@@ -20,7 +20,8 @@ What a torch outside it lacks is handled by what depends on it:
   names what is missing and which feature is off, and the names they need are bound to
   stand-ins that raise `TorchIncompatible` with the same message if called anyway.
   `PROVENANCE` (creation sites, provenance.py: off by default then), `DYNAMO_CACHE` (which
-  modules Dynamo compiled: attribution.py keeps forward wrappers off them).
+  modules Dynamo compiled: attribution.py keeps forward wrappers off them), `SCRATCH` (storage
+  use counts: emulated graphs keep their intermediates without them).
 - Dynamo and Inductor classes (`load_compiled_fx_graph` and the like) are looked up when first
   needed, not here: importing torch._dynamo takes seconds, and a trace that never meets
   compiled code must not pay that. Their callers already fail open (a blind spot, or plain
@@ -59,12 +60,14 @@ __all__ = [
     # handle ops the dispatch mode cannot see (lineage)
     "HANDLE_OPS", "all_op_names", "has_kernel_for", "registrations_for", "OpOverloadPacket",
     "function_stack_len", "function_stack_at",
+    # emulated graphs let go of their intermediates
+    "SCRATCH", "storage_use_count",
     # Dynamo's cache (attribution)
     "DYNAMO_CACHE", "dynamo_cache_entries",
     # the native dispatch
     "OP_CALLS_OP_DIRECTLY", "calls_op_directly",
     # looked up on first use (Dynamo, Inductor, the C++ extension builder)
-    "load_compiled_fx_graph", "load_output_graph", "load_caching_autotuner",
+    "load_compiled_fx_graph", "load_constant_makers", "load_output_graph", "load_caching_autotuner",
     "dynamo_skip_code", "extension_build_directory",
 ]
 
@@ -176,6 +179,13 @@ HANDLE_OPS = _HND not in _missing
 if not HANDLE_OPS:
     all_op_names = has_kernel_for = registrations_for = function_stack_len = \
         function_stack_at = _unavailable(_HND)
+# -- storage use counts: optional -------------------------------------------------------------
+_SCR = ("emulated graphs letting go of their intermediates (without it they keep every storage "
+        "their ops saw, as before)")
+storage_use_count = _lookup(_SCR, "torch._C:_storage_Use_Count")
+SCRATCH = _SCR not in _missing
+if not SCRATCH:
+    storage_use_count = _unavailable(_SCR)
 
 # -- Dynamo's code cache: optional ------------------------------------------------------------
 _DYN = ("which modules Dynamo compiled (forward wrappers may make modules compiled before the "
@@ -213,6 +223,16 @@ def load_compiled_fx_graph() -> type:
     from torch._inductor.output_code import CompiledFxGraph
 
     return CompiledFxGraph
+
+
+def load_constant_makers() -> list:
+    """The Inductor modules whose `replace_node_with_constant` makes each compiled-in constant
+    (freezing's parameters, constant folding's folded and prepacked values)."""
+    import torch._inductor.constant_folding as constant_folding
+    import torch._inductor.freezing as freezing
+
+    return [m for m in (constant_folding, freezing)
+            if callable(m.__dict__.get("replace_node_with_constant"))]
 
 
 def load_output_graph() -> type:

@@ -40,6 +40,26 @@ report names; the region's own op still records the graph's inputs.
 
 Per capture and region, `region_ownership(trace)` says how many tensor inputs and constants were
 owned by a watched model at capture time; the diff puts it into `report.meta["compiled"]`.
+
+Note [frozen constants]
+~~~~~~~~~~~~~~~~~~~~~~~
+With `torch._inductor.config.freezing = True` (under no_grad) Inductor turns parameters into
+compiled-in constants and folds what it computes from them at compile time: transposed
+copies, MKL/oneDNN prepacked weights (tensors without a storage). A copy reload changes the
+parameter; the constant keeps the old value, and the graph computes with it. No watched model
+owns the constant, and no dispatch mode sees it being made (compilation runs with modes
+off), so without more it is a blind spot of the whole region. While a trace is open
+Inductor's `replace_node_with_constant` (the one function freezing and constant folding make
+every constant with) is wrapped: for a constant computed from others (a folded node), the
+get_attr constants it was computed from (transitively through the node's inputs) are noted
+as its sources in the trace's lineage (`Lineage.derive`: a parameter frozen as itself is
+its own storage, so the sources end at the parameters). A constant without a storage is
+recorded through a stand-in on its proxy storage (graphtrace.opaque.stand_in) in the
+region's op. At the capture's end lineage matches the constant to the parameters it came
+from (`derived_from`), and once they change the edge is `unrefreshed` (Note [freshness] in
+graphtrace/verdict.py) in the diff and the guard alike. Needs lineage (provenance on) and
+a graph compiled while the trace is open; a graph compiled before, or loaded from the FX
+graph cache, keeps its constants unexplained (the region's `compiled` blind spot says so).
 """
 
 from __future__ import annotations
@@ -57,11 +77,12 @@ from graphtrace._compat import (
     dispatch_stack_len,
     load_caching_autotuner,
     load_compiled_fx_graph,
+    load_constant_makers,
     load_output_graph,
 )
 from graphtrace.blindspots import BlindSpot
 from graphtrace.encoding import READ, REPLAY_FRESH, WRITE, pack_code
-from graphtrace.opaque import is_opaque
+from graphtrace.opaque import is_opaque, proxy_storage, stand_in
 from graphtrace.recorder import RecordingMode
 
 __all__ = ["CompiledPatch", "CompiledRegion", "pair_triton_args", "source_to_path",
@@ -300,6 +321,11 @@ class CompiledPatch:
             return
         self._wrap(CompiledFxGraph, "__call__", self._make_call)
         self._wrap(CompiledFxGraph, "post_compile", self._make_post_compile)
+        try:  # Note [frozen constants]
+            for module in load_constant_makers():
+                self._wrap(module, "replace_node_with_constant", self._make_constant_maker)
+        except Exception:  # folded constants stay unexplained (a `compiled` blind spot)
+            pass
         try:
             OutputGraph = load_output_graph()
             self._wrap(OutputGraph, "call_user_compiler", self._make_user_compiler)
@@ -354,6 +380,44 @@ class CompiledPatch:
             return out
 
         return post_compile
+
+    def _make_constant_maker(self, original):
+        patch = self
+
+        def replace_node_with_constant(gm, node, constant=None, name=None):
+            try:  # before the call: it erases `node` (and its inputs with it)
+                if constant is not None and getattr(node, "op", None) != "placeholder":
+                    patch._note_constant(gm, node, constant)
+            except Exception as exc:
+                trace = patch.trace
+                if trace is not None:
+                    trace.recorder.fail("compiled: noting a folded constant's sources", exc)
+            return original(gm, node, constant, name)
+
+        return replace_node_with_constant
+
+    def _note_constant(self, gm, node, constant) -> None:
+        """The get_attr constants `node` is computed from, as `constant`'s lineage sources
+        (Note [frozen constants])."""
+        trace = self.trace
+        lineage = trace.lineage if trace is not None else None
+        if lineage is None or not isinstance(constant, torch.Tensor):
+            return
+        sources, seen = [], set()
+        todo = list(node.all_input_nodes)
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "get_attr":
+                value = getattr(gm, n.target, None)
+                if isinstance(value, torch.Tensor):
+                    sources.append(_storage_or_proxy(value))
+            else:
+                todo.extend(n.all_input_nodes)
+        if sources:
+            lineage.derive(_storage_or_proxy(constant), sources)
 
     # -- run time ----------------------------------------------------------------------------
     def region_of(self, graph) -> CompiledRegion:
@@ -434,6 +498,9 @@ class CompiledPatch:
             recorder.plans[region] = region.make_plan(recorder.names, args)  # both
             # writers look plans up here first
         constants = region.constants(graph) if region.constant_names else None
+        if constants:  # a constant without a storage: its stand-in (Note [frozen constants])
+            constants = [c if not isinstance(c, torch.Tensor) or c.layout == torch.strided
+                         else _stand_in(c) for c in constants]
         values = args + tuple(constants) if constants else args
         mutated = region.mutated_inputs()
         if mutated:  # the plan's write rows, after the constants (one per name: make_plan)
@@ -514,6 +581,18 @@ class CompiledPatch:
         self.n_triton += 1
 
 
+def _storage_or_proxy(t: torch.Tensor) -> torch.UntypedStorage:
+    """A tensor's storage, or for one without (mkldnn/MKL-packed) its proxy storage."""
+    if t.layout == torch.strided:
+        return t.untyped_storage()
+    return proxy_storage(t)
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    with disable_current_modes():  # set_ is an op no mode may record
+        return stand_in(t)
+
+
 def _is_dense(t: Any) -> bool:
     return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
 
@@ -584,7 +663,9 @@ def _source_owners(trace, region: CompiledRegion, args: tuple) -> None:
 def region_ownership(trace, raw: dict | None = None) -> list[dict]:
     """Per capture and compiled region: calls, tensor inputs and constants (distinct argument
     names), and how many of them a watched model owned at capture time (`owned_*`), read from
-    the records themselves; `unreadable`: what the region reads that could not be recorded."""
+    the records themselves; `derived_constants`: constants no model owns that lineage ties to
+    the parameters they were folded from (Note [frozen constants]); `unreadable`: what the
+    region reads that could not be recorded."""
     import numpy as np
 
     from graphtrace.frames import raw_accesses
@@ -596,6 +677,9 @@ def region_ownership(trace, raw: dict | None = None) -> list[dict]:
     names = trace.recorder.names.items
     owners = trace.owner_snapshot.owners
     owned_sids = np.fromiter(owners, dtype=np.int64, count=len(owners))
+    lineage = getattr(trace, "lineage", None)
+    derived = lineage.captured if lineage is not None else {}
+    derived_sids = np.fromiter(derived, dtype=np.int64, count=len(derived))
     labels = {c.graph_id: c.label for c in trace.recorder.captures}
     out_id = trace.recorder.names("out")
     rows = []
@@ -607,6 +691,7 @@ def region_ownership(trace, raw: dict | None = None) -> list[dict]:
             at = in_graph & (raw["op"] == region.plan.op_id) & (raw["arg"] != out_id)
             args, sids = raw["arg"][at], raw["storage_id"][at]
             owned = np.isin(sids, owned_sids)
+            tied = ~owned & np.isin(sids, derived_sids)  # Note [frozen constants]
             is_constant = np.array([names[a].startswith("constant:") for a in args.tolist()],
                                    dtype=bool)
             def count(mask):
@@ -617,6 +702,7 @@ def region_ownership(trace, raw: dict | None = None) -> list[dict]:
                 "names": region.names_from,
                 "tensor_inputs": count(~is_constant), "owned_inputs": count(~is_constant & owned),
                 "constants": count(is_constant), "owned_constants": count(is_constant & owned),
+                "derived_constants": count(is_constant & tied),
                 "unreadable": list(stats["unreadable"]),
             })
     return rows
@@ -624,19 +710,20 @@ def region_ownership(trace, raw: dict | None = None) -> list[dict]:
 
 def blind_spots(rows: list[dict]) -> list[BlindSpot]:
     """What `region_ownership` rows say the report cannot vouch for: constants compiled in that no
-    watched model owns (folded from parameters at compile time, e.g. Inductor's freezing: a
-    reload never reaches them) and compiled-in objects whose reads were not recorded."""
+    watched model owns and lineage cannot tie to parameters (folded at compile time in a graph
+    compiled before the trace: a reload never reaches them) and compiled-in objects whose
+    reads were not recorded."""
     out = []
     for row in rows:
         def spot(text: str) -> BlindSpot:
             return BlindSpot("compiled", text, op=row["region"], graph=row["graph"])
 
-        foreign = row["constants"] - row["owned_constants"]
+        foreign = row["constants"] - row["owned_constants"] - row.get("derived_constants", 0)
         if foreign:
             out.append(spot(f"compiled: region {row['region']} (capture {row['graph']!r}) reads "
                             f"{foreign} compiled-in constant(s) that no watched model owns "
-                            "(folded at compile time, e.g. by freezing): a reload never "
-                            "reaches them"))
+                            "and lineage did not see made (folded at compile time, e.g. by "
+                            "freezing, before the trace opened): a reload never reaches them"))
         if row["unreadable"]:
             out.append(spot(f"compiled: region {row['region']} (capture {row['graph']!r}): "
                             f"{', '.join(row['unreadable'])} could not be recorded"))

@@ -455,7 +455,8 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     except Exception as exc:
         rec.fail("owner snapshot", exc)
         cut = []
-    _add(spots, (BlindSpot("walk cut", text) for text in cut))
+    _add(spots, (text if isinstance(text, BlindSpot) else BlindSpot("walk cut", text)
+                 for text in cut))
     raw = raw_accesses(rec)
     views = view_table(rec.views.items)
     accesses = accesses_frame(rec, raw, views)

@@ -31,10 +31,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphtrace import __version__
 from graphtrace._compat import storage_from_weak_ref
+from graphtrace.blindspots import BlindSpot
 from graphtrace.errors import GraphtraceError
 from graphtrace.lineage import Derived, Source
 from graphtrace.opaque import storage_of
-from graphtrace.owners import OwnerSnapshot, PathSet, resolve_path
+from graphtrace.owners import OwnerSnapshot, PathSet, resolve_path, resolve_value
 from graphtrace.recorder import Recorder
 from graphtrace.verdict import (
     View,
@@ -44,7 +45,15 @@ from graphtrace.verdict import (
     owner_status,
     verdict_of,
 )
-from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED
+from graphtrace.vocab import (
+    BLIND_SPOT_KINDS,
+    GUARD_COLUMNS,
+    GUARD_PROBLEMS,
+    GUARD_UNCHECKED,
+    HOLDS,
+    MOVED,
+    ORPHANED,
+)
 
 __all__ = ["Guard", "StaleGraphError", "load_guard", "guard_of",
            "models_changed", "describe", "empty_problems", "FORMAT", "FORMAT_VERSION"]
@@ -97,7 +106,8 @@ class Guard:
     """
 
     def __init__(self, *, models: Iterable[str], graphs: Mapping[int, str],
-                 storages: list[dict], source: str = "trace", lineage=None):
+                 storages: list[dict], source: str = "trace", lineage=None,
+                 blind_spots: Iterable[dict] = (), accept: Iterable[str] = ()):
         """`storages`: per required storage a dict with keys storage_id, data_ptr, nbytes,
         device, dtype, shape, alive (bool), graphs (graph ids), owners ((model, path, kind)
         sorted), ref (a StorageWeakRef or None), and optionally internal (every graph
@@ -107,7 +117,13 @@ class Guard:
         was derived from and their baselines, for freshness; a storage with it may have no
         owner): what the verdict engine's rule and impact need. `lineage`: the trace's
         graphtrace.lineage.Lineage, held by weak reference: while it lives (and records),
-        writes it saw count too, as in the diff (Note [freshness])."""
+        writes it saw count too, as in the diff (Note [freshness]). `blind_spots`: what the
+        recording could not see in these graphs, each a dict with the `BlindSpot` (`spot`),
+        `graph_id` (-1: every graph) and its holder's identity at capture (`ref`,
+        `data_ptr`, `nbytes`, `version`; Note [blind spots in the guard]); `accept`: the
+        blind-spot kinds the user accepts (`check()` leaves them out)."""
+        self.accept = accept  # validated by the property
+        self._blind: list[dict] = [dict(b) for b in blind_spots]
         self._model_names = list(models)
         self._models: dict[str, weakref.ref | None] = {n: None for n in self._model_names}
         self.graphs: dict[int, str] = dict(graphs)
@@ -163,12 +179,13 @@ class Guard:
 
     def _adopt(self, name: str, model: torch.nn.Module) -> None:
         self._adopt_sources(name, model)
+        _adopt_blind(self._blind, name, model)
         for i, m, path, _ in self._owners:
             if m != name or self._refs[i] is not None or self._dead[i]:
                 continue
             tensor = resolve_path(model, path)
             storage = _storage(tensor)
-            if (storage is not None and storage.data_ptr() == self._ptrs[i]
+            if (storage is not None and _ptr(storage) == self._ptrs[i]
                     and storage.nbytes() == self._nbytes[i]):
                 self._refs[i] = StorageWeakRef(storage)
 
@@ -238,10 +255,12 @@ class Guard:
                 bad.add(i)
         unrefreshed = self._unrefreshed(models, bad) if self._derived else set()
         freed = self._freed(models, bad) if self._derived else {}
-        if not bad and not unrefreshed and not freed:
+        blind = _blind_rows(self._blind, self._accept, models, self.graphs,
+                            self._owned_paths()) if self._blind else []
+        if not bad and not unrefreshed and not blind and not freed:
             return empty_problems()
         return self._problems(bad | unrefreshed | set(freed), statuses, live_ptrs, tensors,
-                              unrefreshed, freed)
+                              unrefreshed, blind, freed)
 
     def _freed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> dict[int, list]:
         """The captured handles with a dangling source, and those sources (the verdict
@@ -294,6 +313,7 @@ class Guard:
 
     def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list,
                   tensors: list, unrefreshed: set[int] = frozenset(),
+                  blind: list[tuple] = (),
                   freed: Mapping[int, list] | None = None) -> pd.DataFrame:
         freed = freed or {}
         by_storage: dict[int, list[int]] = {}
@@ -335,9 +355,10 @@ class Guard:
                              "; ".join(self._owners[r][2] for r in owner_rows),
                              ";".join(kinds), ";".join(st), live, verdict, impact,
                              "storage" if ref is not None else "data_ptr",
-                             derived_from))
+                             derived_from, "", ""))
             del old
         rows.sort(key=lambda r: (r[0], r[2]))  # by graph, then storage
+        rows.extend(blind)  # after the edges: Note [blind spots in the guard]
         columns = dict(zip(GUARD_COLUMNS, map(list, zip(*rows)))) if rows else {
             c: [] for c in GUARD_COLUMNS}
         columns["live_data_ptr"] = pd.array(columns["live_data_ptr"], dtype="Int64")
@@ -346,7 +367,9 @@ class Guard:
         return pd.DataFrame(columns, columns=GUARD_COLUMNS)
 
     def enforce(self) -> None:
-        """Raise `StaleGraphError` listing every problem `check()` finds; return if clean."""
+        """Raise `StaleGraphError` listing every problem `check()` finds (blind spots the
+        update may have invalidated included, unless their kind is in `accept`); return if
+        clean."""
         problems = self.check()
         if len(problems):
             raise StaleGraphError(describe(problems), problems)
@@ -389,6 +412,7 @@ class Guard:
                  "owners": owners.get(i, []),
                  **({"derived": _derived_json(self._derived[i])} if i in self._derived else {})}
                 for i in range(len(self._sids))],
+            **({"blind_spots": [_blind_json(b) for b in self._blind]} if self._blind else {}),
         }
 
     def to_json(self, path: str | os.PathLike) -> Path:
@@ -410,6 +434,24 @@ class Guard:
     def __len__(self) -> int:
         """The number of required storages."""
         return len(self._sids)
+
+    @property
+    def accept(self) -> frozenset[str]:
+        """The blind-spot kinds (vocab.BLIND_SPOT_KINDS) this guard's `check()` leaves out:
+        what the user accepted not to see (Note [blind spots in the guard])."""
+        return self._accept
+
+    @accept.setter
+    def accept(self, kinds: Iterable[str]) -> None:
+        self._accept = accepted_kinds(kinds)
+
+    def _owned_paths(self) -> set[tuple[str, str]]:
+        return {(m, p) for _, m, p, _ in self._owners}
+
+    @property
+    def blind_spots(self) -> list[BlindSpot]:
+        """The blind spots of the guarded graphs that `check()` looks at after each update."""
+        return [b["spot"] for b in self._blind]
 
     @property
     def n_owners(self) -> int:
@@ -540,6 +582,25 @@ def describe(problems: pd.DataFrame, limit: int = 20) -> str:
     """A readable list of `check()`'s problems, one line per storage (its graphs named)."""
     if problems.empty:
         return "no problems: every captured storage is still where its owners point"
+    blind = problems[problems["verdict"] == GUARD_UNCHECKED] if "blind_spot" in problems \
+        else problems.iloc[:0]
+    edges = problems.drop(index=blind.index)
+    lines = _describe_edges(edges, limit) if len(edges) else []
+    if len(blind):
+        lines.append(f"{len(blind)} blind spot(s) of the captured graphs may have been "
+                     "invalidated by the update and cannot be checked (accept a kind with "
+                     "t.guard(accept=[...]) once you know it is safe):")
+        for r in blind.head(limit).itertuples(index=False):
+            what = {"": "nothing to check it by", "moved": "its holder moved",
+                    "orphaned": "its holder is gone", "changed": "its holder's value changed",
+                    "written": "its holder was written in place"}.get(r.statuses, r.statuses)
+            lines.append(f"  {r.blind_spot}: {r.note} [{what}]")
+        if len(blind) > limit:
+            lines.append(f"  ... and {len(blind) - limit} more (guard.check() has all)")
+    return "\n".join(lines)
+
+
+def _describe_edges(problems: pd.DataFrame, limit: int) -> list[str]:
     n_storages = problems["storage_id"].nunique()
     n_graphs = problems["graph_id"].nunique()
     lines = [f"{n_storages} captured storage(s) read by {n_graphs} graph(s) are no longer "
@@ -557,20 +618,28 @@ def describe(problems: pd.DataFrame, limit: int = 20) -> str:
     for verdict in GUARD_PROBLEMS:
         if (problems["verdict"] == verdict).any():
             lines.append(f"  ({verdict}: {_WHAT[verdict]})")
-    return "\n".join(lines)
+    return lines
 
 
 # -- from a trace ----------------------------------------------------------------------------
 
 def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
              models: Mapping[str, torch.nn.Module], first_graph: int = 0,
-             lineage=None) -> Guard:
+             lineage=None, blind_spots: Iterable[BlindSpot] = (),
+             accept: Iterable[str] = (), values: Mapping[BlindSpot, float] | None = None
+             ) -> Guard:
     """The guard of `recorder`'s captures (ids from `first_graph`): their owned storages by
     weak handle, with the capture-time owners `snapshot` holds (updated first with the
     storages it has not matched yet, as diff does), checked against `models`. With the
     trace's `lineage`, the storages it matched to sources (owned or not) carry their
-    `Derived` baselines, and `check()` gives `unrefreshed` too (Note [freshness])."""
+    `Derived` baselines, and `check()` gives `unrefreshed` too (Note [freshness]).
+    `blind_spots`: the trace's records; those that concern the guarded graphs (and the
+    opaque handles they read) are kept with their holders' identity, and `check()` fails
+    closed on them unless their kind is in `accept` (Note [blind spots in the guard]);
+    `values`: the float a `baked scalar` record's holder held at capture."""
     from graphtrace.edges import capture_edges
+
+    accept = accepted_kinds(accept)  # a bad kind fails before any work
     from graphtrace.frames import raw_accesses
 
     rec = recorder
@@ -618,8 +687,10 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
             "views": [View(*views[v]) for v in view_ids[edges].tolist()],
             "owners": sid_owners, "owner_views": owner_views, "derived": derived.get(sid)})
     graphs = {c.graph_id: c.label for c in rec.captures if c.graph_id >= first_graph}
+    spots = list(blind_spots) + _opaque_spots(rec, found, owners, first_graph)
+    blind = _guarded_blind(spots, graphs, models, values or {})
     guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace",
-                  lineage=lineage)
+                  lineage=lineage, blind_spots=blind, accept=accept)
     for name, model in models.items():
         guard.attach(model, name=name)
     return guard
@@ -636,10 +707,13 @@ def models_changed(snapshot: "OwnerSnapshot", models: Iterable[str]) -> None:
 # -- from JSON -------------------------------------------------------------------------------
 
 def load_guard(path: str | os.PathLike, model: torch.nn.Module | None = None, *,
-               models: Mapping[str, torch.nn.Module] | None = None) -> Guard:
+               models: Mapping[str, torch.nn.Module] | None = None,
+               accept: Iterable[str] = ()) -> Guard:
     """Read a manifest written by `Guard.to_json`; attach `model` (one watched model) or
-    `models` ({name: model}) now, or later with `Guard.attach`. Bad input raises
+    `models` ({name: model}) now, or later with `Guard.attach`. `accept`: blind-spot kinds
+    `check()` leaves out (as `Trace.guard(accept=...)`). Bad input raises
     GraphtraceError naming the file and the entry."""
+    accept = accepted_kinds(accept)
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -648,6 +722,7 @@ def load_guard(path: str | os.PathLike, model: torch.nn.Module | None = None, *,
     except (OSError, ValueError) as exc:
         raise GraphtraceError(f"{path}: not a readable JSON guard manifest ({exc})") from None
     guard = _from_dict(data, str(path))
+    guard.accept = accept
     if model is not None:
         guard.attach(model)
     for name, m in (models or {}).items():
@@ -706,7 +781,10 @@ def _from_dict(data: object, where: str) -> Guard:
                  for j, v in enumerate(views or [None] * len(s["graphs"]))]
         storages.append({**s, "owners": sorted(owners), "ref": None, "views": views,
                          "owner_views": owner_views, "derived": derived})
-    return Guard(models=models, graphs=graphs, storages=storages, source=where)
+    blind = [_blind_from_json(b, models, graphs, fail, f"blind_spots[{k}]")
+             for k, b in enumerate(data.get("blind_spots") or [])]  # optional (older: none)
+    return Guard(models=models, graphs=graphs, storages=storages, source=where,
+                 blind_spots=blind)
 
 
 def _list(data: dict, key: str, fail) -> list:
@@ -714,3 +792,210 @@ def _list(data: dict, key: str, fail) -> list:
     if not isinstance(value, list):
         raise fail(f"{key!r} must be a list")
     return value
+
+
+# -- blind spots (issue 25) ------------------------------------------------------------------
+
+# Note [blind spots in the guard]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# What the recording could not see (an opaque handle's packed tensors, a compiled-in constant
+# no model owns, a subclass that cannot be flattened, a walk cut short, KV-cache reads inside
+# an op) is a blind spot of the report; a guard that passed over them would pass exactly the
+# updates it cannot judge. So the guard keeps every blind spot that concerns its graphs (its
+# graph is one of them, or it names none) and fails closed: after an update `check()` gives
+# one row (verdict `unchecked`, `blind_spot` its kind, `note` its text, `owners` its holder,
+# `statuses` what the holder did) for each one the update may have invalidated:
+# - its holder (an owner path) reaches another storage or object now (`moved`), none
+#   (`orphaned`), or the same tensor written in place (`written`: its version counter
+#   moved, so what is behind it may have changed unseen), or for a baked scalar (Note
+#   [baked scalars] in graphtrace/scalars.py) a value other than the captured one
+#   (`changed`); a holder that owns a guarded
+#   storage and moved is already a stale or dangling row of that storage, so no second row;
+# - it has no holder, or its holder did not resolve when the guard was made: it cannot be
+#   checked at all (`statuses` empty).
+# A holder that still reaches the very storage, unwritten, is taken as unchanged. The user
+# accepts a kind with `t.guard(accept=[...])` / `guard.accept = [...]` / `load_guard(...,
+# accept=...)` (kinds: vocab.BLIND_SPOT_KINDS; an unknown one is a GraphtraceError): its rows
+# are left out of `check()`, so `enforce()` passes on them. The manifest keeps the records
+# (optional key "blind_spots": kind, text, holder, op, model, graph, graph_id, and the
+# holder's data_ptr/nbytes, adopted as a weak handle at attach time like the storages).
+
+_NOT_AT_CAPTURE = frozenset({"dtype/shape change", "packed copy not rebuilt"})  # diff's findings
+
+
+def accepted_kinds(kinds: Iterable[str]) -> frozenset[str]:
+    """`kinds` checked against vocab.BLIND_SPOT_KINDS: a GraphtraceError names a bad one."""
+    if isinstance(kinds, str):
+        raise GraphtraceError(f"accept takes a list of blind-spot kinds, got the string "
+                              f"{kinds!r}: write accept=[{kinds!r}]")
+    try:
+        kinds = frozenset(kinds)
+    except TypeError:
+        raise GraphtraceError(f"accept takes a list of blind-spot kinds, got "
+                              f"{type(kinds).__name__}") from None
+    unknown = sorted(k for k in kinds if k not in BLIND_SPOT_KINDS)
+    if unknown:
+        raise GraphtraceError(f"unknown blind-spot kind(s) {', '.join(map(repr, unknown))} in "
+                              f"accept (kinds: {', '.join(BLIND_SPOT_KINDS)})")
+    return kinds
+
+
+def _opaque_spots(rec, found, owners, first_graph: int) -> list[BlindSpot]:
+    """One record per opaque handle (torch.ScriptObject) a guarded graph reads, held by its
+    first owner path (what diff names per edge)."""
+    if not rec.opaque:
+        return []
+    labels = {c.graph_id: c.label for c in rec.captures}
+    out = []
+    for g, sid in sorted(set(zip(found.graph_id.tolist(), found.storage_id.tolist()))):
+        if g < first_graph or sid not in rec.opaque:
+            continue
+        held = sorted(owners.get(sid, ()))
+        out.append(BlindSpot(
+            "opaque handle", f"opaque handle {rec.opaque[sid]} (storage {sid}) read in graph "
+            f"{labels.get(g, '')!r}: the tensors packed inside it are not seen",
+            holder=held[0][1] if held else "", model=held[0][0] if held else "",
+            graph=labels.get(g, "")))
+    return out
+
+
+def _guarded_blind(spots: Iterable[BlindSpot], graphs: Mapping[int, str],
+                   models: Mapping[str, torch.nn.Module], values: Mapping) -> list[dict]:
+    """The records that concern the guarded `graphs`, each with its holder's identity now."""
+    ids = {label: g for g, label in graphs.items()}
+    out, seen = [], set()
+    for spot in spots:
+        if spot.kind in _NOT_AT_CAPTURE or (spot.graph and spot.graph not in ids):
+            continue
+        key = (spot.kind, spot.holder, spot.model, spot.op, spot.graph)
+        if key in seen:  # one row per holder and graph, however many texts
+            continue
+        seen.add(key)
+        entry = {"spot": spot, "graph_id": ids.get(spot.graph, -1), "ref": None,
+                 "data_ptr": None, "nbytes": None, "version": None,
+                 "value": values.get(spot)}  # a baked scalar's value at capture
+        model = models.get(spot.model) if spot.holder else None
+        if model is not None and entry["value"] is None:
+            _hold(entry, resolve_path(model, spot.holder))
+        out.append(entry)
+    return out
+
+
+def _ptr(storage: torch.UntypedStorage) -> int:
+    """A storage's data_ptr; 0 for a wrapper subclass's placeholder (reading it raises)."""
+    try:
+        return storage.data_ptr()
+    except Exception:
+        return 0
+
+
+def _hold(entry: dict, target: object) -> None:
+    """Remember `target` (what the holder reaches) as the blind spot's holder identity."""
+    storage = _storage(target)
+    if storage is None:
+        return
+    entry["ref"] = StorageWeakRef(storage)
+    entry["data_ptr"] = _ptr(storage)
+    entry["nbytes"] = storage.nbytes()
+    entry["version"] = target._version if isinstance(target, torch.Tensor) else None
+
+
+def _holder_status(entry: dict, target: object) -> str:
+    """What a blind spot's holder did since the guard was made: "holds", "moved", "orphaned",
+    "written", or "" (nothing to check: no holder identity)."""
+    if entry.get("value") is not None:  # a baked scalar: its holder's value (Note [baked scalars])
+        return HOLDS if target == entry["value"] else ORPHANED if target is None else "changed"
+    if entry["ref"] is None and entry["data_ptr"] is None:
+        return ""
+    if target is None:
+        return ORPHANED
+    storage = _storage(target)
+    if storage is None:
+        return MOVED
+    if entry["ref"] is not None:
+        same = storage._cdata == entry["ref"].cdata
+    else:
+        same = _ptr(storage) == entry["data_ptr"] and storage.nbytes() == entry["nbytes"]
+    if not same:
+        return MOVED
+    version = target._version if isinstance(target, torch.Tensor) else None
+    if entry["version"] is not None and version != entry["version"]:
+        return "written"
+    return HOLDS
+
+
+def _blind_rows(blind: list[dict], accept: frozenset, models: Mapping[str, torch.nn.Module],
+                graphs: Mapping[int, str], owned: set) -> list[tuple]:
+    """Guard rows (GUARD_COLUMNS) for the blind spots the update may have invalidated; a
+    holder that moved or is gone while it owns a guarded storage is left to that storage's
+    own rows (its edge verdict says it already)."""
+    rows = []
+    for entry in blind:
+        spot = entry["spot"]
+        if spot.kind in accept:
+            continue
+        model = models.get(spot.model)
+        resolve = resolve_value if entry.get("value") is not None else resolve_path
+        target = resolve(model, spot.holder) if (model is not None and spot.holder) else None
+        status = _holder_status(entry, target)
+        if status == HOLDS or (status in (MOVED, ORPHANED) and (spot.model, spot.holder) in owned
+                               and entry.get("value") is None):
+            continue
+        live = pd.NA
+        if status in (MOVED, "written") and entry.get("value") is None:
+            storage = _storage(target)
+            live = _ptr(storage) if storage is not None else pd.NA
+        g = entry["graph_id"]
+        rows.append((g, graphs.get(g, spot.graph), -1, entry["data_ptr"] or 0,
+                     entry["nbytes"] or 0, "", "", spot.holder, "", status, live,
+                     GUARD_UNCHECKED, pd.NA, "storage" if entry["ref"] is not None else
+                     "data_ptr", "", spot.kind, spot.text))
+    return rows
+
+
+def _adopt_blind(blind: list[dict], name: str, model: torch.nn.Module) -> None:
+    """A manifest's blind spots known by address: a weak handle (and version) taken where
+    the holder still reaches a storage of that address and size (Note [guard identity])."""
+    for entry in blind:
+        spot = entry["spot"]
+        if spot.model != name or not spot.holder or entry["ref"] is not None \
+                or entry["data_ptr"] is None:
+            continue
+        target = resolve_path(model, spot.holder)
+        storage = _storage(target)
+        if storage is None:
+            continue
+        if _ptr(storage) == entry["data_ptr"] and storage.nbytes() == entry["nbytes"]:
+            entry["ref"] = StorageWeakRef(storage)
+            if entry["version"] is None and isinstance(target, torch.Tensor):
+                entry["version"] = target._version
+
+
+def _blind_json(entry: dict) -> dict:
+    return {**entry["spot"].to_json(), "graph_id": entry["graph_id"],
+            "data_ptr": entry["data_ptr"], "nbytes": entry["nbytes"],
+            "version": entry["version"], "value": entry.get("value"), "process": _PROCESS}
+
+
+def _blind_from_json(data: object, models: list, graphs: dict, fail, where: str) -> dict:
+    try:
+        spot = BlindSpot.from_json({k: data[k] for k in ("kind", "text", "holder", "op",
+                                                           "model", "graph") if k in data})
+        graph_id, ptr, nbytes, version = (data.get("graph_id", -1), data.get("data_ptr"),
+                                          data.get("nbytes"), data.get("version"))
+        value = data.get("value")
+        if value is not None and (type(value) not in (int, float)):
+            raise TypeError
+        if not (isinstance(graph_id, int) and (graph_id == -1 or graph_id in graphs)
+                and all(v is None or (isinstance(v, int) and not isinstance(v, bool))
+                        for v in (ptr, nbytes, version))
+                and (spot.model in models or not spot.holder)):
+            raise TypeError
+    except (TypeError, ValueError, KeyError, AttributeError):
+        raise fail(f"{where} must be a blind spot object (kind, text, holder, op, model, graph; "
+                   "graph_id: -1 or one of \"graphs\"; data_ptr, nbytes, version: int or "
+                   f"null; model one of \"models\"), got {data!r}") from None
+    same = data.get("process") == _PROCESS
+    return {"spot": spot, "graph_id": graph_id, "ref": None, "data_ptr": ptr,
+            "nbytes": nbytes, "version": version if same else None,
+            "value": float(value) if value is not None else None}

@@ -656,6 +656,36 @@ class Lineage:
                              "source_kind": kind, "site": h.site, "n": 1})
         return rows
 
+    def derive(self, target: torch.UntypedStorage,
+               sources: "list[torch.UntypedStorage]") -> None:
+        """Note that `target` was made from `sources` by code the dispatch mode does not see
+        (a constant Inductor folded or prepacked at compile time from parameters: Note
+        [frozen constants] in graphtrace/compiled.py): a full write of `target` whose
+        sources are `sources` and theirs, as `record` would note it."""
+        nodes = self.nodes
+        merged: dict[int, int] = {}
+        for s in sources:
+            a = s._cdata
+            node = nodes.get(a)
+            if node is None:
+                node = self._node(s, a)
+            for b, cb in (node[2] or {}).items():
+                if b not in merged or cb < merged[b]:
+                    merged[b] = cb
+            if a not in merged or node[1] < merged[a]:
+                merged[a] = node[1]
+        a = target._cdata
+        merged.pop(a, None)
+        if not merged:
+            return
+        node = nodes.get(a)
+        if node is None:
+            node = self._node(target, a)
+        self.clock += 1
+        node[1] = self.clock
+        self.n_edges += len(merged) - (len(node[2]) if node[2] else 0)
+        node[2] = merged
+
     # -- memory ------------------------------------------------------------------------------
     def sweep(self) -> None:
         """Drop the nodes of dead storages and purge their addresses from every record."""

@@ -12,7 +12,7 @@ import torch
 
 from graphtrace._compat import script_type_name
 
-__all__ = ["is_opaque", "proxy_storage", "storage_of", "type_name"]
+__all__ = ["stand_in", "is_opaque", "proxy_storage", "storage_of", "type_name"]
 
 # Note [opaque handles]
 # ~~~~~~~~~~~~~~~~~~~~~
@@ -69,6 +69,14 @@ def _forget(key: int, ident: int):
                 if not entry[1]:
                     del _proxies[key]
     return dead
+
+
+def stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-element tensor on the proxy storage of `tensor`, a tensor without a storage (an
+    mkldnn/MKL-packed weight Inductor's freezing compiled in): what a writer records for it,
+    the same storage for as long as `tensor` lives (Note [opaque handles]). Make it with
+    dispatch modes off (`set_` is an op)."""
+    return torch.empty(0, dtype=torch.uint8).set_(proxy_storage(tensor))
 
 
 def storage_of(x: object) -> torch.UntypedStorage:

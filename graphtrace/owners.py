@@ -23,13 +23,16 @@ Path grammar (what `walk_owners` yields and `resolve_path` reads)::
   A name survives a reload that rebuilds the lambda; a cell index says nothing to a reader.
 
 Tensor subclasses (nn.Parameter) are tensors; empty and meta tensors are yielded like any
-other (the diff decides what they mean). Opaque handles (`torch.ScriptObject`: packed
+other (the diff decides what they mean). A traceable wrapper subclass (torchao's
+``Int8Tensor``, whose own storage is a fake one) is yielded, and then each tensor it holds,
+found through ``__tensor_flatten__`` (nested), under ``<path>.<inner name>`` with the same
+owner kind: ``q_proj.weight.qdata``, ``q_proj.weight.scale`` (Note [tensor subclasses]). Opaque handles (`torch.ScriptObject`: packed
 quantized weights, e.g. ``fc._packed_params._packed_params``) are yielded like tensors, kind
 attribute (Note [opaque handles] in graphtrace.opaque). Every path yielded resolves with `resolve_path` on
 the unchanged model to the very tensor yielded; after a reload a path that no longer
 reaches a tensor resolves to None (an orphaned owner).
 
-Not walked: tensor internals, nn.Modules found as attributes (each module is walked under its
+Not walked: tensor internals (other than a wrapper subclass's flattened tensors), nn.Modules found as attributes (each module is walked under its
 own names from ``named_modules``), nn.Module internals (hook dicts), classes, Python modules,
 objects of stdlib/torch/numpy types other than the containers above, sets (no order, so no
 path), dict entries whose key is not a literal, and containers longer than ``max_items``.
@@ -52,12 +55,13 @@ from typing import Iterable, Iterator, Literal, Mapping, Sequence
 import torch
 from torch import nn
 
-from graphtrace._compat import free_weak_ref, storage_weak_ref
+from graphtrace._compat import free_weak_ref, is_traceable_wrapper_subclass, storage_weak_ref
 from graphtrace.attribution import is_wrapper as is_attribution_wrapper
+from graphtrace.blindspots import BlindSpot
 from graphtrace.opaque import is_opaque, storage_of
 
 __all__ = ["OwnerKind", "Owner", "OwnerSnapshot", "PathSet", "walk_owners", "resolve_path",
-           "named_modules"]
+           "named_modules", "inner_tensors", "unflattenable", "scalar_owners", "resolve_value"]
 
 OwnerKind = Literal["parameter", "buffer", "attribute"]
 Owner = tuple[str, str, str]  # (model name, path, owner kind)
@@ -143,6 +147,59 @@ def _key_repr(k: object) -> str | None:
     return None
 
 
+# Note [tensor subclasses]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A wrapper tensor subclass (`_make_wrapper_subclass`: torchao's quantized weights, float8
+# tensors, DTensor) has no data of its own: its storage is a placeholder whose data pointer
+# cannot even be read, and every op on it runs on the plain tensors it holds. Those inner
+# tensors are what a graph reads (the tensor walker flattens subclass arguments to them:
+# Note [the tensor walker] in graphtrace/_schema.py), so they are what must be owned. A
+# traceable one names them (`__tensor_flatten__`: attribute names, nested subclasses
+# flattened again), and `resolve_path` reaches `weight.qdata` as a plain attribute, so the
+# owner walk yields each under `<path>.<name>` with its holder's kind: a registered
+# parameter's data stays the parameter's (a copy-in-place reload copies into it; a
+# re-quantize rebinds the parameter, so the inner paths move with it). A subclass that
+# handles its own dispatch but cannot be flattened hides what it reads: the snapshot names
+# it as a `tensor subclass` blind spot with its path (`unflattenable`).
+def inner_tensors(path: str, tensor: torch.Tensor, depth: int = 0
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(`path.name`, tensor) for every tensor inside the traceable wrapper subclass `tensor`,
+    nested ones included (each subclass, then its own inner tensors); nothing for a plain
+    tensor. Note [tensor subclasses]."""
+    if depth > 8 or not is_traceable_wrapper_subclass(tensor):
+        return
+    names, _ = tensor.__tensor_flatten__()
+    for name in names:
+        inner = getattr(tensor, name, None)
+        if isinstance(inner, torch.Tensor):
+            yield f"{path}.{name}", inner
+            yield from inner_tensors(f"{path}.{name}", inner, depth + 1)
+
+
+def unflattenable(tensor: object) -> bool:
+    """A tensor subclass that dispatches its own ops (`__torch_dispatch__`) but is not a
+    traceable wrapper (no `__tensor_flatten__`): what it reads cannot be named."""
+    tp = type(tensor)
+    return (tp is not torch.Tensor and tp is not nn.Parameter and isinstance(tensor, torch.Tensor)
+            and getattr(tp, "__torch_dispatch__", _TORCH_DISPATCH) is not _TORCH_DISPATCH
+            and not is_traceable_wrapper_subclass(tensor))
+
+
+_TORCH_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def _with_inner(path: str, kind, tensor: object):
+    """The owner itself, then (a subclass) the tensors inside it under the same kind."""
+    yield path, kind, tensor
+    if isinstance(tensor, torch.Tensor):
+        try:
+            found = list(inner_tensors(path, tensor))
+        except Exception:  # a __tensor_flatten__ that raises: the subclass alone
+            found = []
+        for p, t in found:
+            yield p, kind, t
+
+
 def walk_owners(model: nn.Module, *, max_depth: int = 12,
                 max_items: int = 1_000_000) -> Iterator[tuple[str, OwnerKind, torch.Tensor]]:
     """Yield (path, kind, tensor) for every tensor reachable from `model`.
@@ -198,10 +255,17 @@ def _walk(model: nn.Module, max_depth: int,
         for prefix, module in modules:
             dot = prefix + "." if prefix else ""
             for name, t in list(getattr(module, registry).items()):
-                if t is not None:
+                if t is None:
+                    continue
+                if type(t) is nn.Parameter or type(t) is torch.Tensor:
                     yield dot + name, kind, t
+                else:
+                    yield from _with_inner(dot + name, kind, t)
     for path, t in _attribute_owners(model, max_depth, max_items):
-        yield path, "attribute", t
+        if type(t) is torch.Tensor or type(t) is nn.Parameter:
+            yield path, "attribute", t
+        else:
+            yield from _with_inner(path, "attribute", t)
 
 
 def _attribute_owners(model: nn.Module, max_depth: int,
@@ -465,6 +529,37 @@ def _step(obj: object, is_key: bool, step: object) -> object:
         return _MISSING
 
 
+def resolve_value(model: nn.Module, path: str) -> object:
+    """What `path` reaches on `model` now, whatever it is (a float attribute, for baked
+    scalars: graphtrace.scalars); None where it does not resolve."""
+    obj: object = model
+    for is_key, step in _parse(path):
+        obj = _step(obj, is_key, step)
+        if obj is _MISSING:
+            return None
+    return obj
+
+
+def scalar_owners(model: nn.Module) -> list[tuple[str, float]]:
+    """(path, value) of every float a watched module holds as an attribute or as an entry of a
+    dict attribute with a literal key (`lora.scaling['default']`): what a graph may bake in
+    (Note [baked scalars] in graphtrace/scalars.py)."""
+    out = []
+    for prefix, module in named_modules(model):
+        dot = prefix + "." if prefix else ""
+        for k, v in list(module.__dict__.items()):
+            if k in _MODULE_INTERNALS or type(k) is not str or not k.isidentifier():
+                continue
+            if type(v) is float:
+                out.append((dot + k, v))
+            elif type(v) is dict and len(v) <= 64:
+                for key, x in list(v.items()):
+                    r = _key_repr(key) if type(x) is float else None
+                    if r is not None:
+                        out.append((f"{dot}{k}[{r}]", x))
+    return out
+
+
 class PathSet:
     """Many owner paths resolved together, each shared prefix followed once: what
     `resolve_path` gives for each path, for less than half the steps on a model's
@@ -582,7 +677,8 @@ class OwnerSnapshot:
     is walked again, so a later capture's reads of the new tensors still find their owners.
     A walk's weak storage handles keep the walked storages' addresses unique while the walk
     is cached, and are freed when it is dropped. Both return what
-    the walks they made had to cut (depth, size) as texts, for the report's blind spots.
+    the walks they made had to cut (depth, size) as texts, and the subclasses they could not
+    flatten as `tensor subclass` records (Note [tensor subclasses]), for the blind spots.
     """
 
     __slots__ = ("owners", "native", "_views", "_walks", "_checked", "_matched")
@@ -679,7 +775,7 @@ class OwnerSnapshot:
             check[:] = [paths, PathSet(paths), [expected[path] for path in paths], len(matched)]
         return check
 
-    def _walk(self, name: str, model: nn.Module, cut: list[str]) -> dict[int, list]:
+    def _walk(self, name: str, model: nn.Module, cut: list) -> dict[int, list]:
         """StorageImpl address -> [(path, owner kind)] of one model, walked once and cached."""
         cached = self._walks.get(name)
         if cached is None:
@@ -692,6 +788,13 @@ class OwnerSnapshot:
             cut.extend(f"owners of model {name!r}: {w.message}" if name else f"owners: {w.message}"
                        for w in caught)
             for path, owner_kind, tensor in walked:
+                if unflattenable(tensor):  # Note [tensor subclasses]
+                    cut.append(BlindSpot(
+                        "tensor subclass", f"{type(tensor).__qualname__} at {path!r} dispatches "
+                        "its own ops and cannot be flattened (no __tensor_flatten__): the "
+                        "tensors it reads inside are not owned, only its own (placeholder) "
+                        "storage is",
+                        holder=path, model=name))  # still owned: a rebind shows
                 try:
                     storage = storage_of(tensor)
                 except Exception:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
-from graphtrace._compat import disable_current_modes
+from graphtrace._compat import SCRATCH, disable_current_modes, storage_use_count, tree_map_only
 from graphtrace._schema import map_tensors
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
@@ -26,6 +26,7 @@ from graphtrace.encoding import REPLAY_FRESH
 from graphtrace.errors import GraphtraceError
 from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
+from graphtrace.scalars import BakedScalars
 
 __all__ = ["GraphtraceError", "Trace", "EmulatedGraph", "trace", "capture", "active_trace"]
 
@@ -40,22 +41,39 @@ def active_trace() -> "Trace | None":
 
 
 
+class _Scratch:
+    """A view of a storage the graph made and nothing outside it holds: replay allocates the
+    storage afresh (Note [Emulated graphs keep storages])."""
+
+    __slots__ = ("storage", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, storage: int, alias: torch.Tensor):
+        self.storage = storage  # index into the graph's scratch storages
+        self.dtype, self.shape = alias.dtype, alias.shape
+        self.stride, self.offset = alias.stride(), alias.storage_offset()
+
+
 class EmulatedGraph:
     """A replayable record of a capture region with CUDA graph address semantics.
 
     Replay re-runs the recorded ops on the storages they saw at capture time and copies
     fresh results into the outputs the capture returned. See Note [Emulated graphs keep
-    storages]. Like a real graph's capture artifacts, it keeps those storages alive: drop
-    the graph to free them.
+    storages]. Like a real graph's capture artifacts, it keeps the storages it read from
+    outside and its outputs alive (drop the graph to free them), not its intermediates.
     """
 
-    __slots__ = ("label", "capture", "_ops", "_aliases", "__weakref__")
+    __slots__ = ("label", "capture", "_ops", "_aliases", "_seen", "_made", "_making",
+                 "_scratch", "__weakref__")
 
     def __init__(self, label: str):
         self.label = label
         self.capture: Capture | None = None
         self._ops: list = []
         self._aliases: dict = {}  # view key -> alias, so one view read twice is one alias
+        self._seen: set = set()   # storages pinned so far
+        self._made: set = set()   # storages first seen as an op's output: made in the region
+        self._making = False      # pinning an op's outputs now
+        self._scratch: list = []  # (nbytes, device) of each storage replay allocates afresh
 
     def keep(self, func, args, kwargs, out, replay_flags: int) -> None:
         """Keep one recorded op for replay (`replay_flags` as the writer returned them)."""
@@ -74,7 +92,12 @@ class EmulatedGraph:
             kwargs = {k: pin(v) for k, v in kwargs.items()}
         else:
             kwargs = {}
-        self._ops.append((func, args, kwargs, pin(out), replay_flags))
+        self._making = True
+        try:
+            out = pin(out)
+        finally:
+            self._making = False
+        self._ops.append((func, args, kwargs, out, replay_flags))
 
     def _pin_value(self, value):
         """`value` with each tensor in it pinned (the tensor walker: graphtrace._schema)."""
@@ -94,9 +117,14 @@ class EmulatedGraph:
             storage = t.untyped_storage()
         except Exception:  # no storage (a functional wrapper): nothing to pin
             return t
-        key = (storage._cdata, t.dtype, t.shape, t.stride(), t.storage_offset())
+        cdata = storage._cdata
+        key = (cdata, t.dtype, t.shape, t.stride(), t.storage_offset())
         alias = self._aliases.get(key)
         if alias is None:
+            if cdata not in self._seen:
+                self._seen.add(cdata)
+                if self._making:
+                    self._made.add(cdata)
             if t.is_inference():  # its detach() would be one too: not writable outside
                 alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
                     storage, t.storage_offset(), t.shape, t.stride())
@@ -105,12 +133,57 @@ class EmulatedGraph:
             self._aliases[key] = alias
         return alias
 
+    def seal(self) -> None:
+        """At the end of the capture: let go of the storages the region made that nothing
+        outside the graph holds (its intermediates); replay allocates them afresh. Note
+        [Emulated graphs keep storages]."""
+        made, self._made, self._seen = self._made, set(), set()
+        if not made or not SCRATCH:
+            return
+        aliases: dict[int, list] = {}  # storage made in the region -> its aliases
+        for key, alias in self._aliases.items():
+            if key[0] in made:
+                aliases.setdefault(key[0], []).append((key, alias))
+        scratch: dict[int, _Scratch] = {}  # id(alias) -> the scratch view replacing it
+        for cdata, pinned in aliases.items():
+            storage = pinned[0][1].untyped_storage()
+            # our aliases and `storage` hold it; anything more is a holder outside the graph
+            if storage_use_count(cdata) > len(pinned) + 1:
+                continue
+            index = len(self._scratch)
+            self._scratch.append((storage.nbytes(), storage.device))
+            for key, alias in pinned:
+                scratch[id(alias)] = _Scratch(index, alias)
+                del self._aliases[key]
+        if scratch:
+            def swap(t: torch.Tensor):
+                return scratch.get(id(t), t)
+            self._ops = [(func, map_tensors(swap, args),
+                          {k: map_tensors(swap, v) for k, v in kwargs.items()} if kwargs else kwargs,
+                          map_tensors(swap, out), flags)
+                         for func, args, kwargs, out, flags in self._ops]
+
     def replay(self) -> None:
         with torch.no_grad(), disable_current_modes():
+            fresh = [torch.UntypedStorage(nbytes, device=device)
+                     for nbytes, device in self._scratch]
+
+            def view(s: _Scratch) -> torch.Tensor:
+                return torch.empty(0, dtype=s.dtype, device=fresh[s.storage].device).set_(
+                    fresh[s.storage], s.offset, s.shape, s.stride)
             for func, args, kwargs, out, replay_flags in self._ops:
+                if fresh:
+                    args = tree_map_only(_Scratch, view, args)
+                    if kwargs:
+                        kwargs = tree_map_only(_Scratch, view, kwargs)
+                    out = tree_map_only(_Scratch, view, out)
                 result = func(*args, **kwargs)
                 if replay_flags & REPLAY_FRESH:
                     _copy_into(out, result)
+
+    def kept_ops(self) -> list:
+        """The ops kept for replay: (func, args, kwargs, out, replay flags) each."""
+        return list(self._ops)
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -145,6 +218,15 @@ def _copy_into(dst, src) -> None:
 # conj/neg views, nested tensors and subclasses (their own parts). keep() runs per recorded
 # op, so it walks the shapes ops take (tensors, scalars, plain tuples and lists) itself and
 # leaves anything else to pytree.
+# A graph keeps what a CUDA graph's pool would, not every intermediate: at the region's end
+# `seal` looks at each storage first pinned as an op's output (made in the region). When
+# nothing but the graph's own aliases holds it (the storage's use count), it is scratch: its
+# aliases become `_Scratch` views (storage index, dtype, size, stride, offset) and the storage
+# is freed; each replay allocates the scratch storages afresh and runs the ops on views of
+# them, as a graph's pool lends its intermediates memory for the replay. A storage made in the
+# region that something else holds (the region's outputs, a cache the model kept) stays pinned,
+# and replay copies fresh results into it, as before. Without storage use counts (a torch
+# that lacks `_storage_Use_Count`: graphtrace._compat.SCRATCH) nothing is released.
 class _Region:
     """One open capture on one thread: the mode pushed, its records, maybe a replayable graph."""
 
@@ -170,9 +252,13 @@ class _Region:
         if self.trace.provenance is not None:
             self.trace.provenance.resume(self.paused)
         self.mode.finish()
+        if self.graph is not None:
+            self.graph.seal()  # lets go of its intermediates: Note [Emulated graphs keep storages]
         self.trace.recorder.storages.sweep(self.first_storage)  # its dead intermediates
         try:
             self.trace._after_capture(self.capture)
+            if self.graph is not None:
+                self.trace._note_scalars(self.capture.label, self.graph)
         finally:
             self.trace.recorder.unpin(self.capture)
 
@@ -352,6 +438,7 @@ class Trace:
         # watched models by weak reference: a trace never keeps a model (or its storages) alive
         self._models: dict[str, weakref.ref] = {}
         self.blind_spots: list[BlindSpot] = []
+        self.baked_scalars = BakedScalars()  # Note [baked scalars] in graphtrace/scalars.py
         # packed/derived copies and the weights they are made from (Note [derived copies])
         self.derived = DerivedCopies(self.recorder.fail)
         self._regions = threading.local()
@@ -507,6 +594,13 @@ class Trace:
                                 "makes); what they hold is not recorded",
                                 kind="opaque handle", op=op)
 
+    def _note_scalars(self, label: str, graph: "EmulatedGraph") -> None:
+        """The floats this emulated graph baked in that watched attributes held (fail open)."""
+        try:
+            self.baked_scalars.note(label, graph.kept_ops(), self.models)
+        except Exception as exc:
+            self.recorder.fail("baked scalars", exc)
+
     def _label_cuda_graph(self, graph, label: str | None) -> None:
         key = (threading.get_ident(), id(graph))
         if key in self._cuda_labels:
@@ -661,23 +755,32 @@ class Trace:
 
     def diff(self):
         """Resolve capture-time owners on the live model(s) and classify every edge."""
-        from graphtrace.compiled import blind_spots, region_ownership
+        from graphtrace.compiled import blind_spots
         from graphtrace.diff import diff
 
         models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
         spots = list(self.blind_spots)
         if self.derived.pairs:
             spots += self.derived.check(models)
+        if self.baked_scalars.records:
+            spots += self.baked_scalars.check(models)
         extra = {}
-        if self.compiled_regions.seen and self.recorder.captures and self.models:
-            self._match_owners()  # region_ownership counts owners: match the newest storages first
-            rows = region_ownership(self)
-            if rows:  # per capture and compiled region: what was attributed (compiled.py)
-                extra["compiled"] = rows
-                known = {s.text for s in spots}
-                spots += [s for s in blind_spots(rows) if s.text not in known]
+        rows = self._compiled_rows()
+        if rows:  # per capture and compiled region: what was attributed (compiled.py)
+            extra["compiled"] = rows
+            known = {s.text for s in spots}
+            spots += [s for s in blind_spots(rows) if s.text not in known]
         return diff(self.recorder, self.owner_snapshot, models, spots,
                     provenance=self.provenance, extra_meta=extra, lineage=self.lineage)
+
+    def _compiled_rows(self) -> list[dict]:
+        """graphtrace.compiled.region_ownership of the captures ([] without compiled regions)."""
+        from graphtrace.compiled import region_ownership
+
+        if not (self.compiled_regions.seen and self.recorder.captures and self.models):
+            return []
+        self._match_owners()  # region_ownership counts owners: match the newest storages first
+        return region_ownership(self)
 
     @property
     def lineage(self):
@@ -695,15 +798,30 @@ class Trace:
 
         return findings_frame(lineage_findings(self.lineage, self.models, self.recorder.fail))
 
-    def guard(self, first_graph: int = 0):
+    def guard(self, first_graph: int = 0, *, accept: Iterable[str] = ()):
         """A `graphtrace.guard.Guard` of the owned storages captured so far (graph ids from
         `first_graph`): weak handles and owner paths only; ``guard.check()`` /
-        ``guard.enforce()`` after each weight update (docs/guard.md)."""
-        from graphtrace.guard import guard_of
+        ``guard.enforce()`` after each weight update (docs/guard.md). The blind spots of
+        those graphs go in too, and fail the check after an update that may have
+        invalidated them unless their kind is in `accept` (e.g. ``["opaque handle"]``;
+        kinds: vocab.BLIND_SPOT_KINDS; Note [blind spots in the guard] in guard.py)."""
+        from graphtrace.compiled import blind_spots
+        from graphtrace.guard import accepted_kinds, guard_of
 
+        accept = accepted_kinds(accept)
         models = self._live_models() if self.recorder.captures else self.models
+        spots = list(self.blind_spots)
+        if self.recorder.captures:
+            try:
+                known = {s.text for s in spots}
+                spots += [s for s in blind_spots(self._compiled_rows()) if s.text not in known]
+            except Exception as exc:  # fail open here: the guard still checks identity
+                self.recorder.fail("compiled regions for the guard", exc)
+        baked = self.baked_scalars.spots()
+        values = {b: self.baked_scalars.value_of(b) for b in baked}
         return guard_of(self.recorder, self.owner_snapshot, models, first_graph,
-                        lineage=self.lineage)
+                        lineage=self.lineage, blind_spots=spots + baked, accept=accept,
+                        values=values)
 
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")

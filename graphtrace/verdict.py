@@ -272,6 +272,9 @@ def impact_of(old: torch.UntypedStorage | None, view: View, live: object,
         new_storage = live.untyped_storage()
         if new_storage.device.type == "meta":
             return "unknown", ""  # a reload that failed half-way left the model without data
+        # a wrapper subclass's placeholder storage has no data (reading its pointer raises;
+        # reading its bytes would crash): nothing to compare
+        new_storage.data_ptr(), old.data_ptr()
     except Exception:
         return "unknown", ""
     note = _change_note(owner, live)

@@ -12,6 +12,7 @@ __all__ = [
     "ACCESS_KINDS", "EDGE_ACCESSES", "FRAMES", "SCHEMA", "COLUMNS", "COLUMN_KINDS",
     "HOLDS", "MOVED", "ORPHANED", "BEFORE_TRACE", "NOT_RECORDED",
     "PROVENANCE_MARKS", "FIXES", "FIX_KINDS", "GUARD_PROBLEMS", "GUARD_SCHEMA", "GUARD_COLUMNS",
+    "GUARD_UNCHECKED",
     "GUARD_IDENTITIES", "BLIND_SPOT_KINDS", "BLIND_SPOT_FIELDS", "FINDING_KINDS",
     "FINDING_FIELDS", "ADDED_COLUMNS",
 ]
@@ -71,6 +72,8 @@ BLIND_SPOT_KINDS = (
     "nested capture",           # a CUDA graph captured inside a capture region
     "dtype/shape change",       # the owner's live tensor has another dtype or shape
     "lineage",                  # lineage could not follow (its edge cap was hit)
+    "tensor subclass",          # a subclass that dispatches its own ops but cannot be flattened
+    "baked scalar",             # a Python float a graph was captured with, held by an attribute
     "other",                    # anything else (a plain text from an older report)
 )
 BLIND_SPOT_FIELDS = ("kind", "text", "holder", "op", "model", "graph")  # meta / frame columns
@@ -127,7 +130,12 @@ GUARD_SCHEMA: tuple[tuple[str, str], ...] = (
     ("nbytes", "int"), ("dtype", "str"), ("shape", "str"), ("owners", "str"),
     ("owner_kinds", "str"), ("statuses", "str"), ("live_data_ptr", "Int"), ("verdict", "str"),
     ("impact", "str?"), ("identity", "str"), ("derived_from", "str"),
+    # a blind spot's row (Note [blind spots in the guard]): its kind and text; "" on edge rows
+    ("blind_spot", "str"), ("note", "str"),
 )
+# the verdict of a guard row for a blind spot the update may have invalidated: its holder
+# moved, was written or is gone, or it has none to check (fails closed unless accepted)
+GUARD_UNCHECKED = "unchecked"
 GUARD_COLUMNS: list[str] = [c for c, _ in GUARD_SCHEMA]
 
 

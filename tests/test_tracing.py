@@ -123,6 +123,76 @@ def test_replay_of_a_capture_with_grad_on_keeps_grad_off():
     assert model.weight.grad is None
 
 
+# -- an emulated graph keeps what a CUDA graph's pool would (Note [Emulated graphs keep storages])
+
+class Chain(torch.nn.Module):
+    """x -> x @ w -> relu -> * 2 (+ a cache the module keeps) -> + 1: intermediates the graph
+    alone holds, one the module holds, and the region's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(4, 4))
+        self.seen: list = []  # weak references to the intermediates, as they are made
+        self.cache = None
+
+    def forward(self, x):
+        h = x @ self.weight
+        r = torch.relu(h)
+        self.seen += [StorageWeakRef(h.untyped_storage()), StorageWeakRef(r.untyped_storage())]
+        self.cache = r * 2
+        return self.cache[:, :2] + 1
+
+
+def test_emulated_graph_lets_go_of_its_intermediates_and_replays_the_same():
+    model = Chain()
+    x = torch.rand(3, 4)
+    with torch.no_grad(), gt.trace(model, strict=True):
+        with gt.capture("g") as g:
+            out = model(x)
+    assert all(ref.expired() for ref in model.seen), "intermediates only the graph held"
+    cache = model.cache
+    with torch.no_grad():
+        model.weight.mul_(3)  # in place: the graph reads it
+        x.add_(1)
+        expected = (torch.relu(x @ model.weight) * 2)
+    g.replay()
+    assert torch.equal(out, expected[:, :2] + 1), "replay computes through fresh scratch"
+    assert torch.equal(cache, expected), "a storage the module holds stays the graph's"
+    g.replay()  # again: scratch is allocated per replay
+    assert torch.equal(out, expected[:, :2] + 1)
+
+
+def test_emulated_graph_keeps_an_intermediate_something_else_holds():
+    model = Chain()
+    x = torch.rand(3, 4)
+    kept = []
+    hook = model.register_forward_hook(lambda m, i, o: kept.append(m.cache))
+    with torch.no_grad(), gt.trace(model, strict=True):
+        with gt.capture("g") as g:
+            out = model(x)
+    hook.remove()
+    model.cache = None  # only `kept` holds the cache now
+    with torch.no_grad():
+        model.weight.zero_()
+    g.replay()
+    assert torch.equal(kept[0], torch.zeros(3, 4)) and torch.equal(out, torch.ones(3, 2))
+
+
+def test_without_use_counts_an_emulated_graph_keeps_everything(monkeypatch):
+    import graphtrace.tracing as tracing
+
+    monkeypatch.setattr(tracing, "SCRATCH", False)
+    model = Chain()
+    x = torch.rand(3, 4)
+    with torch.no_grad(), gt.trace(model, strict=True):
+        with gt.capture("g") as g:
+            out = model(x)
+    assert not any(ref.expired() for ref in model.seen)
+    expected = out.clone()
+    g.replay()
+    assert torch.equal(out, expected)
+
+
 # -- no reference cycles hold user tensors ----------------------------------------------------
 
 class Holder(torch.nn.Module):

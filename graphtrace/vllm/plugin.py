@@ -69,6 +69,13 @@ ENV_MODULES = "GRAPHTRACE_MODULES"
 ENV_GUARD = "GRAPHTRACE_GUARD"
 DEFAULT_DIR = "graphtrace-vllm"
 GUARD_ACTIONS = ("raise", "warn", "recapture")
+# Blind-spot kinds the worker guard accepts (Note [blind spots in the guard], graphtrace/guard.py):
+# "forward context": attention ops fetch the KV cache by layer name inside the op; a weight
+# update never touches the KV cache, and no holder can be checked, so it would fail every
+# update. "opaque handle": vLLM's CPU linears read oneDNN handles (a pointer in a 0-d tensor);
+# the handle's identity is guarded like any tensor (a rebuilt handle is a stale edge), only
+# the packed weights behind it are unseen. docs/vllm.md.
+GUARD_ACCEPT = ("forward context", "opaque handle")
 
 _session = None          # the VllmTrace of this process (one per worker process)
 _lock = threading.RLock()
@@ -186,7 +193,8 @@ class _WorkerGuard:
             if len(captures) <= self.first_graph:
                 self.guard = None
             else:
-                self.guard = _session.trace.guard(first_graph=self.first_graph)
+                self.guard = _session.trace.guard(first_graph=self.first_graph,
+                                                  accept=GUARD_ACCEPT)
                 self.folder().mkdir(parents=True, exist_ok=True)
                 self.guard.to_json(self.folder() / "guard.json")
             self.n_graphs = len(captures)

@@ -3,12 +3,12 @@
 One kernel class per family that ran (and the one with a finding) is audited again in a
 subprocess (the audit registers op stand-ins and a process group: kept out of this process),
 and its row must match analysis/results/vllm_kernel_audit.csv: ran, edges per verdict, stale
-owners and the vLLM source line of each finding. Rows whose path depends on the CPU (the AMX
-question vLLM asks, or the ops its CPU build has: Note [audit CPU paths]) are compared only
-when the committed results were made on the same kind of CPU (vllm_kernel_audit.cpu.json);
-on another kind they must still be a row (ran, or the reason, a crash included). Each row runs
-in a process of its own: a forced os.abort() is that row's result (Note [audit row
-isolation]). ~4 min.
+owners and the vLLM source line of each finding. A row whose path depends on the CPU (the AMX
+question vLLM asks, or the ops its CPU build has: Note [audit CPU paths]) is compared with a
+committed run whose CPU took the same path (the main results, else another kind's run in
+analysis/results/audit-cpu/<kind>/); with none, it must still be a row (ran, or the reason, a
+crash included). Each row runs in a process of its own: a forced os.abort() is that row's
+result (Note [audit row isolation]). ~4 min.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "analysis" / "vllm_kernel_audit.py"
 COMMITTED = ROOT / "analysis" / "results" / "vllm_kernel_audit.csv"
 COMMITTED_CPU = ROOT / "analysis" / "results" / "vllm_kernel_audit.cpu.json"
+OTHER_KINDS = ROOT / "analysis" / "results" / "audit-cpu"  # runs on other kinds of CPU
 COMPARED = ("kernel", "family", "scheme", "ran", "failed_at", "stable", "stale", "dangling",
             "diverged", "orphaned", "unowned", "stale_owners", "vllm_source", "flip",
             "standins", "reload_dropped")
@@ -87,40 +88,73 @@ def rerun(rerun_dir):
     return _rows(rerun_dir / "vllm_kernel_audit.csv")
 
 
-@pytest.fixture(scope="module")
-def comparable(rerun_dir):
-    """name -> whether the rerun's row can be compared with the committed one here."""
-    rerun_cpu = json.loads((rerun_dir / "vllm_kernel_audit.cpu.json").read_text())
-    committed_cpu = json.loads(COMMITTED_CPU.read_text())
-    same_kind = rerun_cpu["kind"] == committed_cpu["kind"]
-    dependent = _audit().CPU_DEPENDENT
+def _committed_sets() -> list[tuple[dict, dict]]:
+    """(cpu, rows) of the main committed results, then of each other kind's run
+    (analysis/results/audit-cpu/<kind>/: Note [audit CPU paths])."""
+    sets = [(json.loads(COMMITTED_CPU.read_text()), _rows(COMMITTED))]
+    for cpu_json in sorted(OTHER_KINDS.glob("*/vllm_kernel_audit.cpu.json")):
+        sets.append((json.loads(cpu_json.read_text()),
+                     _rows(cpu_json.with_name("vllm_kernel_audit.csv"))))
+    return sets
 
-    def ok(name: str) -> bool:
-        asked = name in rerun_cpu["amx_asked"] or name in committed_cpu["amx_asked"]
-        return same_kind or not (asked or name in dependent)
-    return ok
+
+@pytest.fixture(scope="module")
+def committed_row(rerun_dir):
+    """name -> the committed row the rerun's row must equal here, or None when no committed
+    run is comparable on this CPU (`comparable` in the audit: Note [audit CPU paths])."""
+    rerun_cpu = json.loads((rerun_dir / "vllm_kernel_audit.cpu.json").read_text())
+    sets = _committed_sets()
+    comparable = _audit().comparable
+
+    def row(name: str) -> dict | None:
+        for cpu, rows in sets:
+            if name in rows and comparable(name, rerun_cpu, cpu):
+                return rows[name]
+        return None
+    return row
+
+
+@pytest.fixture(scope="module")
+def comparable(committed_row):
+    return lambda name: committed_row(name) is not None
 
 
 def _needs_same_cpu(comparable, *names):
     for name in names:
         if not comparable(name):
-            pytest.skip(f"{name} takes a CPU-dependent path and the committed results were made "
-                        "on another kind of CPU (Note [audit CPU paths])")
+            pytest.skip(f"{name} takes a CPU-dependent path and no committed results were made "
+                        "on a comparable CPU (Note [audit CPU paths])")
 
 
-def test_rerun_matches_committed_results(rerun, comparable):
-    committed = _rows(COMMITTED)
+def test_rerun_matches_committed_results(rerun, committed_row):
     assert set(rerun) == set(REPRESENTATIVES)
     compared = 0
     for name, row in rerun.items():
-        if not comparable(name):
-            # another kind of CPU: the row must still be there, run or with its reason
+        committed = committed_row(name)
+        if committed is None:
+            # no comparable committed run: the row must still be there, run or with its reason
             assert row["ran"] == "yes" or row["reason"], name
             continue
         compared += 1
-        assert {c: row[c] for c in COMPARED} == {c: committed[name][c] for c in COMPARED}, \
+        assert {c: row[c] for c in COMPARED} == {c: committed[c] for c in COMPARED}, \
             f"{name}: {row['failed_at']}: {row['reason']}"
     assert compared >= len(REPRESENTATIVES) - len(_audit().CPU_DEPENDENT)
+
+
+def test_rows_are_compared_across_kinds_only_when_the_path_is_the_same():
+    """The AMX answer and the build decide: an AVX2 and an AVX-512 run share the oneDNN int8
+    row (neither has AMX) but not a row that needs the AVX-512 build's ops; an AMX answer of
+    yes is compared only with another AMX run."""
+    comparable = _audit().comparable
+    avx2 = {"kind": "avx2", "amx_asked": {"CPUInt8ScaledMMLinearKernel": "False"}}
+    avx512 = {"kind": "avx512", "amx_asked": {"CPUInt8ScaledMMLinearKernel": "False"}}
+    amx = {"kind": "amx", "amx_asked": {"CPUInt8ScaledMMLinearKernel": "True"}}
+    assert comparable("CPUInt8ScaledMMLinearKernel", avx2, avx512)
+    assert not comparable("CPUInt8ScaledMMLinearKernel", avx512, amx)
+    assert not comparable("CPUWNA16LinearKernel", avx2, avx512)
+    assert comparable("CPUWNA16LinearKernel", avx512, {"kind": "amx", "amx_asked": {}})
+    assert comparable("MacheteLinearKernel", avx2, amx)
+    assert comparable("CPUWNA16LinearKernel", avx2, dict(avx2, amx_asked={}))
 
 
 def test_committed_results_cover_every_class():
