@@ -460,7 +460,7 @@ def capture_reload_diff(res: Outcome, model, x, load_new) -> None:
     with Scenario(model, strict=False) as sc:
         sc.capture([("apply", inputs)])
     res.stage = "reload"
-    sc.reload(reload)                                   # after the trace: the reload untraced
+    reload_with_lineage(res, sc, model, reload)         # its trace closed; lineage's open
     res.stage = "diff"
     report = sc.diff()
     res.edges = report.edges["verdict"].value_counts().to_dict()
@@ -1135,6 +1135,31 @@ def flip_test(kernel: str, sc, stale) -> str:
     return "; ".join(results)
 
 
+# Note [audit dangling sources]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The reload runs after the capturing trace is closed (the identity diff is of what the
+# graph captured before it), inside a second trace with lineage and no capture region: it
+# records which handles the reload's process step makes from which parameters, and
+# `t.findings()` (Note [dangling sources] in graphtrace/lineage.py) lists every live handle
+# whose source was freed while the layer keeps that value in another storage. Such a row is
+# `dangling-source:HOLDER <- SOURCE` among the row's stale owners. A source the layer
+# dropped on purpose (vLLM sets the int8 weight to None once the oneDNN handler has
+# prepacked it) is a `released source`, not listed. No graph is needed: vLLM's CPU
+# platform captures none, and the CPU int8 handler's freed weight scale is read by every
+# eager forward after the reload (analysis/repro/cpu_int8_scale_after_reload.py).
+
+def reload_with_lineage(res: Outcome, sc, model, reload) -> None:
+    """`sc.reload(reload)` inside a lineage trace; its dangling sources into `res.findings`
+    (Note [audit dangling sources])."""
+    import graphtrace as gt
+
+    with gt.trace(model, strict=False) as lt:
+        sc.reload(reload)
+    found = lt.findings()
+    res.findings += [("dangling-source", f"{r.holder} <- {r.source}", 0, "unknown")
+                     for r in found.itertuples() if r.kind == "dangling source"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Findings: the vLLM line behind each stale owner, checked by reading the code
 
@@ -1167,6 +1192,19 @@ FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
         "wheel), so every forward after a reload reads the scales through a pointer to freed "
         "memory (read in the code; this audit runs no value test of it). The prepacked weight lives only inside the primitive (the registered `weight` "
         "is set to None, cpu.py:146)"),
+    ("CPUInt8ScaledMMLinearKernel",
+     "proj.scheme.kernel.dnnl_handler.handler_tensor <- proj.weight_scale"): (
+        "vllm/model_executor/kernels/linear/scaled_mm/cpu.py:136",
+        "found by lineage (Note [audit dangling sources]): during the reload's process step "
+        "`ops.create_onednn_scaled_mm(weight, getattr(layer, w_s_name), ...)` (cpu.py:136-138) "
+        "makes the new handler from the reload's temporary `weight_scale` "
+        "(`_C::create_onednn_scaled_mm_handler` returns the pointer held in `handler_tensor`, "
+        "vllm/_custom_ops.py:3776); the reload copies the values into the original parameter, "
+        "registers it again and drops the temporary, so the live handler's source is freed "
+        "while the layer keeps that value in another storage; every forward after the reload "
+        "reads the scales through that pointer (reproduced from vLLM alone: "
+        "analysis/repro/cpu_int8_scale_after_reload.py). The weight it prepacked is released "
+        "on purpose (cpu.py:146) and not listed"),
     ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w1_scale_val'): (
         'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
         "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),

@@ -57,6 +57,9 @@ __all__ = [
     "dispatch_stack_len", "dispatch_stack_at",
     # provenance
     "PROVENANCE", "PROVENANCE_OFF", "current_dispatch_mode_stack", "push_mode", "pop_mode",
+    # handle ops the dispatch mode cannot see (lineage)
+    "HANDLE_OPS", "all_op_names", "has_kernel_for", "registrations_for", "OpOverloadPacket",
+    "function_stack_len", "function_stack_at",
     # emulated graphs let go of their intermediates
     "SCRATCH", "storage_use_count",
     # Dynamo's cache (attribution)
@@ -163,6 +166,19 @@ PROVENANCE_OFF = "" if PROVENANCE else _message(_PROV)  # why, where it is off
 if not PROVENANCE:
     current_dispatch_mode_stack = push_mode = pop_mode = _unavailable(_PROV)
 
+# -- handle ops the dispatch mode cannot see: optional (Note [dangling sources]) --------------
+_HND = ("handles made by ops with a composite kernel (lineage's handle mode: vLLM's "
+        "`_C::create_onednn_scaled_mm_handler`)")
+all_op_names = _lookup(_HND, "torch._C:_dispatch_get_all_op_names")
+has_kernel_for = _lookup(_HND, "torch._C:_dispatch_has_kernel_for_dispatch_key")
+registrations_for = _lookup(_HND, "torch._C:_dispatch_get_registrations_for_dispatch_key")
+OpOverloadPacket = _lookup(_HND, "torch._ops:OpOverloadPacket")
+function_stack_len = _lookup(_HND, "torch._C:_len_torch_function_stack")
+function_stack_at = _lookup(_HND, "torch._C:_get_function_stack_at")
+HANDLE_OPS = _HND not in _missing
+if not HANDLE_OPS:
+    all_op_names = has_kernel_for = registrations_for = function_stack_len = \
+        function_stack_at = _unavailable(_HND)
 # -- storage use counts: optional -------------------------------------------------------------
 _SCR = ("emulated graphs letting go of their intermediates (without it they keep every storage "
         "their ops saw, as before)")

@@ -188,8 +188,13 @@ def format_report(report: Report, *, path: str | None = None, width: int = 100,
                     lines.append("        (" + rest)
                 else:
                     lines.append("      " + _clip(owner, width - 6, left=True))
-            if g.derived_from:  # lineage: the parameters and buffers it was derived from
+            if g.derived_from:  # lineage: source parameter -> this storage -> its graphs
                 lines.append(_clip(f"      derived from: {g.derived_from}", width))
+                if g.verdict in ("unrefreshed", "dangling"):
+                    holder = g.owners[0].split(" (")[0] if g.owners else f"s{g.storage_id}"
+                    for source in g.derived_from.split("; "):
+                        lines.append(_clip(f"      chain: {source} -> {holder} -> "
+                                           f"{', '.join(g.graphs)}", width, left=True))
             for label, text in (("made at", g.created_at), ("now from", g.live_created_at)):
                 if text:  # the nearest frame: the line to look at first
                     lines.append(_clip(f"      {label}: {text.split(' < ')[0]}", width,
@@ -201,6 +206,14 @@ def format_report(report: Report, *, path: str | None = None, width: int = 100,
         if len(reads) > top:
             lines.append(f"  ... {len(reads) - top} more storages (--top N, or --csv stale)")
 
+    found = report.findings
+    if len(found):  # lineage's findings: dangling sources, non-idempotent steps
+        lines += ["", f"Findings ({len(found)})"]
+        for r in found.itertuples(index=False):
+            what = f"{r.kind}: {r.holder}" + (f" <- {r.source}" if r.source else "")
+            lines.append(_clip(f"  - {what} ({r.op}, x{r.n})", width))
+            if r.site:
+                lines.append(_clip(f"      at {r.site.split(' < ')[0]}", width, left=True))
     lines += ["", "Blind spots" if report.blind_spots else "Blind spots: none reported"]
     for b in report.blind_spots:
         text = b.get("message", b) if isinstance(b, dict) else b
@@ -242,6 +255,7 @@ def report_json(report: Report, path: str | None = None) -> dict:
         "stale": _records(report.stale),
         "stale_reads": _records(stale_reads(report)),
         "blind_spots": [b.to_json() for b in report.blind_spot_records],
+        "findings": _records(report.findings),
         "errors": report.errors,
     }
 

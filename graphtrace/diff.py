@@ -38,7 +38,15 @@ from graphtrace.owners import OwnerSnapshot, resolve_path
 from graphtrace.provenance import Provenance, edge_columns
 from graphtrace.recorder import Recorder
 from graphtrace.report import Report
-from graphtrace.verdict import View, freshness_of, impact_of, owner_status, storage_verdicts
+from graphtrace.verdict import (
+    View,
+    freed_sources,
+    freshness_of,
+    impact_of,
+    owner_status,
+    storage_verdicts,
+    verdict_of,
+)
 from graphtrace.vocab import (
     ACCESS_KINDS,
     COLUMNS,
@@ -50,7 +58,7 @@ from graphtrace.vocab import (
     VERDICTS,
 )
 
-__all__ = ["diff"]
+__all__ = ["diff", "lineage_findings"]
 
 EDGE_COLUMNS = COLUMNS["edges"]
 OWNER_COLUMNS = COLUMNS["owners"]
@@ -161,14 +169,17 @@ def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.nd
 
 
 def _freshness(lineage, sids: np.ndarray, handles, alive: np.ndarray,
-               live: Mapping[str, Mapping], n_storages: int) -> tuple[np.ndarray, dict]:
+               live: Mapping[str, Mapping], n_storages: int
+               ) -> tuple[np.ndarray, dict, np.ndarray]:
     """Per storage id: is it unrefreshed (the verdict engine's `freshness_of`, with what
-    lineage saw), and the `derived_from` text of each captured storage lineage matched."""
+    lineage saw), the `derived_from` text of each captured storage lineage matched (a freed
+    source marked `(freed)`), and is it a handle with a dangling source (`freed_sources`)."""
     flags = np.zeros(n_storages, dtype=bool)
+    freed = np.zeros(n_storages, dtype=bool)
     texts: dict[int, str] = {}
     derived = lineage.captured if lineage is not None else {}
     if not derived:
-        return flags, texts
+        return flags, texts, freed
 
     def resolve(model: str, path: str):
         paths = live.get(model)
@@ -180,12 +191,17 @@ def _freshness(lineage, sids: np.ndarray, handles, alive: np.ndarray,
             continue
         texts[sid] = d.derived_from
         if alive[sid]:
+            gone = freed_sources(d, resolve)
+            if gone:
+                freed[sid] = True
+                texts[sid] = d.marked(gone)
             flags[sid] = freshness_of(d, resolve, lineage, handles[sid])
-    return flags, texts
+    return flags, texts, freed
 
 
 def _per_storage(owners: pd.DataFrame, alive: np.ndarray, internal: np.ndarray,
-                 unrefreshed: np.ndarray | None = None) -> pd.DataFrame:
+                 unrefreshed: np.ndarray | None = None,
+                 freed: np.ndarray | None = None) -> pd.DataFrame:
     """Owner names, verdict and live pointer of every owned storage (index: storage id).
 
     `owners` rows come sorted by storage id, then model and path (as `_resolve_owners` makes
@@ -201,7 +217,8 @@ def _per_storage(owners: pd.DataFrame, alive: np.ndarray, internal: np.ndarray,
     owner_kind = owners["kind"].to_numpy(dtype=object)
     n_owners = np.diff(starts, append=len(sid))
     verdict = storage_verdicts(status, n_owners, alive[keys], internal[keys],
-                               None if unrefreshed is None else unrefreshed[keys])
+                               None if unrefreshed is None else unrefreshed[keys],
+                               None if freed is None else freed[keys])
     kinds = np.full(len(keys), "", dtype=object)
     for k in sorted(OWNER_KINDS):  # sorted, ';'-joined
         has = np.logical_or.reduceat(owner_kind == k, starts)
@@ -239,7 +256,8 @@ def _joined_runs(codes: np.ndarray, group: np.ndarray, names: np.ndarray) -> np.
 
 
 def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray,
-                   unrefreshed: np.ndarray | None = None) -> dict:
+                   unrefreshed: np.ndarray | None = None,
+                   freed: np.ndarray | None = None) -> dict:
     """The per-storage owner columns at each edge's storage; edges of unowned storages get
     no owners and the verdict unowned (unrefreshed where `unrefreshed` says so)."""
     at = per_storage.index.get_indexer(sids)  # -1 (no owner) picks the fill appended last
@@ -252,6 +270,10 @@ def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray,
         unowned_fresh = (at < 0) & unrefreshed[sids]
         if unowned_fresh.any():
             verdict[unowned_fresh] = UNREFRESHED
+    if freed is not None and len(sids):  # an unowned handle with a dangling source
+        unowned_freed = (at < 0) & freed[sids]
+        if unowned_freed.any():
+            verdict[unowned_freed] = verdict_of((), True, source_freed=True)
 
     return {  # categoricals are made per storage, then taken: no per-edge string hashing
         "owners": pd.Series(values("owners", "")).array.take(at),  # typed once per storage
@@ -367,6 +389,46 @@ def _add(spots: list[BlindSpot], new: Iterable[BlindSpot]) -> None:
             spots.append(b)
 
 
+def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[BlindSpot]:
+    """A pointer-valued tensor (one int64) that a custom op reads, with no lineage behind it
+    (made by a producer lineage cannot see: a raw pointer taken in C++, an op no mode sees):
+    an `opaque handle` blind spot naming its holder, never a silent `stable` (Note
+    [dangling sources] in graphtrace/lineage.py). Holders in `named` already have one (the
+    vLLM adapter names its oneDNN handles)."""
+    if edges.empty:
+        return []
+    dtype = edges["dtype"].astype(str)
+    shape = edges["shape"].astype(str)
+    ops = edges["ops"].astype(str)
+    owners = edges["owners"].astype(str)
+    pick = ((dtype.isin(("int64", "torch.int64"))) & shape.isin(("()", "(1,)", "[]", "[1]"))
+            & (edges["derived_from"].astype(str) == "") & (owners != "")
+            & ops.map(lambda o: any(not p.startswith("aten::") for p in o.split(";") if p)))
+    out = []
+    for holder, op in sorted(set(zip(owners[pick], ops[pick]))):
+        if holder.split("; ")[0] in named:  # an integration already said what it is
+            continue
+        custom = next(p for p in op.split(";") if p and not p.startswith("aten::"))
+        out.append(BlindSpot(
+            "opaque handle", f"{holder}: a pointer-valued tensor read by {custom}, made by a "
+            "producer lineage did not see (a raw pointer taken in C++, an op no mode sees): "
+            "what it points to, and whether that is fresh, is unknown",
+            holder=holder.split("; ")[0], op=custom))
+    return out
+
+
+def lineage_findings(lineage, models: Mapping[str, torch.nn.Module], fail) -> list[dict]:
+    """What lineage found beside the edges (Note [dangling sources] in graphtrace/lineage.py):
+    one record per live handle and freed source, graph or not (`Report.findings`)."""
+    if lineage is None:
+        return []
+    try:
+        return lineage.dangling(models) + lineage.non_idempotent()
+    except Exception as exc:  # fail open
+        fail("findings", exc)
+        return []
+
+
 def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, torch.nn.Module],
          blind_spots: Iterable["str | BlindSpot"] = (), provenance: "Provenance | None" = None,
          extra_meta: Mapping | None = None, lineage=None) -> "Report":
@@ -415,13 +477,15 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
         owners, moved_to, moved_by = _resolve_owners(table.handles, snapshot.owners, edge_sids,
                                                      live)
         try:
-            unrefreshed, derived_from = _freshness(lineage, edge_sids, table.handles, alive,
-                                                   live, n_storages)
+            unrefreshed, derived_from, freed = _freshness(lineage, edge_sids, table.handles,
+                                                          alive, live, n_storages)
         except Exception as exc:  # fail open: identity verdicts still stand
             rec.fail("freshness", exc)
             unrefreshed, derived_from = np.zeros(n_storages, dtype=bool), {}
-    edges.update(_owner_columns(_per_storage(owners, alive, internal_storage, unrefreshed),
-                                sids, unrefreshed & ~internal_storage))
+            freed = np.zeros(n_storages, dtype=bool)
+    edges.update(_owner_columns(_per_storage(owners, alive, internal_storage, unrefreshed,
+                                             freed),
+                                sids, unrefreshed & ~internal_storage, freed & ~internal_storage))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(np.where(internal, 1, 0), list(ORIGINS))
     notes: list[BlindSpot] = []
@@ -447,6 +511,9 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
         storages.loc[opaque_sids, "device"] = "opaque"
         _add(spots, _opaque_blind_spots(rec, edges))
     edges = pd.DataFrame(edges, columns=EDGE_COLUMNS, copy=False)  # fresh columns: no copy
+    if lineage is not None:
+        _add(spots, _unseen_pointers(edges, {b.holder for b in spots
+                                             if b.kind == "opaque handle"}))
 
     meta = {
         "graphtrace_version": __version__,
@@ -459,6 +526,7 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
                     "n_accesses": c.n_accesses, "thread": c.thread} for c in rec.captures],
         "models": list(models),
         "provenance": provenance.meta() if provenance is not None else {"enabled": False},
+        "findings": lineage_findings(lineage, models, rec.fail),
     }
     meta.update(extra_meta or {})
     return Report(accesses=accesses, storages=storages, owners=owners, edges=edges, meta=meta)

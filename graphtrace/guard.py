@@ -37,7 +37,14 @@ from graphtrace.lineage import Derived, Source
 from graphtrace.opaque import storage_of
 from graphtrace.owners import OwnerSnapshot, PathSet, resolve_path, resolve_value
 from graphtrace.recorder import Recorder
-from graphtrace.verdict import View, freshness_of, impact_of, owner_status, verdict_of
+from graphtrace.verdict import (
+    View,
+    freed_sources,
+    freshness_of,
+    impact_of,
+    owner_status,
+    verdict_of,
+)
 from graphtrace.vocab import (
     BLIND_SPOT_KINDS,
     GUARD_COLUMNS,
@@ -247,12 +254,29 @@ class Guard:
             if status != HOLDS:
                 bad.add(i)
         unrefreshed = self._unrefreshed(models, bad) if self._derived else set()
+        freed = self._freed(models, bad) if self._derived else {}
         blind = _blind_rows(self._blind, self._accept, models, self.graphs,
                             self._owned_paths()) if self._blind else []
-        if not bad and not unrefreshed and not blind:
+        if not bad and not unrefreshed and not blind and not freed:
             return empty_problems()
-        return self._problems(bad | unrefreshed, statuses, live_ptrs, tensors, unrefreshed,
-                              blind)
+        return self._problems(bad | unrefreshed | set(freed), statuses, live_ptrs, tensors,
+                              unrefreshed, blind, freed)
+
+    def _freed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> dict[int, list]:
+        """The captured handles with a dangling source, and those sources (the verdict
+        engine's freed_sources: weak handles only, so none from JSON; Note [dangling
+        sources] in graphtrace/lineage.py)."""
+        def resolve(model: str, path: str):
+            return resolve_path(models[model], path) if model in models else None
+
+        out = {}
+        for i, d in self._derived.items():
+            if not d.handle or i in bad or self._internal[i]:
+                continue
+            gone = freed_sources(d, resolve)
+            if gone:
+                out[i] = gone
+        return out
 
     def _unrefreshed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> set[int]:
         """The derived storages whose owners all hold them (or that have none) and whose
@@ -289,7 +313,9 @@ class Guard:
 
     def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list,
                   tensors: list, unrefreshed: set[int] = frozenset(),
-                  blind: list[tuple] = ()) -> pd.DataFrame:
+                  blind: list[tuple] = (),
+                  freed: Mapping[int, list] | None = None) -> pd.DataFrame:
+        freed = freed or {}
         by_storage: dict[int, list[int]] = {}
         for row, (i, *_rest) in enumerate(self._owners):
             if i in bad:
@@ -300,7 +326,7 @@ class Guard:
             st = [statuses[r] for r in owner_rows]
             ref = self._refs[i]
             alive = (not ref.expired()) if ref is not None else not self._dead[i]
-            verdict = verdict_of(st, alive, self._internal[i], i in unrefreshed)
+            verdict = verdict_of(st, alive, self._internal[i], i in unrefreshed, i in freed)
             if verdict not in GUARD_PROBLEMS:
                 continue
             moved = [r for r in owner_rows if statuses[r] == MOVED]
@@ -312,6 +338,8 @@ class Guard:
             impacts: dict[View | None, str] = {}
             derived = self._derived.get(i)
             derived_from = derived.derived_from if derived is not None else ""
+            if i in freed:
+                derived_from = derived.marked(freed[i])
             for g, view in zip(self._graph_ids[i], self._views[i]):
                 if verdict in ("stale", "diverged"):
                     if view not in impacts:
@@ -462,7 +490,7 @@ def _derived_json(d: Derived) -> dict:
                         for s in d.sources],
             "owner_versions": [{"model": m, "path": p, "version": v}
                                for (m, p), v in d.owner_versions.items()],
-            "stale": d.stale, "process": _PROCESS}
+            "stale": d.stale, "process": _PROCESS, **({"handle": True} if d.handle else {})}
 
 
 def _derived_from_json(data: object, models: list, fail, where: str) -> Derived:
@@ -486,13 +514,14 @@ def _derived_from_json(data: object, models: list, fail, where: str) -> Derived:
                 raise TypeError
             versions[(o["model"], o["path"])] = o.get("version") if same else None
         stale = data.get("stale", False)
-        if not isinstance(stale, bool) or not sources:
+        handle = data.get("handle", False)  # Note [dangling sources] in graphtrace/lineage.py
+        if not isinstance(stale, bool) or not isinstance(handle, bool) or not sources:
             raise TypeError
     except (TypeError, KeyError, AttributeError):
         raise fail(f"{where} must be an object with \"sources\" (a non-empty list of "
                    "{model, path, kind, data_ptr, nbytes, version}), \"owner_versions\" "
-                   "and a bool \"stale\"") from None
-    return Derived(tuple(sources), versions, stale, 0)
+                   "and a bool \"stale\" (and \"handle\")") from None
+    return Derived(tuple(sources), versions, stale, 0, handle)
 
 
 def _view_json(view: View) -> dict:

@@ -18,11 +18,12 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphtrace._compat import free_weak_ref, storage_weak_ref, weak_ref_expired
+from graphtrace._compat import free_weak_ref, op_schema, storage_weak_ref, weak_ref_expired
 from graphtrace._schema import op_info, tensors_in
 from graphtrace.encoding import OUT_FRESH, WRITE
 
-__all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "MAX_EDGES", "MAX_SOURCES", "SOURCE_KINDS"]
+__all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "Handle", "MAX_EDGES",
+           "MAX_SOURCES", "MAX_PENDING", "SOURCE_KINDS"]
 
 # Note [lineage]
 # ~~~~~~~~~~~~~~
@@ -63,13 +64,72 @@ __all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "MAX_EDG
 # made while provenance is paused or off, and anything inside a capture region (a graph
 # that rewrites a storage every replay is `internal`: Note [write before read]).
 
+# Note [non-idempotent steps]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A process step that updates a registered parameter or buffer in place from its own value
+# (`scale.mul_(2)`, `w.div_(s)`, `torch.mul(w, s, out=w)`) gives a different result each
+# time it runs on the same loaded weights: a second sync without a reload first compounds
+# it (ROCm ATOM #2028: a scale normalised in place each sync, 2^N after N syncs). Identity
+# checks and a same-weights reload run once cannot see it. While a trace is open, outside
+# capture regions, lineage notes every write whose new value reads the storage it writes --
+# an in-place op other than the pure overwrites (`copy_`, `fill_`, `zero_`, `index_put_`,
+# the random fills, ...: `_SELF_FREE`) or an `out=` buffer that is also an input -- when
+# that storage is a registered parameter or buffer of a watched model (the walk of their
+# registered tensors that lineage keeps: taken once, again after each capture and when an
+# unknown `nn.Parameter` is written), as one record per (storage, op, call site) with the
+# number of times it ran (provenance gives the site: the user code's file and line). An
+# optimizer's step is training, not a process step: lineage is told by torch.optim's global
+# step hooks and notes nothing inside one. A forward run outside a capture region that
+# updates a registered buffer in place (a step counter) is noted too: it is just as
+# non-idempotent. The records are findings (`Trace.findings()`, `report.findings`, kind
+# `non-idempotent step`), not a verdict: the graph's edges are judged as before.
+
+# Note [dangling sources]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A *handle* is a value an op makes from storages it read that may keep a raw pointer to
+# them: an op outside aten/prim whose schema returns an int (vLLM's
+# `_C::create_onednn_scaled_mm_handler(Tensor b, Tensor b_scales, ...) -> int`, a pointer to
+# a native oneDNN primitive) or a ScriptObject. An int handle reaches a tensor through
+# `torch.tensor(value)` (`aten::lift_fresh`: vLLM's `handler_tensor`), which lineage links
+# back to the op by value (only 1-element int64 tensors, only while an int handle is
+# pending). The handle's storage (the pointer tensor, or the ScriptObject's proxy storage,
+# Note [opaque handles]) becomes a lineage node derived from what the op read, so it is
+# `derived_from` and can be `unrefreshed` like any derived storage ("opaque handles as
+# derived"). When the handle is made, the registered parameters and buffers among its
+# sources are named (a walk of the watched models' registered tensors, cached and redone
+# only on a miss) and held by weak handles.
+#
+# Later, a handle that is alive while one of those named sources was freed reads through a
+# pointer to freed memory, unless it copied what it needed. Lineage cannot tell a copy from
+# a pointer (the op is native code), so it uses what the model says now: a freed source whose
+# owner path now reaches a live tensor (the model keeps that value in *another* storage: a
+# reload's temporary, copied back into the original parameter and dropped) is `dangling`; a
+# freed source whose path reaches nothing (the holder released it on purpose after the
+# handle consumed it: vLLM sets the int8 weight to None after prepacking it) is `released`,
+# listed but not a verdict. A plain tensor derived from a freed source is never dangling: a
+# fresh tensor holds values, not pointers (a rebound source makes it `unrefreshed`). A
+# captured handle with a dangling source gets the verdict `dangling` from the verdict
+# engine (graphtrace.verdict.freed_sources; the guard asks the same weak handles); every
+# live handle with a freed source, captured or not, is a row of `Trace.dangling_sources()`
+# and of the report's `findings` (no graph needed).
+
 ENV = "GRAPHTRACE_LINEAGE"
 MAX_EDGES = 1_000_000   # source entries kept in all (see Note [lineage])
 MAX_SOURCES = 64        # sources kept per written storage
+MAX_PENDING = 1024      # int handles waiting for their tensor (Note [dangling sources])
 SOURCE_KINDS = ("parameter", "buffer")  # owner kinds `derived_from` names
 _OVERWRITES = frozenset({"aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor",
                          "aten::zero_"})
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# in-place ops whose new value of `self` does not depend on its old one (Note [non-idempotent
+# steps]); every other `aten::name_` op reads the storage it writes
+_SELF_FREE = frozenset({
+    "copy_", "fill_", "zero_", "index_put_", "index_copy_", "index_fill_", "masked_fill_",
+    "masked_scatter_", "set_", "resize_", "resize_as_", "uniform_", "normal_", "random_",
+    "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_", "detach_",
+    "requires_grad_", "as_strided_", "t_", "transpose_", "squeeze_", "unsqueeze_",
+    "swapdims_", "swapaxes_", "scatter_.src", "scatter_.value", "copy_sparse_to_sparse_"})
+MAX_SELF_UPDATES = 4096  # distinct (storage, op, line) records kept
 
 
 def enabled_by_default() -> bool:
@@ -104,12 +164,29 @@ class Derived(NamedTuple):
     owner_versions: dict          # (model, path) -> the captured storage's owner's `_version`
     stale: bool                   # a source was rewritten after it, before the capture
     clock: int                    # its own lineage clock when matched
+    handle: bool = False          # a handle (Note [dangling sources]): a freed source dangles
 
     @property
     def derived_from(self) -> str:
         """The `derived_from` text: the sources' paths, sorted, unique, '; '-joined."""
         return "; ".join(sorted({(f"{s.model}:" if s.model else "") + s.path
                                  for s in self.sources}))
+
+    def marked(self, freed) -> str:
+        """`derived_from` with each source of `freed` marked ` (freed)`."""
+        names = {(f"{s.model}:" if s.model else "") + s.path for s in freed}
+        return "; ".join(p + " (freed)" if p in names else p
+                         for p in self.derived_from.split("; "))
+
+
+class Handle(NamedTuple):
+    """A handle an op made (Note [dangling sources]): the op, and the registered parameters
+    and buffers among its sources then, as (model, path, kind, StorageWeakRef, data_ptr,
+    nbytes)."""
+
+    op: str
+    sources: tuple
+    site: str = ""   # where it was made (provenance's site text)
 
 
 class _Op(NamedTuple):
@@ -120,6 +197,9 @@ class _Op(NamedTuple):
     fresh: bool                # some return is a fresh tensor
     writes: bool               # some argument is written
     overwrites: bool           # copy_ / fill_ / zero_: a full write replaces the sources
+    handle: str                # "int" / "object": it returns a handle (Note [dangling sources])
+    lift: bool                 # aten::lift_fresh: where `torch.tensor(int handle)` arrives
+    self_reads: bool           # an in-place op whose new value depends on the old one
 
 
 _OPS: dict = {}
@@ -133,8 +213,34 @@ def _op(func) -> _Op:
         by_keyword = {n: a == WRITE for n, a in info.by_keyword.values()}
         found = _OPS[func] = _Op(positional, by_keyword,
                                  any(r == OUT_FRESH for r in info.returns),
-                                 any(by_keyword.values()), info.name in _OVERWRITES)
+                                 any(by_keyword.values()), info.name in _OVERWRITES,
+                                 _returns_handle(func, info.name),
+                                 info.name == "aten::lift_fresh", _self_reads(info.name))
     return found
+
+
+def _self_reads(name: str) -> bool:
+    """Does the in-place op `name` (`aten::mul_.Tensor`) read the `self` it writes?"""
+    base = name.split("::", 1)[-1]
+    stem = base.split(".", 1)[0]
+    if stem.startswith("_foreach_"):  # torch.optim's multi-tensor updates
+        stem = stem[len("_foreach"):]
+    return stem.endswith("_") and not stem.startswith("_") and stem not in _SELF_FREE \
+        and base not in _SELF_FREE
+
+
+def _returns_handle(func, name: str) -> str:
+    """"int" or "object" when `func` is an op outside aten/prim returning an int or a
+    ScriptObject (Note [dangling sources]); "" otherwise."""
+    if name.split("::", 1)[0] in ("aten", "prim"):
+        return ""
+    try:
+        types = [str(r.type) for r in op_schema(func).returns]
+    except Exception:
+        return ""
+    if any(t.startswith("__torch__.") for t in types):
+        return "object"
+    return "int" if any(t in ("int", "SymInt") for t in types) else ""
 
 
 def _walk(value, writes: bool, keyword: bool, written: list, reads: dict) -> None:
@@ -170,6 +276,22 @@ class Lineage:
         self._mark = 0
         self.captured: dict[int, Derived] = {}   # recorder storage id -> Derived
         self._matched = 0
+        # Note [dangling sources]: handle storage address -> Handle; int handles waiting for
+        # the tensor that will hold them (value -> (Handle, sources)); the watched models
+        self.handles: dict[int, Handle] = {}
+        self.pending: dict[int, tuple] = {}
+        self.models: Callable[[], Mapping[str, torch.nn.Module]] | None = None
+        # Note [non-idempotent steps]: (address, op, site) -> [StorageWeakRef, times seen]
+        self.self_updates: dict[tuple, list] = {}
+        self.optimizer_steps = 0  # > 0 inside torch.optim's step (not a process step)
+        self.site: Callable | None = None  # func -> its call site's text (provenance's)
+        self._missed: set = set()  # Parameters not found by a fresh walk of the models
+        # Note [handle mode]: called (a weak method) when handle ops appear after the start
+        self.want_handle_mode: Callable | None = None
+        self._tick = 0
+        self._looked = (-1, 0)  # (composite registrations, len(sys.modules)) at the last look
+        self._registered: dict[int, list] | None = None  # address -> [(model, path, kind, ref)]
+        self._geometry: dict[int, tuple[int, int]] = {}  # address -> (data_ptr, nbytes)
 
     # -- recording (the per-op hook) -----------------------------------------------------
     def _node(self, storage: torch.UntypedStorage, address: int) -> list:
@@ -180,9 +302,16 @@ class Lineage:
 
     def record(self, func, args, kwargs, out) -> None:
         """Note what `func` wrote from what it read (called by provenance's mode)."""
+        self._tick += 1
+        if not self._tick & 255 and self.want_handle_mode is not None:
+            self._look_for_handle_ops()
         op = _OPS.get(func)
         if op is None:
             op = _op(func)
+        if op.lift:
+            if self.pending:
+                self._lift(out)
+            return
         if not op.writes and not op.fresh:
             return
         reads: dict[int, torch.UntypedStorage] = {}
@@ -208,25 +337,19 @@ class Lineage:
                 w = op.by_keyword.get(name)
                 if w is not None:
                     _walk(a, w, True, written, reads)
+        if written and self.optimizer_steps == 0:  # Note [non-idempotent steps]
+            for t, is_out in written:
+                try:
+                    s = t.untyped_storage()
+                except Exception:
+                    continue
+                if (op.self_reads and not is_out) or s._cdata in reads:
+                    self._self_update(func, t, s)
         nodes = self.nodes
-        # the sources of what this op read: each read storage and its own sources (the
-        # oldest clock of a source seen twice)
-        sources: dict[int, int] = {}
-        for a, s in reads.items():
-            node = nodes.get(a)
-            if node is None:
-                node = self._node(s, a)
-            src = node[2]
-            if src:
-                if sources:
-                    for b, cb in src.items():
-                        if b not in sources or cb < sources[b]:
-                            sources[b] = cb
-                else:
-                    sources = dict(src)
-            c = node[1]
-            if a not in sources or c < sources[a]:
-                sources[a] = c
+        sources = self._sources_of(reads)
+        if op.handle and reads:
+            self._handle(func, op.handle, reads, sources, out)
+            return
         targets: list = []  # (storage, replace its sources?)
         seen: set = set()
         for t, is_out in written:
@@ -292,6 +415,247 @@ class Lineage:
         if len(nodes) + self.n_edges > 2 * self._mark + 4096:
             self.sweep()
 
+    def _sources_of(self, reads: dict) -> dict[int, int]:
+        """The sources of what an op read: each read storage and its own sources (the oldest
+        clock of a source seen twice)."""
+        nodes = self.nodes
+        sources: dict[int, int] = {}
+        for a, s in reads.items():
+            node = nodes.get(a)
+            if node is None:
+                node = self._node(s, a)
+            src = node[2]
+            if src:
+                if sources:
+                    for b, cb in src.items():
+                        if b not in sources or cb < sources[b]:
+                            sources[b] = cb
+                else:
+                    sources = dict(src)
+            c = node[1]
+            if a not in sources or c < sources[a]:
+                sources[a] = c
+        return sources
+
+    def _look_for_handle_ops(self) -> None:
+        """Every 256 ops, after new imports only: were ops with a composite kernel registered
+        since (their count, ~0.4 ms), and do some of them make handles (vLLM loads `_C`
+        late)?"""
+        import sys
+
+        from graphtrace._compat import HANDLE_OPS, registrations_for
+
+        n = len(sys.modules)
+        if n == self._looked[1] or not HANDLE_OPS:
+            return
+        composite = len(registrations_for("CompositeImplicitAutograd"))
+        seen, self._looked = self._looked[0], (composite, n)
+        if composite == seen:
+            return
+        if invisible_handle_ops():
+            want = self.want_handle_mode()
+            self.want_handle_mode = None
+            if want is not None:
+                want()
+
+    # -- non-idempotent steps (Note [non-idempotent steps]) ------------------------------------
+    def _self_update(self, func, t: torch.Tensor, s: torch.UntypedStorage) -> None:
+        """An op wrote the storage `s` (through `t`) from its own value: keep a record when
+        `s` is a registered parameter or buffer of a watched model."""
+        a = s._cdata
+        registered = self._registered_tensors(False)
+        entries = registered.get(a)
+        if entries is None or entries[0][3].expired():
+            if type(t) is not torch.nn.Parameter or a in self._missed:
+                return  # `.data` of a parameter the last walk saw is found above
+            registered = self._registered_tensors(True)
+            entries = registered.get(a)
+            if entries is None:
+                self._missed.add(a)
+                return
+        name = op_info(func).name
+        site = self.site() if self.site is not None else None
+        key = (a, name, site(func) if site is not None else "")
+        record = self.self_updates.get(key)
+        if record is not None and not record[0].expired():
+            record[1] += 1
+        elif len(self.self_updates) < MAX_SELF_UPDATES:
+            self.self_updates[key] = [entries[0][3], 1]
+
+    def non_idempotent(self) -> list[dict]:
+        """One record per registered storage, op and line that updated the storage from its
+        own value while the trace was open (Note [non-idempotent steps])."""
+        rows = []
+        registered = None
+        for (a, op, site), (ref, n) in self.self_updates.items():
+            if ref.expired():
+                continue
+            if registered is None:
+                registered = self._registered_tensors(True)
+            entries = registered.get(a, ())
+            paths = sorted((f"{m}:" if m else "") + p for m, p, _k, _r in entries)
+            if not paths:
+                continue
+            rows.append({"kind": "non-idempotent step", "holder": "; ".join(paths), "op": op,
+                         "source": "", "source_kind": entries[0][2], "site": site, "n": n})
+        return rows
+
+    def declare(self, copy, source) -> None:
+        """Declared lineage (`Trace.watch_copy`): the storage of `copy` (a tensor or an
+        opaque handle) is derived from that of `source` as of now."""
+        from graphtrace.opaque import storage_of
+
+        if copy is None or not isinstance(source, torch.Tensor):
+            return
+        target, src = storage_of(copy), source.untyped_storage()
+        sources = self._sources_of({src._cdata: src})
+        a = target._cdata
+        node = self.nodes.get(a)
+        if node is None:
+            node = self._node(target, a)
+        self.clock += 1
+        node[1] = self.clock
+        old = node[2] or {}
+        new = dict(old)
+        for b, c in sources.items():
+            if b not in new or c < new[b]:
+                new[b] = c
+        new.pop(a, None)
+        self.n_edges += len(new) - len(old)
+        node[2] = new or None
+
+    # -- handles (Note [dangling sources]) ---------------------------------------------------
+    def record_handle(self, func, kind: str, args, kwargs, out) -> None:
+        """A handle op the dispatch mode does not see (`HandleMode`): every tensor argument
+        is read."""
+        reads: dict[int, torch.UntypedStorage] = {}
+        written: list = []
+        _walk(args, False, False, written, reads)
+        if kwargs:
+            _walk(kwargs, False, True, written, reads)
+        if reads:
+            self._handle(func, kind, reads, self._sources_of(reads), out)
+
+    def _handle(self, func, kind: str, reads: dict, sources: dict, out) -> None:
+        """An op made a handle from `reads` (whose sources, with theirs, are `sources`)."""
+        site = self.site() if self.site is not None else None
+        handle = Handle(op_info(func).name, self._name(sources, reads),
+                        site(func) if site is not None else "")
+        if kind == "object":
+            from graphtrace.opaque import is_opaque, proxy_storage
+
+            for obj in (out if isinstance(out, (list, tuple)) else (out,)):
+                if is_opaque(obj):
+                    self._set_handle(proxy_storage(obj), handle, sources)
+            return
+        for value in (out if isinstance(out, (list, tuple)) else (out,)):
+            if isinstance(value, int) and not isinstance(value, bool):
+                if len(self.pending) >= MAX_PENDING:
+                    self.pending.pop(next(iter(self.pending)))
+                self.pending[value] = (handle, sources)
+
+    def _lift(self, out) -> None:
+        """`torch.tensor(value)`: the tensor that holds a pending int handle."""
+        if type(out) not in _PLAIN or out.dtype != torch.int64 or out.numel() != 1:
+            return
+        found = self.pending.pop(int(out.item()), None)
+        if found is not None:
+            self._set_handle(out.untyped_storage(), *found)
+
+    def _set_handle(self, storage: torch.UntypedStorage, handle: Handle, sources: dict) -> None:
+        a = storage._cdata
+        node = self.nodes.get(a)
+        if node is None:
+            node = self._node(storage, a)
+        self.clock += 1
+        node[1] = self.clock
+        old = node[2]
+        node[2] = dict(sources) or None
+        self.n_edges += len(sources) - (len(old) if old else 0)
+        self.handles[a] = handle
+
+    def _registered_tensors(self, refresh: bool) -> dict[int, list]:
+        """Address -> [(model, path, kind, StorageWeakRef)] of the watched models'
+        registered parameters and buffers (cached; `refresh`: walk again)."""
+        if self._registered is None or refresh:
+            self._geometry: dict[int, tuple[int, int]] = {}  # address -> (data_ptr, nbytes)
+            found: dict[int, list] = {}
+            refs: dict[int, StorageWeakRef] = {}
+            models = self.models() if self.models is not None else {}
+            for name, model in models.items():
+                for kind, named in (("parameter", model.named_parameters),
+                                    ("buffer", model.named_buffers)):
+                    for path, t in named(remove_duplicate=False):
+                        try:
+                            st = t.untyped_storage()
+                        except Exception:
+                            continue
+                        a = st._cdata
+                        if a not in refs:
+                            refs[a] = StorageWeakRef(st)
+                            self._geometry[a] = (st.data_ptr(), st.nbytes())
+                        found.setdefault(a, []).append((name, path, kind, refs[a]))
+            self._registered = found
+        return self._registered
+
+    def _name(self, sources: dict, direct) -> tuple:
+        """The registered parameters and buffers among `sources` (addresses), with weak
+        handles to their storages; the cached walk is redone once when one of the `direct`
+        reads is not in it (a parameter registered since, a reload's temporary)."""
+        def hit(registered, a):
+            entries = registered.get(a)
+            return entries is not None and not entries[0][3].expired()
+
+        registered = self._registered_tensors(False)
+        if not all(hit(registered, a) for a in direct):
+            registered = self._registered_tensors(True)
+        named = [entry + self._geometry[a] for a in sources if hit(registered, a)
+                 for entry in registered[a]]
+        return tuple(sorted(named, key=lambda n: (n[0], n[1])))
+
+    def dangling(self, models: Mapping[str, torch.nn.Module]) -> list[dict]:
+        """Every live handle with a named source that was freed since it was made (Note
+        [dangling sources]): one dict per (handle, freed source), `kind` `dangling source`
+        (the source's path now reaches a live tensor) or `released source` (it reaches
+        nothing)."""
+        from graphtrace.owners import resolve_path, walk_owners
+
+        live = {a: h for a, h in self.handles.items()
+                if a in self.nodes and not weak_ref_expired(self.nodes[a][0])}
+        rows: list[dict] = []
+        freed = {a: [s[:4] for s in h.sources if s[3].expired()] for a, h in live.items()}
+        freed = {a: f for a, f in freed.items() if f}
+        if not freed:
+            return rows
+        holders: dict[int, list[str]] = {}
+        for name, model in models.items():
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                for path, _kind, t in walk_owners(model):
+                    try:
+                        from graphtrace.opaque import storage_of
+
+                        a = storage_of(t)._cdata
+                    except Exception:
+                        continue
+                    if a in freed:
+                        holders.setdefault(a, []).append((f"{name}:" if name else "") + path)
+        for a, sources in sorted(freed.items()):
+            h = live[a]
+            for model, path, kind, _ref in sources:
+                try:
+                    now = resolve_path(models[model], path) if model in models else None
+                except Exception:
+                    now = None
+                status = "dangling" if isinstance(now, torch.Tensor) else "released"
+                rows.append({"kind": f"{status} source",
+                             "holder": "; ".join(sorted(holders.get(a, []))), "op": h.op,
+                             "source": (f"{model}:" if model else "") + path,
+                             "source_kind": kind, "site": h.site, "n": 1})
+        return rows
+
     def derive(self, target: torch.UntypedStorage,
                sources: "list[torch.UntypedStorage]") -> None:
         """Note that `target` was made from `sources` by code the dispatch mode does not see
@@ -330,6 +694,7 @@ class Lineage:
         dead = [a for a, node in nodes.items() if expired(node[0])]
         for a in dead:
             node = nodes.pop(a)
+            self.handles.pop(a, None)
             free(node[0])
             if node[2]:
                 self.n_edges -= len(node[2])
@@ -350,6 +715,7 @@ class Lineage:
         for node in nodes.values():
             free(node[0])
         self.n_edges = 0
+        self.handles, self.pending, self._registered = {}, {}, None
 
     def __del__(self):
         try:
@@ -385,6 +751,7 @@ class Lineage:
         `models` (through `snapshot`'s cached owner walks, graphtrace.owners)."""
         from graphtrace.owners import resolve_path
 
+        self._registered = None  # walked again when next needed (Note [non-idempotent steps])
         new = storages.registered_since(self._matched)
         self._matched = new.end
         nodes = self.nodes
@@ -440,6 +807,13 @@ class Lineage:
                     src_node = nodes.get(src)
                     if src_node is not None and src_node[1] > clock:
                         stale = True  # the source was rewritten after this storage was
+            handle = self.handles.get(address)
+            if handle is not None:  # its sources named when it was made (Note [dangling sources])
+                have = {(s.model, s.path, s.ref.cdata) for s in sources}
+                for model, path, kind, ref, ptr, nbytes in handle.sources:
+                    if (model, path, ref.cdata) not in have:
+                        sources.append(Source(model, path, kind, ref, ptr, nbytes, None,
+                                              node[2].get(ref.cdata, 0)))
             if not sources:
                 continue
             versions = {}
@@ -448,10 +822,146 @@ class Lineage:
                 if isinstance(t, torch.Tensor):
                     versions[(m, p)] = t._version
             self.captured[sid] = Derived(tuple(sorted(sources, key=lambda s: (s.model, s.path))),
-                                         versions, stale, node[1])
+                                         versions, stale, node[1], handle is not None)
 
     def meta(self) -> dict:
         return {"enabled": True, "ops": self.n_ops, "nodes": len(self.nodes),
                 "edges": self.n_edges, "max_edges": self.max_edges,
                 "ops_skipped": self.ops_skipped, "truncated": self.truncated,
-                "captured_derived": len(self.captured)}
+                "captured_derived": len(self.captured), "handles": len(self.handles)}
+
+
+# -- handle ops with a composite kernel (Note [dangling sources]) -------------------------------
+
+# Note [handle mode]
+# ~~~~~~~~~~~~~~~~~~
+# An op whose kernel is registered as CompositeImplicitAutograd (a C++ function given to
+# `def` with no dispatch key: vLLM's `_C::create_onednn_scaled_mm_handler`) runs before the
+# Python dispatch key and calls no other op, so provenance's dispatch mode never sees it.
+# A TorchFunctionMode does (`torch.ops` calls go through `__torch_function__`). Lineage
+# pushes one, `HandleMode`, only when such ops that make handles exist in this process
+# (`invisible_handle_ops`: outside aten/prim, a tensor argument, an int or ScriptObject
+# return, a composite kernel; found once per set of registered op names; looked for again
+# every 256 ops when modules were imported and composite kernels registered since: vLLM
+# registers `_C` after the trace may have opened), and only while provenance's mode is
+# pushed and running; every other call it passes through after one dict lookup. It stays
+# on the stack for the whole trace, capture regions included, so code compiled inside the
+# trace is not compiled again there; code compiled outside the trace is compiled once more
+# inside it (Dynamo guards on the function-mode stack), in processes with such ops only. Under Dynamo (`torch.compiler.is_compiling()`) it passes everything through;
+# a function compiled while it is on the stack is compiled again once without it (Dynamo
+# guards on the function-mode stack).
+
+_INVISIBLE: dict = {}        # packet or overload -> (overload, "int" / "object")
+_SCANNED = [-1]               # how many op names the last scan saw
+
+
+def invisible_handle_ops() -> dict:
+    """The handle ops the dispatch mode cannot see, by their packet and overloads (rescanned
+    when the number of registered op names changed)."""
+    from graphtrace._compat import HANDLE_OPS, all_op_names, has_kernel_for
+
+    if not HANDLE_OPS:
+        return _INVISIBLE
+    names = all_op_names()
+    if len(names) == _SCANNED[0]:
+        return _INVISIBLE
+    _SCANNED[0] = len(names)
+    _INVISIBLE.clear()  # found again: a library that was destroyed takes its ops along
+    for full in names:
+        ns, _, rest = full.partition("::")
+        if ns in ("aten", "prim", "prims") or not has_kernel_for(full, "CompositeImplicitAutograd"):
+            continue
+        try:
+            packet = getattr(getattr(torch.ops, ns), rest.partition(".")[0])
+            overloads = [getattr(packet, o) for o in packet.overloads()]
+        except Exception:
+            continue
+        for overload in overloads:
+            schema = op_schema(overload)
+            kind = _returns_handle(overload, f"{ns}::x")
+            if kind and any("Tensor" in str(a.type) for a in schema.arguments):
+                _INVISIBLE[overload] = (overload, kind)
+                if len(overloads) == 1:
+                    _INVISIBLE[packet] = (overload, kind)
+    return _INVISIBLE
+
+
+try:
+    from torch.overrides import TorchFunctionMode as _FunctionMode
+except ImportError:  # pragma: no cover - every tested torch has it
+    _FunctionMode = object
+
+
+class HandleMode(_FunctionMode):
+    """Note [handle mode]. A class at module level: torch.compile's packages save the
+    function-mode stack's types by name (vLLM's AOT compile)."""
+
+    lineage_off = False
+
+    def __init__(self, lineage: "Lineage", active: Callable[[], Callable[[], bool] | None]):
+        super().__init__()
+        self.lineage = lineage
+        self.active = active
+
+    def __reduce__(self):
+        """torch.compile's packages pickle the function-mode stack (vLLM's AOT compile): an
+        inert mode stands in for this one, with no lineage (nothing of the trace is saved)."""
+        return (_inert_handle_mode, ())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return out
+        try:
+            found = _INVISIBLE.get(func)
+        except TypeError:  # an unhashable callable
+            found = None
+        if found is not None and not self.lineage_off and (self.active() or bool)():
+            lineage = self.lineage
+            try:
+                lineage.record_handle(found[0], found[1], args, kwargs, out)
+            except Exception as exc:  # fail open
+                if lineage.fail is not None:
+                    lineage.fail("lineage", exc)
+        return out
+
+
+def _inert_handle_mode() -> HandleMode:
+    mode = HandleMode(None, lambda: None)
+    mode.lineage_off = True
+    return mode
+
+
+def handle_mode(lineage: "Lineage", active: Callable[[], Callable[[], bool] | None]):
+    """A `HandleMode` for `lineage` when this process has invisible handle ops, else None.
+    `active`: a weak method (no cycle through the mode) saying whether to note now."""
+    if not invisible_handle_ops():
+        return None
+    return HandleMode(lineage, active)
+
+
+def optimizer_hooks(lineage: "Lineage") -> list:
+    """Global torch.optim step hooks that tell `lineage` when an optimizer step runs (its
+    in-place updates are training, not a non-idempotent process step: Note [non-idempotent
+    steps]); the lineage is held weakly. Remove them with `.remove()`."""
+    import weakref
+
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    ref = weakref.ref(lineage)
+
+    def pre(optimizer, args, kwargs) -> None:
+        found = ref()
+        if found is not None:
+            found.optimizer_steps += 1
+
+    def post(optimizer, args, kwargs) -> None:
+        found = ref()
+        if found is not None:
+            found.optimizer_steps = max(0, found.optimizer_steps - 1)
+
+    return [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]

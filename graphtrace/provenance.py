@@ -14,6 +14,7 @@ import sys
 import sysconfig
 import threading
 import warnings
+import weakref
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
@@ -254,6 +255,8 @@ class Provenance:
         self.table = ProvenanceTable()
         self.mode = ProvenanceMode(self)
         self.lineage = None  # a graphtrace.lineage.Lineage when the trace records lineage
+        self.handle_mode = None  # lineage's TorchFunctionMode (Note [handle mode])
+        self._optimizer_hooks: list = []  # lineage's (Note [non-idempotent steps])
         self.captured: dict[int, int] = {}
         self.thread: int | None = None
         self._matched = 0
@@ -283,6 +286,14 @@ class Provenance:
             del walked
         self.thread = threading.get_ident()
         self.mode.__enter__()
+        if self.lineage is not None:  # Note [handle mode] in graphtrace/lineage.py
+            from graphtrace.lineage import optimizer_hooks
+
+            self.lineage.site = weakref.WeakMethod(self.site_text)
+            self._optimizer_hooks = optimizer_hooks(self.lineage)
+            self._push_handle_mode()
+            if self.handle_mode is None:  # look again later (Note [handle mode])
+                self.lineage.want_handle_mode = weakref.WeakMethod(self._push_handle_mode)
 
     def stop(self) -> None:
         """Take the mode off this thread's dispatch stack (wherever it sits) and sweep."""
@@ -301,11 +312,47 @@ class Provenance:
                 for mode in reversed(above):
                     push_mode(mode)
             self.mode.paused = True
+            self._pop_handle_mode()
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        self._optimizer_hooks = []
         self.thread = None
         self._suspended = None
         self.table.sweep()
         if self.lineage is not None:
             self.lineage.sweep()
+
+    def site_text(self, func) -> str:
+        """The text of the user code's call site of `func` now (for lineage's records)."""
+        return self.text(self._site(func))
+
+    def _noting(self) -> bool:
+        """Is provenance's mode running on this thread (pushed, not paused)? For lineage's
+        handle mode, which must not note inside a capture region."""
+        if self.mode.paused or self.thread != threading.get_ident():
+            return False
+        return self.mode in current_dispatch_mode_stack()
+
+    def _push_handle_mode(self) -> None:
+        from graphtrace.lineage import handle_mode
+
+        if self.handle_mode is not None or self.thread != threading.get_ident():
+            return
+        self.handle_mode = handle_mode(self.lineage, weakref.WeakMethod(self._noting))
+        if self.handle_mode is not None:
+            self.handle_mode.__enter__()
+
+    def _pop_handle_mode(self) -> None:
+        from graphtrace._compat import function_stack_at, function_stack_len
+
+        mode, self.handle_mode = self.handle_mode, None
+        if mode is None:
+            return
+        n = function_stack_len()
+        if n and function_stack_at(n - 1) is mode:
+            mode.__exit__(None, None, None)
+        else:  # another function mode sits above it: leave it there, switched off
+            mode.lineage_off = True
 
     def pause(self) -> str | None:
         """Before a capture region opens on this thread: take the mode off (it must not run

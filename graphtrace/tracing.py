@@ -453,6 +453,9 @@ class Trace:
         # which storages each op wrote from which it read, in provenance's mode (Note [lineage])
         if self.provenance is not None and (lineage_by_default() if lineage is None else lineage):
             self.provenance.lineage = Lineage(self.recorder.fail)
+            trace = weakref.ref(self)  # no cycle: the lineage names handles' sources by it
+            self.provenance.lineage.models = lambda: (trace().models if trace() is not None
+                                                      else {})
         self._patch = _CudaGraphPatch(self)
         self.compiled_regions = CompiledPatch(self)  # compiled regions: Note [Compiled regions]
         self._open = False
@@ -667,7 +670,11 @@ class Trace:
         registered weight at path `source`, both on the watched model `model`: the diff then
         reports a ``packed copy not rebuilt`` blind spot when the source changed while the
         copy stayed the same (Note [derived copies] in graphtrace/derived.py). Call it once
-        the copy is built; the fingerprint is taken now and again after each capture."""
+        the copy is built; the fingerprint is taken now and again after each capture. With
+        lineage on, it is also declared lineage (a producer graphtrace cannot see, such as a
+        C++ extension reading a raw pointer): the copy is derived from the source from now
+        on, so a captured copy is `unrefreshed` once the source changes and the copy does
+        not (`Lineage.declare`)."""
         for name, value in (("copy", copy), ("source", source), ("model", model)):
             if not isinstance(value, str):
                 raise TypeError(f"watch_copy: {name} must be a str, got {type(value).__name__}")
@@ -675,6 +682,14 @@ class Trace:
             raise GraphtraceError(f"watch_copy: no watched model is named {model!r}; watch it "
                                   "first (t.watch(model, name=...))")
         self.derived.add(model, copy, source, self.models)
+        if self.lineage is not None:
+            from graphtrace.owners import resolve_path
+
+            live = self.models.get(model)
+            try:
+                self.lineage.declare(resolve_path(live, copy), resolve_path(live, source))
+            except Exception as exc:  # fail open: the fingerprint above still stands
+                self.recorder.fail("watch_copy lineage", exc)
         return self
 
     # -- provenance --------------------------------------------------------------------------
@@ -771,6 +786,17 @@ class Trace:
     def lineage(self):
         """The trace's `graphtrace.lineage.Lineage` (None when lineage or provenance is off)."""
         return self.provenance.lineage if self.provenance is not None else None
+
+    def findings(self):
+        """What lineage found beside the graphs' edges, graph or no graph: one row per live
+        handle and source of it that was freed (`kind` `dangling source`, or `released
+        source` when the model dropped that path on purpose; Note [dangling sources] in
+        graphtrace/lineage.py), columns graphtrace.vocab.FINDING_FIELDS. The same rows are
+        `t.diff().findings`. Empty without lineage."""
+        from graphtrace.diff import lineage_findings
+        from graphtrace.report.core import findings_frame
+
+        return findings_frame(lineage_findings(self.lineage, self.models, self.recorder.fail))
 
     def guard(self, first_graph: int = 0, *, accept: Iterable[str] = ()):
         """A `graphtrace.guard.Guard` of the owned storages captured so far (graph ids from

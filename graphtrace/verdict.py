@@ -13,6 +13,9 @@ verdict, an owner's status or an impact:
 - `unrefreshed` (with `source_changed`): is a storage whose owners still hold it (or that
   has none) derived from sources that changed since it was last written (freshness:
   Note [freshness])?
+- `freed_sources`: the sources of a handle that were freed while it lives, and that the
+  model now keeps elsewhere (a dangling source: Note [dangling sources] in
+  graphtrace/lineage.py);
 - `impact_of`: for a stale or diverged storage, do the values the graph reads differ from
   what its owner holds now (Note [impact])?
 
@@ -31,7 +34,7 @@ from graphtrace.opaque import is_opaque, storage_of
 from graphtrace.vocab import HOLDS, MOVED, ORPHANED, OWNER_STATUSES, VERDICTS
 
 __all__ = ["View", "owner_status", "verdict_of", "storage_verdicts", "impact_of",
-           "source_changed", "unrefreshed", "freshness_of"]
+           "source_changed", "unrefreshed", "freshness_of", "freed_sources"]
 
 # verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
 _V = {v: v for v in VERDICTS}
@@ -86,7 +89,7 @@ def owner_status(tensor: object, cdata: int | None = None, *, data_ptr: int = 0,
 # -- the rule --------------------------------------------------------------------------------
 
 def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False,
-               unrefreshed: bool = False) -> str:
+               unrefreshed: bool = False, source_freed: bool = False) -> str:
     """The verdict of one captured storage from its capture-time owners' statuses now.
 
     No owner -> unowned; an owned storage that every graph overwrites before it reads it
@@ -96,7 +99,9 @@ def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False,
     diverged; all hold -> stable; some moved -> stale if the captured storage is alive,
     else dangling; all orphaned -> orphaned. Freshness (`unrefreshed`: the storage's sources
     changed since it was last written, Note [freshness]) turns what would be stable (every
-    owner holds it) or unowned into unrefreshed; identity problems come first.
+    owner holds it) or unowned into unrefreshed; identity problems come first. A handle
+    whose source was freed while the model keeps that value elsewhere (`source_freed`:
+    `freed_sources`) is dangling wherever it would be stable, unowned or unrefreshed.
     """
     statuses = list(statuses)
     bad = set(statuses) - set(OWNER_STATUSES)
@@ -106,10 +111,12 @@ def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False,
     if internal:
         return STABLE if statuses else UNOWNED
     if not statuses:
-        return UNREFRESHED if unrefreshed else UNOWNED
+        return DANGLING if source_freed else UNREFRESHED if unrefreshed else UNOWNED
     holds = [s == HOLDS for s in statuses]
     if any(holds):
-        return (UNREFRESHED if unrefreshed else STABLE) if all(holds) else DIVERGED
+        if not all(holds):
+            return DIVERGED
+        return DANGLING if source_freed else UNREFRESHED if unrefreshed else STABLE
     if MOVED in statuses:
         return STALE if alive else DANGLING
     return ORPHANED_VERDICT
@@ -117,14 +124,16 @@ def verdict_of(statuses: Iterable[str], alive: bool, internal: bool = False,
 
 def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray,
                      internal: np.ndarray | None = None,
-                     unrefreshed: np.ndarray | None = None) -> np.ndarray:
+                     unrefreshed: np.ndarray | None = None,
+                     source_freed: np.ndarray | None = None) -> np.ndarray:
     """`verdict_of`, vectorised: per storage, its verdict (an object array).
 
     `status`: the owner statuses of all storages, one run per storage in storage order;
     `n_owners`: each storage's run length (0: no owner, unowned); `alive`: whether each
     captured storage is still alive; `internal`: whether every graph overwrites it before
     reading it (default: none is); `unrefreshed`: whether its sources changed since it was
-    last written (default: none did)."""
+    last written (default: none did); `source_freed`: whether it is a handle with a
+    dangling source (default: none is)."""
     n_owners = np.asarray(n_owners, dtype=np.int64)
     internal = (np.zeros(len(n_owners), dtype=bool) if internal is None
                 else np.asarray(internal, dtype=bool))
@@ -138,10 +147,17 @@ def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray
     if len(unrefreshed) != len(n_owners):
         raise ValueError(f"storage_verdicts needs one unrefreshed flag per storage "
                          f"({len(unrefreshed)} for {len(n_owners)} storages)")
+    source_freed = (np.zeros(len(n_owners), dtype=bool) if source_freed is None
+                    else np.asarray(source_freed, dtype=bool))
+    if len(source_freed) != len(n_owners):
+        raise ValueError(f"storage_verdicts needs one source_freed flag per storage "
+                         f"({len(source_freed)} for {len(n_owners)} storages)")
     unrefreshed = unrefreshed & ~internal  # a graph that rewrites it keeps it fresh
+    source_freed = source_freed & ~internal
     verdict = np.full(len(n_owners), UNOWNED, dtype=object)
     owned = n_owners > 0
     verdict[~owned & unrefreshed] = UNREFRESHED
+    verdict[~owned & source_freed] = DANGLING
     if not owned.any():
         return verdict
     status = np.asarray(status, dtype=object)
@@ -157,8 +173,10 @@ def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray
     moved = np.logical_or.reduceat(moved_row, starts)
     verdict[owned] = np.select(
         [internal[owned], holds & ~np.logical_and.reduceat(holds_row, starts),
-         holds & unrefreshed[owned], holds, moved & np.asarray(alive, dtype=bool)[owned], moved],
-        [STABLE, DIVERGED, UNREFRESHED, STABLE, STALE, DANGLING], default=ORPHANED_VERDICT)
+         holds & source_freed[owned], holds & unrefreshed[owned], holds,
+         moved & np.asarray(alive, dtype=bool)[owned], moved],
+        [STABLE, DIVERGED, DANGLING, UNREFRESHED, STABLE, STALE, DANGLING],
+        default=ORPHANED_VERDICT)
     return verdict
 
 
@@ -324,3 +342,16 @@ def freshness_of(derived, resolve, lineage=None, address: int | None = None) -> 
         changed.append(moved)
     return unrefreshed(derived.stale, changed,
                        [(resolve(m, p), v) for (m, p), v in derived.owner_versions.items()])
+
+
+def freed_sources(derived, resolve) -> list:
+    """The sources of a handle (`derived`, a graphtrace.lineage.Derived with `handle`) that
+    were freed while it lives and whose owner path now reaches a live tensor: the model
+    keeps that value in another storage, the handle's pointer reaches freed memory (Note
+    [dangling sources] in graphtrace/lineage.py). Weak handles only: a guard read from JSON
+    (no handles) finds none. `resolve(model, path)`: what an owner path reaches now."""
+    if derived is None or not getattr(derived, "handle", False):
+        return []
+    return [s for s in derived.sources
+            if s.ref is not None and s.ref.expired()
+            and isinstance(resolve(s.model, s.path), torch.Tensor)]

@@ -13,7 +13,8 @@ __all__ = [
     "HOLDS", "MOVED", "ORPHANED", "BEFORE_TRACE", "NOT_RECORDED",
     "PROVENANCE_MARKS", "FIXES", "FIX_KINDS", "GUARD_PROBLEMS", "GUARD_SCHEMA", "GUARD_COLUMNS",
     "GUARD_UNCHECKED",
-    "GUARD_IDENTITIES", "BLIND_SPOT_KINDS", "BLIND_SPOT_FIELDS", "ADDED_COLUMNS",
+    "GUARD_IDENTITIES", "BLIND_SPOT_KINDS", "BLIND_SPOT_FIELDS", "FINDING_KINDS",
+    "FINDING_FIELDS", "ADDED_COLUMNS",
 ]
 
 # -- verdicts (one per edge; the words are part of the public contract) ---------------------
@@ -76,6 +77,14 @@ BLIND_SPOT_KINDS = (
     "other",                    # anything else (a plain text from an older report)
 )
 BLIND_SPOT_FIELDS = ("kind", "text", "holder", "op", "model", "graph")  # meta / frame columns
+
+# -- findings (lineage's records beside the edges: Report.findings, Trace.findings) ---------
+FINDING_KINDS = (
+    "dangling source",          # a live handle whose source was freed, kept elsewhere by the model
+    "released source",          # ... whose source the model dropped on purpose (consumed)
+    "non-idempotent step",      # a registered storage updated in place from its own value
+)
+FINDING_FIELDS = ("kind", "holder", "op", "source", "source_kind", "site", "n")
 
 # -- frames ----------------------------------------------------------------------------------
 # Column kinds: "int" int64 (no NA); "Int" nullable Int64; "bool" (no NA); "str" ("" when

@@ -138,7 +138,9 @@ def test_copy_not_rebuilt_after_new_values_is_its_own_finding():
     report = t.diff()
     (spot,) = _not_rebuilt(report)
     assert spot.holder == "packed" and "weight" in spot.text and "values changed" in spot.text
-    assert report.stale.empty  # no verdict can say it
+    # watch_copy also declares lineage: the verdict says it too (issue 24)
+    assert list(report.stale["verdict"].astype(str)) == ["unrefreshed"]
+    assert list(report.stale["derived_from"].astype(str)) == ["weight"]
     edges = report.blind_spot_edges(spot)
     assert set(edges.owners) == {"packed"}
 

@@ -33,7 +33,13 @@ def test_every_variant_as_its_case_states(results, case, variant):
     bad = [f for f in r.findings if not f.ok]
     assert not bad, bad
     stale = r.outcome.report.stale
-    if r.variant.kind == "buggy":
+    found = r.outcome.report.findings
+    for f in r.variant.finds:  # each stated finding is in the report
+        assert any(f.matches(k, h) for k, h in zip(found["kind"], found["holder"])), f
+    if r.variant.kind == "buggy" and r.variant.finds and not any(
+            e.verdict in STALE_VERDICTS for e in r.variant.expect):
+        assert len(stale) == 0  # a finding, not a stale read (a non-idempotent step)
+    elif r.variant.kind == "buggy":
         assert len(stale), "a buggy variant must have stale-like edges"
         expected = {e.verdict for e in r.variant.expect if e.verdict in STALE_VERDICTS}
         assert set(stale["verdict"].astype(str)) == expected
@@ -49,12 +55,16 @@ def test_every_variant_as_its_case_states(results, case, variant):
 def test_case_library_has_the_issue_cases():
     refs = " ".join(c.reference for c in CASES.values())
     for ref in ("#48539", "#48438", "#48251", "#41670", "#40390", "#46009", "#50521",
-                "#6265", "#27140"):
+                "#6265", "#27140", "Megatron-LM #6723", "ROCm ATOM #2028", "TRL colocate"):
         assert ref in refs
     kinds = {v.kind for c in CASES.values() for v in c.variants}
     assert kinds == {"buggy", "fixed", "control"}
     assert "dangling" in {e.verdict for c in CASES.values() for v in c.variants
                           for e in v.expect}
+    assert "unrefreshed" in {e.verdict for c in CASES.values() for v in c.variants
+                             for e in v.expect}
+    assert "non-idempotent step" in {f.kind for c in CASES.values() for v in c.variants
+                                     for f in v.finds}
 
 
 def _wrong(case_name: str, variant_name: str, verdict: str):

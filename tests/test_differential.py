@@ -385,6 +385,56 @@ def refit_and_drop_cache(m, keep):
     m.layers[1]._A_neg_exp_cache = -torch.exp(m.layers[1].A_log)  # rebuilt, not in place
 
 
+# -- dangling sources (issue 24): a handle made inside the trace from a registered scale ----
+
+def _handle_model():
+    from tests.test_dangling_sources import Model as HandleModel
+
+    m = HandleModel()
+    m.proj.process_weights_after_loading()
+    return m
+
+
+def process_again(m):
+    """A process step inside the trace: the handle is made from the registered scale."""
+    m.proj.weight = nn.Parameter(torch.rand(4, 8), requires_grad=False)
+    m.proj.process_weights_after_loading()
+
+
+def rebind_scale(m, keep):
+    """A reload that binds a new scale parameter and does not make the handle again: the
+    handle's pointer reaches the freed old scale."""
+    m.proj.weight_scale = nn.Parameter(m.proj.weight_scale.detach() * 2, requires_grad=False)
+
+
+def scale_in_place(m, keep):
+    m.proj.weight_scale.mul_(2.0)
+
+
+# -- the RL load_weights case (graphtrace.demo.cases.rl_load_weights_no_process) -----------
+
+def _rl(in_place=False):
+    def build():
+        from graphtrace.demo.cases.rl_load_weights_no_process import RLModel
+        return RLModel(in_place=in_place)
+    return build
+
+
+def rl_first_load(m):
+    """The engine's first load and process step, inside the trace."""
+    m.load(m.checkpoint(0))
+
+
+def rl_sync(process=False):
+    def update(m, keep):
+        with torch.no_grad():  # new weights into the live parameters (copy_, in place)
+            for name, new in m.checkpoint(1).items():
+                m.get_parameter(name).copy_(new)
+            if process:
+                m.process_weights_after_loading()
+    return update
+
+
 @dataclasses.dataclass
 class Scenario:
     build: Callable[[], nn.Module]
@@ -394,6 +444,7 @@ class Scenario:
     compiled: bool = False
     needs: str = ""
     warmup: bool = False          # an eager forward inside the trace before the captures
+    setup: Callable | None = None  # a process step inside the trace before the captures
     freezing: bool = False        # compiled with Inductor's freezing (parameters folded in)
     some_impacts: bool = False    # `impacts` must be among the impacts found, not all of them
 
@@ -484,6 +535,22 @@ SCENARIOS: dict[str, Scenario] = {
                                                 {"unknown", "manifest"}, warmup=True),
     "derived-cache-compiled-refit": Scenario(_mamba(), refit(), {"unrefreshed"}, {"unknown"},
                                              compiled=True, warmup=True),
+    "rl-load-weights-only": Scenario(_rl(), rl_sync(), {"unrefreshed"}, {"unknown"},
+                                     setup=rl_first_load),
+    "rl-load-weights-only-compiled": Scenario(_rl(), rl_sync(), {"unrefreshed"}, {"unknown"},
+                                              setup=rl_first_load, compiled=True),
+    "rl-reprocess-rebind": Scenario(_rl(), rl_sync(process=True), {"stale"}, {"manifest"},
+                                    setup=rl_first_load),
+    "rl-reprocess-in-place": Scenario(_rl(in_place=True), rl_sync(process=True), set(),
+                                      setup=rl_first_load),
+    "rl-reprocess-in-place-compiled": Scenario(_rl(in_place=True), rl_sync(process=True),
+                                               set(), setup=rl_first_load, compiled=True),
+    "handle-source-freed": Scenario(_handle_model, rebind_scale, {"dangling"}, {"unknown"},
+                                    setup=process_again),
+    "handle-source-in-place": Scenario(_handle_model, scale_in_place, {"unrefreshed"},
+                                       {"unknown"}, setup=process_again),
+    "handle-unchanged": Scenario(_handle_model, lambda m, keep: None, set(),
+                                 setup=process_again),
 }
 
 
@@ -500,6 +567,8 @@ def _run(name: str, tmp_path):
     keep = []
     frozen = torch._inductor.config.patch(freezing=sc.freezing)
     with torch.no_grad(), frozen, gt.trace(model, strict=True) as t:
+        if sc.setup is not None:
+            sc.setup(model)
         if sc.warmup:  # eager, as a process step is (lineage does not see inside compiled code)
             model(torch.rand(2, width))
         for label, batch in (("decode", torch.rand(2, width)), ("prefill", torch.rand(4, width))):

@@ -333,3 +333,29 @@ def test_the_terminal_report_names_the_sources_and_the_fix():
     i = lines.index("      layers.0._A_neg_exp_cache (attribute, holds)")
     assert lines[i + 1] == "      derived from: layers.0.A_log"
     assert lines[i - 1].split()[:2] == ["unrefreshed", "unknown"]
+
+
+def test_watch_copy_declares_lineage_for_a_producer_lineage_cannot_see():
+    """A copy made before the trace (or by code off the dispatcher): declared with
+    t.watch_copy, it is derived from its source, and unrefreshed once the source changes."""
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.rand(D, D), requires_grad=False)
+            self.packed = self.weight.detach().t().contiguous()  # made outside any trace
+
+        def forward(self, x):
+            return x @ self.packed
+
+    m = Packed()
+    with torch.no_grad(), gt.trace(m, strict=True) as t:
+        t.watch_copy("packed", "weight")
+        with gt.capture("g") as g:
+            m(X)
+        m.weight.add_(1.0)  # the source changes; the copy is not rebuilt
+    e = t.diff().edges
+    row = e[e["owners"] == "packed"]
+    assert list(row["verdict"].astype(str)) == ["unrefreshed"]
+    assert list(row["derived_from"].astype(str)) == ["weight"]
+    assert list(t.guard().check()["verdict"]) == ["unrefreshed"]
+    del g

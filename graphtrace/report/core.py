@@ -27,7 +27,15 @@ from graphtrace.report.io import (
     _write_folder,
 )
 from graphtrace.report.validate import check_frames, check_meta
-from graphtrace.vocab import BLIND_SPOT_FIELDS, FRAMES, HOLDS, IMPACTS, STALE_VERDICTS, VERDICTS
+from graphtrace.vocab import (
+    BLIND_SPOT_FIELDS,
+    FINDING_FIELDS,
+    FRAMES,
+    HOLDS,
+    IMPACTS,
+    STALE_VERDICTS,
+    VERDICTS,
+)
 
 __all__ = ["Report", "load_report"]
 
@@ -124,6 +132,13 @@ class Report:
         """Rows of ``edges`` whose verdict is stale, dangling or diverged (index kept)."""
         e = self.edges
         return e[e["verdict"].astype(object).isin(STALE_VERDICTS)]
+
+    @property
+    def findings(self) -> pd.DataFrame:
+        """What lineage found beside the edges (``meta["findings"]``): one row per finding,
+        columns ``vocab.FINDING_FIELDS`` (a handle whose source was freed: Note [dangling
+        sources] in graphtrace/lineage.py); empty for reports without lineage."""
+        return findings_frame(self._meta.get("findings") or [])
 
     @property
     def meta(self) -> dict:
@@ -321,6 +336,22 @@ class Report:
             G.add_edge(o, s, key="owned_at_capture", **attrs)
             if str(r.status) == HOLDS:
                 G.add_edge(o, s, key="owns_now", relation="owns_now")
+        # lineage: source parameter -> derived storage (-> the graphs that read it, above)
+        if "derived_from" in e.columns:
+            pairs = e[["storage_id", "derived_from"]].astype({"derived_from": object})
+            for sid, text in pairs.drop_duplicates().itertuples(index=False):
+                for source in str(text or "").split("; "):
+                    if not source:
+                        continue
+                    freed = source.endswith(" (freed)")
+                    path = source.removesuffix(" (freed)")
+                    model, _, bare = path.rpartition(":") if ":" in path else ("", "", path)
+                    node = f"owner:{model}:{bare}"
+                    if node not in G:
+                        G.add_node(node, kind="owner", model=model, path=bare,
+                                   owner_kind="source", status="")
+                    G.add_edge(node, f"storage:{int(sid)}", key="derived_from",
+                               relation="derived_from", freed=freed)
         return G
 
     # ---- files
@@ -374,6 +405,12 @@ class Report:
         return (f"<div><b>graphtrace Report</b>: {html.escape(self._headline())}"
                 f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
                 f"</table></div>")
+
+
+def findings_frame(records: Iterable[Mapping]) -> pd.DataFrame:
+    """A frame of finding records (dicts with `vocab.FINDING_FIELDS`; missing ones "")."""
+    return pd.DataFrame([[str(r.get(c, "")) for c in FINDING_FIELDS] for r in records],
+                        columns=list(FINDING_FIELDS), dtype=object)
 
 
 def load_report(path: str | Path) -> Report:

@@ -169,7 +169,11 @@ def test_finding_is_sourced_and_flagged(rerun, comparable):
     _needs_same_cpu(comparable, "CPUInt8ScaledMMLinearKernel")
     row = rerun["CPUInt8ScaledMMLinearKernel"]
     assert int(row["stale"]) == 1
-    assert row["stale_owners"] == "stale:proj.scheme.kernel.dnnl_handler.handler_tensor"
+    # the captured handle moved (stale), and the live handle the reload made points at the
+    # reload's freed weight scale: lineage's dangling source (Note [audit dangling sources])
+    assert row["stale_owners"] == (
+        "dangling-source:proj.scheme.kernel.dnnl_handler.handler_tensor <- proj.weight_scale"
+        " | stale:proj.scheme.kernel.dnnl_handler.handler_tensor")
     assert row["vllm_source"] == "vllm/model_executor/kernels/linear/scaled_mm/cpu.py:136"
     # a kernel whose reload keeps every captured storage has no stale edge
     assert int(rerun["MacheteLinearKernel"]["stale"]) == 0

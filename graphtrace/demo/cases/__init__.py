@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from .spec import Case, Expect, Finding, Outcome, Variant, VariantResult  # noqa: F401
+from .spec import Case, Expect, Finding, Finds, Outcome, Variant, VariantResult  # noqa: F401
 
 __all__ = ["MODULES", "get", "select"]
 
@@ -25,6 +25,8 @@ MODULES = (
     "sglang_6265_deepseek_w_kc",
     "sglang_27140_mamba_state",
     "megatron_6723_a_neg_exp_cache",
+    "rl_load_weights_no_process",
+    "rocm_atom_2028_scale_normalise",
     "control_same_storage",
 )
 

@@ -14,15 +14,19 @@ checksum or an output comparison against a reference is).
   storage (`weight.copy_(new.t().reshape(weight.shape))`): wrong bytes, same storage.
 
 Expected: no stale-like edge; the weights' reads `stable`; the flip test follows (the graphs
-read what the eager model reads, wrong or not).
+read what the eager model reads, wrong or not). Lineage does see the first: the process
+step's in-place `mul_` on a registered scale is a `non-idempotent step` finding (Note
+[non-idempotent steps] in graphtrace/lineage.py), which names the storage, op and line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .harness import CaseModel, make_param
-from .spec import Case, control
+from .spec import Case, Finds, control
 
 __all__ = [
     "K", "N", "BATCH_SIZES", "ScaledLinearMethod", "ScaledLinear", "ControlModel", "run",
@@ -112,8 +116,10 @@ CASE = Case(
     fix="not a stale read: graphtrace must report it clean",
     reload="vllm-inplace",
     variants=(
-        control("nonidempotent-pwal", "weight_scale.mul_(input_scale) run again",
-                ["layers.*.weight_scale", "layers.*.weight"]),
+        dataclasses.replace(
+            control("nonidempotent-pwal", "weight_scale.mul_(input_scale) run again",
+                    ["layers.*.weight_scale", "layers.*.weight"]),
+            finds=(Finds("non-idempotent step", "layers.*.weight_scale"),)),
         control("wrong-layout", "new weight copied transposed into the storage",
                 ["layers.*.weight"]),
     ),

@@ -10,6 +10,10 @@ variant, and, stated as data, what graphtrace must find for each variant:
 * nothing else is stale-like (`vocab.STALE_VERDICTS`): a stale-like edge no stale-like
   expectation covers is a mismatch, so a fixed variant or a negative control passes only
   when the report is clean;
+* `Finds(kind, pattern)`: the report's findings (`report.findings`: lineage's dangling
+  sources and non-idempotent steps) hold one of `kind` whose holder matches `pattern`; a
+  finding of a reported kind (`FOUND_KINDS`) no `Finds` covers is a mismatch, so controls
+  must be free of them too;
 * `flip`: after the reload, the live tensor the eager model now reads is perturbed in
   place and the captured graphs replayed: "frozen" means no replayed row changes (the graph
   reads a storage the engine no longer updates), "follows" means every row changes.
@@ -24,15 +28,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from graphtrace.vocab import STALE_VERDICTS, VERDICTS
+from graphtrace.vocab import FINDING_KINDS, STALE_VERDICTS, VERDICTS
 
 __all__ = [
-    "KINDS", "FLIPS", "RELOADS", "Expect", "Variant", "buggy_and_fixed", "control", "Case",
+    "KINDS", "FLIPS", "RELOADS", "FOUND_KINDS", "Expect", "Finds", "Variant", "buggy_and_fixed", "control", "Case",
     "Outcome", "Finding", "VariantResult", "check", "run_variant", "run_case", "format_case",
     "summary_line", "markdown_table"
 ]
 
 KINDS = ("buggy", "fixed", "control")
+# findings a case must state when it has them (a `released source` is information only)
+FOUND_KINDS = ("dangling source", "non-idempotent step")
 FLIPS = ("frozen", "follows")
 RELOADS = {
     "vllm-layerwise": "vLLM's layerwise reload (restore, load, process, copy back into the "
@@ -44,6 +50,10 @@ RELOADS = {
     "memory-saver": "a memory-saver pause/resume of the engine's state buffers (no weights)",
     "inplace-refit": "an RL refit that copies every parameter into the live ones in place, "
                      "with no process step after it (Megatron-LM)",
+    "load-weights-only": "an RL client's model.load_weights(...) into the live parameters, "
+                         "with no process_weights_after_loading after it (TRL's colocate sync)",
+    "sync-process": "a weight sync that loads into the live parameters and runs the process "
+                    "step again, several times (ROCm ATOM)",
     "vllm-layerwise+attention": "vLLM's layerwise reload, then the attention layers' "
                                 "process_weights_after_loading on the live layer (deferred)",
 }
@@ -66,6 +76,23 @@ class Expect:
 
 
 @dataclass(frozen=True)
+class Finds:
+    """The report's findings hold one of `kind` whose holder matches `pattern`."""
+
+    kind: str
+    pattern: str
+
+    def __post_init__(self):
+        if self.kind not in FINDING_KINDS:
+            raise ValueError(f"Finds({self.kind!r}): unknown finding kind (kinds are "
+                             f"{', '.join(FINDING_KINDS)})")
+
+    def matches(self, kind: str, holder: str) -> bool:
+        return kind == self.kind and any(_glob(self.pattern).fullmatch(p) is not None
+                                         for p in holder.split("; "))
+
+
+@dataclass(frozen=True)
 class Variant:
     """One variant of a case: what the code does, and what graphtrace must report."""
 
@@ -74,15 +101,19 @@ class Variant:
     summary: str
     expect: tuple[Expect, ...] = ()
     flip: str | None = None  # frozen | follows | None (no flip test)
+    finds: tuple[Finds, ...] = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"variant {self.name!r}: kind must be one of {KINDS}")
         if self.flip is not None and self.flip not in FLIPS:
             raise ValueError(f"variant {self.name!r}: flip must be one of {FLIPS} or None")
-        if self.kind == "buggy" and not any(e.verdict in STALE_VERDICTS for e in self.expect):
+        if self.kind == "buggy" and not any(e.verdict in STALE_VERDICTS for e in self.expect) \
+                and not any(f.kind in FOUND_KINDS for f in self.finds):
             raise ValueError(f"variant {self.name!r}: a buggy variant must expect a "
-                             "stale-like verdict somewhere")
+                             "stale-like verdict or a finding somewhere")
+        if self.kind == "fixed" and self.finds:
+            raise ValueError(f"variant {self.name!r}: a fixed variant must be clean")
         if self.kind != "buggy" and any(e.verdict in STALE_VERDICTS for e in self.expect):
             raise ValueError(f"variant {self.name!r}: a {self.kind} variant must be clean")
 
@@ -222,6 +253,21 @@ def check(variant: Variant, outcome: Outcome) -> list[Finding]:
                             f"{len(others)} edges: " + ", ".join(other_paths[:3])
                             + (" ..." if len(other_paths) > 3 else "") if others else "none",
                             not others))
+    found = getattr(outcome.report, "findings", None)
+    kinds = [] if found is None else found["kind"].tolist()
+    holders = [] if found is None else found["holder"].tolist()
+    hit_found = [False] * len(kinds)
+    for exp in variant.finds:
+        hit = [i for i, (k, h) in enumerate(zip(kinds, holders)) if exp.matches(k, h)]
+        for i in hit:
+            hit_found[i] = True
+        findings.append(Finding(f"finding: {exp.kind} on {exp.pattern}", "found",
+                                f"{len(hit)} found" if hit else "none", bool(hit)))
+    extra = sorted({f"{kinds[i]} on {holders[i]}" for i in range(len(kinds))
+                    if kinds[i] in FOUND_KINDS and not hit_found[i]})
+    findings.append(Finding("any other finding", "none",
+                            ", ".join(extra[:3]) + (" ..." if len(extra) > 3 else "")
+                            if extra else "none", not extra))
     if variant.flip is not None:
         rows = outcome.rows
         want = 0 if variant.flip == "frozen" else rows
@@ -291,8 +337,11 @@ def summary_line(case: Case, results: list[VariantResult]) -> str:
             continue
         stale = r.outcome.report.stale
         counts = stale["verdict"].astype(str).value_counts()
+        kinds = getattr(r.outcome.report, "findings", None)
+        kinds = [] if kinds is None else [k for k in kinds["kind"] if k in FOUND_KINDS]
         found.append(f"{r.variant.name}: " + (", ".join(
-            f"{counts[v]} {v}" for v in STALE_VERDICTS if v in counts) or "clean"))
+            [f"{counts[v]} {v}" for v in STALE_VERDICTS if v in counts]
+            + [f"{kinds.count(k)} {k}" for k in FOUND_KINDS if k in kinds]) or "clean"))
     ok = all(r.ok for r in results)
     return f"{case.name:<34} {'ok' if ok else 'MISMATCH':<8} " + "; ".join(found)
 
@@ -305,6 +354,7 @@ def markdown_table(cases) -> str:
         parts = []
         for v in c.variants:
             stale = sorted({e.verdict for e in v.expect if e.verdict in STALE_VERDICTS})
+            stale += sorted({f.kind for f in v.finds})
             parts.append(f"`{v.name}` ({v.kind}): " + (" / ".join(stale) if stale else "clean"))
         lines.append(f"| `{c.name}` | {c.reference} | {c.rebound} | {'; '.join(parts)} |")
     return "\n".join(lines)
