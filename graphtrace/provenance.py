@@ -15,10 +15,9 @@ import sysconfig
 import threading
 import warnings
 import weakref
-from typing import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 import numpy as np
-import pandas as pd
 import torch
 
 from graphtrace._compat import (
@@ -39,8 +38,14 @@ from graphtrace._schema import tensors_in
 from graphtrace.sites import format_site, suggest_fix
 from graphtrace.vocab import BEFORE_TRACE, FIXES, NOT_RECORDED, STALE_VERDICTS
 
+if TYPE_CHECKING:
+    import pandas as pd
+
+# edge_columns is the diff's (graphtrace.diff imports it), not part of this module's surface:
+# it is the one function here that needs pandas, imported when it runs, so that opening a
+# trace (an engine's startup) does not import pandas (~0.3 s)
 __all__ = ["ENV", "enabled_by_default", "skipped_file", "ProvenanceTable", "ProvenanceMode",
-           "Provenance", "edge_columns", "DEPTH"]
+           "Provenance", "DEPTH"]
 
 # Note [provenance]
 # ~~~~~~~~~~~~~~~~~
@@ -488,6 +493,8 @@ def edge_columns(provenance: Provenance | None, storages, sids: np.ndarray, verd
     `verdict`), from the owners frame of the diff and the live tensor each moved storage's
     owner holds now (`moved_to`). Owned edges only; "" elsewhere, and everywhere when
     provenance is off (`fix` is still given)."""
+    import pandas as pd
+
     n = len(sids)
     owned = np.unique(owners["storage_id"].to_numpy(dtype=np.int64)) if len(owners) else \
         np.empty(0, np.int64)
