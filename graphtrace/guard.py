@@ -155,6 +155,13 @@ class Guard:
         for r, (_, m, _, _) in enumerate(self._owners):
             rows.setdefault(m, []).append(r)
         self._paths = {m: (PathSet(self._owners[r][2] for r in rs), rs) for m, rs in rows.items()}
+        # the fast path of check(): the native module, and per model the StorageImpl each
+        # owner path reached at capture (None when any storage is known by address only)
+        self._native = None
+        refs = self._refs
+        self._expected: dict[str, list[int]] | None = (
+            {m: [refs[self._owners[r][0]].cdata for r in rs] for m, rs in rows.items()}
+            if all(ref is not None for ref in refs) else None)
 
     # -- models ------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, name: str | None = None) -> "Guard":
@@ -237,6 +244,13 @@ class Guard:
         (columns: graphtrace.vocab.GUARD_COLUMNS; verdicts: GUARD_PROBLEMS); empty when
         every captured storage is still where its owners point."""
         models = self._live_models()
+        if self._nothing_moved(models):  # every owner still holds its storage
+            unrefreshed = self._unrefreshed(models, set()) if self._derived else set()
+            freed = self._freed(models, set()) if self._derived else {}
+            blind = _blind_rows(self._blind, self._accept, models, self.graphs,
+                                self._owned_paths()) if self._blind else []
+            if not unrefreshed and not blind and not freed:
+                return empty_problems()
         refs, ptrs, nbytes, dead = self._refs, self._ptrs, self._nbytes, self._dead
         tensors: list = [None] * len(self._owners)
         for name, (paths, rows) in self._paths.items():
@@ -261,6 +275,19 @@ class Guard:
             return empty_problems()
         return self._problems(bad | unrefreshed | set(freed), statuses, live_ptrs, tensors,
                               unrefreshed, blind, freed)
+
+    def _nothing_moved(self, models: Mapping[str, torch.nn.Module]) -> bool:
+        """Does every owner path still reach the storage it reached at capture? Answered by
+        the native `paths_moved` (owners.PathSet.moved) when the guard was made from a trace
+        with the native module; False (look at every owner) otherwise, or on any doubt."""
+        native, expected = self._native, self._expected
+        if native is None or expected is None or not self._paths:
+            return False
+        try:
+            return not any(name not in models or paths.moved(models[name], expected[name], native)
+                           for name, (paths, _) in self._paths.items())
+        except Exception:  # the slow path decides
+            return False
 
     def _freed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> dict[int, list]:
         """The captured handles with a dangling source, and those sources (the verdict
@@ -691,6 +718,7 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
     blind = _guarded_blind(spots, graphs, models, values or {})
     guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace",
                   lineage=lineage, blind_spots=blind, accept=accept)
+    guard._native = rec.native  # check()'s fast path (a trace's guard: every storage by handle)
     for name, model in models.items():
         guard.attach(model, name=name)
     return guard

@@ -110,6 +110,30 @@ def test_clean_reload_passes_and_enforce_returns():
     assert len(guard) > 0 and guard.identity == {"storage": len(guard), "data_ptr": 0}
 
 
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_native_fast_path_answers_as_the_full_walk(name, monkeypatch):
+    """A guard made from a trace with the native module asks C++ first whether any owner path
+    moved (owners.PathSet.moved); only then does it resolve every owner in Python. Both
+    must give the same problems, and a clean check must not need the Python walk."""
+    from graphtrace import native
+    from graphtrace.owners import PathSet
+
+    if native.load() is None:
+        pytest.skip("the native module does not build here")
+    model, t, graphs, guard = run(name)
+    fast = guard.check()
+    guard._native = None  # the full walk only
+    slow = guard.check()
+    assert guard_problems(fast) == guard_problems(slow)
+    if name == "clean":
+        guard._native = native.load()
+
+        def no_walk(self, model):
+            raise AssertionError("a clean check walked every owner in Python")
+        monkeypatch.setattr(PathSet, "resolve", no_walk)
+        assert guard.check().empty
+
+
 def test_stale_details_match_the_diff_edges():
     model, t, graphs, guard = run("stale")
     problems = guard.check()
