@@ -38,12 +38,13 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import graphtrace as gt
-from _common import rss
+from _common import rss, write_results
 
 LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -247,8 +248,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_results(Path(args.out), text + "\n")
     if not found:
         return 1
     return 0 if (args.quick or targets) else 1

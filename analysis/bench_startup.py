@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _common import write_results
+
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = ("off", "plugin", "trace_llm")
 
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        write_results(args.out, text + "\n")
     return 0
 
 

@@ -31,13 +31,14 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 from bench_guard import MLP, LlamaForCausalLM
 from torch import nn
 
 import graphtrace as gt
-from _common import revision
+from _common import revision, write_results
 from graphtrace.vllm import hooks
 from graphtrace.vllm.serve import ServeGuard, before_step
 
@@ -246,8 +247,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        write_results(Path(args.out), text + "\n")
     ok = all(r["refused"] and r["checks_per_update"] == 1 for r in rows)
     return 0 if ok and (args.quick or targets) else 1
 

@@ -179,9 +179,10 @@ HANDLE_OPS = _HND not in _missing
 if not HANDLE_OPS:
     all_op_names = has_kernel_for = registrations_for = function_stack_len = \
         function_stack_at = _unavailable(_HND)
+
 # -- storage use counts: optional -------------------------------------------------------------
 _SCR = ("emulated graphs letting go of their intermediates (without it they keep every storage "
-        "their ops saw, as before)")
+        "their ops saw)")
 storage_use_count = _lookup(_SCR, "torch._C:_storage_Use_Count")
 SCRATCH = _SCR not in _missing
 if not SCRATCH:
