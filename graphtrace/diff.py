@@ -419,11 +419,12 @@ def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[Blin
 
 def lineage_findings(lineage, models: Mapping[str, torch.nn.Module], fail) -> list[dict]:
     """What lineage found beside the edges (Note [dangling sources] in graphtrace/lineage.py):
-    one record per live handle and freed source, graph or not (`Report.findings`)."""
+    one record per live handle and freed source, graph or not (`Report.findings`); the
+    non-idempotent steps and the carried-over state (Note [carried-over state]) too."""
     if lineage is None:
         return []
     try:
-        return lineage.dangling(models) + lineage.non_idempotent()
+        return lineage.dangling(models) + lineage.non_idempotent() + lineage.carried_over(models)
     except Exception as exc:  # fail open
         fail("findings", exc)
         return []

@@ -84,6 +84,47 @@ __all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "Handle"
 # non-idempotent. The records are findings (`Trace.findings()`, `report.findings`, kind
 # `non-idempotent step`), not a verdict: the graph's edges are judged as before.
 
+# Note [carried-over state]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# State a process step keeps between weight updates outside the parameters and buffers (a
+# dict of permutation indices computed from the weights' shapes: SGLang #26194) is read
+# again by the next update's process step. If the memory under it changed with no torch op
+# in between -- the memory saver released and re-mapped the weights region while the engine
+# was paused -- the step combines the new weights with garbage, writes the result into the
+# registered weights, and every later check passes (the weights were rewritten after their
+# sources; identity holds). Two rules were possible: (b) fingerprint such state when it is
+# written and compare at its next read (it sees the corruption itself, but reads values on
+# the dispatch path: a device sync per small storage, and a baseline per temporary, since
+# which storages become carried state is known only later), or (a), taken here: name the
+# *pattern*, from clocks alone, whether or not the memory was released this time. Cost: a
+# dict lookup per read and per written storage once a model is watched; the check itself
+# runs only after some registered tensor was loaded twice, and then only on reads whose
+# clock lies between the first load and the latest reload.
+#
+# Load cycles: a write into a registered parameter or buffer whose sources include no
+# registered tensor (its values come from outside the model: a checkpoint) is a *load* of
+# it; a load after the storage was read (by any op lineage records) begins a new load
+# cycle of it, while loads with no read between them (the shards of a fused weight) are
+# one. The finding: an op outside capture regions and optimizer steps reads a storage C
+# that (1) is not registered and not derived from a registered tensor (freshness judges
+# those: Note [freshness] in graphtrace/verdict.py), (2) lineage saw written after the
+# first load and (3) before the start of the current load cycle of a registered tensor R
+# that the same op's other inputs were made from (R in its sources), R being in its second
+# cycle or later. One record per (C, op, call site), with the count, a weak handle to C
+# and R: a `carried-over state` finding (`Trace.findings()`, `report.findings`) naming C's
+# owner paths (any kind: `layers.0.quant_method._cache_permute_indices[...]`, a
+# `torch.Size` key read as its tuple), the op, its line and R's path. Not a verdict: the
+# graph reads the weights, which are where their owners point.
+#
+# What it cannot tell: whether the memory was actually released (a cache kept on the host,
+# SGLang PR #39468's fix, is reported all the same: the pattern, not the corruption); state
+# made before the first load, or by a factory op alone (`torch.arange` with nothing
+# after it: no lineage node); a cache shared by several layers under layerwise loading
+# (one layer's cycle begins after another's cache was rebuilt in the same update: a
+# finding for a cache that is in fact fresh); an eager forward outside capture regions
+# after a reload that reads shape-derived state made before it (a lazily built table) is
+# reported too, as the same risk.
+
 # Note [dangling sources]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # A *handle* is a value an op makes from storages it read that may keep a raw pointer to
@@ -292,6 +333,13 @@ class Lineage:
         self._looked = (-1, 0)  # (composite registrations, len(sys.modules)) at the last look
         self._registered: dict[int, list] | None = None  # address -> [(model, path, kind, ref)]
         self._geometry: dict[int, tuple[int, int]] = {}  # address -> (data_ptr, nbytes)
+        # Note [carried-over state]: registered address -> [clock its load cycle began, load
+        # cycles, read since?]; the first load's clock; the latest start of a second or later
+        # load cycle (0: none, the check is off); (address, op, site) -> [ref, n, source address]
+        self.loads: dict[int, list] = {}
+        self.first_load = 0
+        self.reload_clock = 0
+        self.carried: dict[tuple, list] = {}
 
     # -- recording (the per-op hook) -----------------------------------------------------
     def _node(self, storage: torch.UntypedStorage, address: int) -> list:
@@ -347,6 +395,14 @@ class Lineage:
                     self._self_update(func, t, s)
         nodes = self.nodes
         sources = self._sources_of(reads)
+        loads = self.loads
+        if loads and reads:  # Note [carried-over state]: a read ends a load cycle
+            for a in reads:
+                entry = loads.get(a)
+                if entry is not None:
+                    entry[2] = True
+            if self.reload_clock and self.optimizer_steps == 0:
+                self._carried_over(func, reads, sources)
         if op.handle and reads:
             self._handle(func, op.handle, reads, sources, out)
             return
@@ -412,6 +468,8 @@ class Lineage:
                 new = dict(sorted(new.items(), key=lambda kv: kv[1])[:self.max_sources])
             self.n_edges += len(new) - (len(old) if old else 0)
             node[2] = new or None
+            if self.models is not None:
+                self._load(s, a, sources)
         if len(nodes) + self.n_edges > 2 * self._mark + 4096:
             self.sweep()
 
@@ -499,6 +557,105 @@ class Lineage:
             rows.append({"kind": "non-idempotent step", "holder": "; ".join(paths), "op": op,
                          "source": "", "source_kind": entries[0][2], "site": site, "n": n})
         return rows
+
+    # -- carried-over state (Note [carried-over state]) ---------------------------------------
+    def _load(self, s: torch.UntypedStorage, a: int, sources: dict) -> None:
+        """A write of the storage `s` at address `a` from `sources`: a load when `s` is a
+        registered parameter or buffer and no source is one (its values come from outside
+        the model). A load after a read of `s` begins a new load cycle of `s`."""
+        registered = self._registered
+        if registered is None:
+            registered = self._registered_tensors(False)
+        entries = registered.get(a)
+        if entries is None or entries[0][3].expired():
+            return
+        for b in sources:
+            if b in registered:
+                return  # made from the model's own tensors: a process step, not a load
+        clock = self.clock
+        entry = self.loads.get(a)
+        if entry is None:
+            self.loads[a] = [clock, 1, False]
+            if not self.first_load:
+                self.first_load = clock
+        elif entry[2]:  # read since its last load: a new cycle (shards of one load are not)
+            entry[0], entry[1], entry[2] = clock, entry[1] + 1, False
+            if clock > self.reload_clock:
+                self.reload_clock = clock
+
+    def _carried_over(self, func, reads: dict, sources: dict) -> None:
+        """An op read `reads` (with `sources`, theirs): is one of them unregistered state,
+        made from no registered tensor during an earlier load cycle, read together with a
+        registered tensor whose load cycle began after it was written?"""
+        nodes = self.nodes
+        lo, hi = self.first_load, self.reload_clock
+        registered = None
+        for a in reads:
+            node = nodes.get(a)
+            if node is None or not lo < node[1] < hi:
+                continue  # not written by lineage after the first load and before a reload
+            if registered is None:
+                registered = self._registered
+                if registered is None:
+                    registered = self._registered_tensors(False)
+            if a in registered or (node[2] and not registered.keys().isdisjoint(node[2])):
+                continue  # registered, or derived from the weights (freshness judges those)
+            c = node[1]
+            for b in sources:
+                entry = self.loads.get(b)
+                if entry is not None and entry[1] > 1 and entry[0] > c and b != a:
+                    self._note_carried(func, a, reads[a], b)
+                    break
+
+    def _note_carried(self, func, a: int, storage: torch.UntypedStorage, source: int) -> None:
+        site = self.site() if self.site is not None else None
+        key = (a, op_info(func).name, site(func) if site is not None else "")
+        record = self.carried.get(key)
+        if record is not None and not record[0].expired():
+            record[1] += 1
+        elif len(self.carried) < MAX_SELF_UPDATES:
+            self.carried[key] = [StorageWeakRef(storage), 1, source]
+
+    def carried_over(self, models: Mapping[str, torch.nn.Module]) -> list[dict]:
+        """One record per live unregistered storage, op and line that read state carried over
+        from an earlier load cycle into a process step (Note [carried-over state])."""
+        live = {key: r for key, r in self.carried.items() if not r[0].expired()}
+        if not live:
+            return []
+        holders = self._holders({key[0] for key in live}, models)
+        registered = self._registered_tensors(True)
+        rows = []
+        for (a, op, site), (_ref, n, b) in sorted(live.items(), key=lambda kv: kv[0][1:]):
+            entries = registered.get(b, ())
+            rows.append({"kind": "carried-over state",
+                         "holder": "; ".join(sorted(holders.get(a, []))) or "(no owner path)",
+                         "op": op,
+                         "source": "; ".join(sorted((f"{m}:" if m else "") + p
+                                                    for m, p, _k, _r in entries)),
+                         "source_kind": entries[0][2] if entries else "",
+                         "site": site, "n": n})
+        return rows
+
+    @staticmethod
+    def _holders(addresses: set, models: Mapping[str, torch.nn.Module]) -> dict[int, list[str]]:
+        """Address -> the owner paths (any kind) that reach the storage there now."""
+        import warnings
+
+        from graphtrace.opaque import storage_of
+        from graphtrace.owners import walk_owners
+
+        holders: dict[int, list[str]] = {}
+        for name, model in models.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                for path, _kind, t in walk_owners(model):
+                    try:
+                        a = storage_of(t)._cdata
+                    except Exception:
+                        continue
+                    if a in addresses:
+                        holders.setdefault(a, []).append((f"{name}:" if name else "") + path)
+        return holders
 
     def declare(self, copy, source) -> None:
         """Declared lineage (`Trace.watch_copy`): the storage of `copy` (a tensor or an
@@ -695,6 +852,7 @@ class Lineage:
         for a in dead:
             node = nodes.pop(a)
             self.handles.pop(a, None)
+            self.loads.pop(a, None)
             free(node[0])
             if node[2]:
                 self.n_edges -= len(node[2])
@@ -716,6 +874,7 @@ class Lineage:
             free(node[0])
         self.n_edges = 0
         self.handles, self.pending, self._registered = {}, {}, None
+        self.loads, self.carried = {}, {}
 
     def __del__(self):
         try:

@@ -135,16 +135,27 @@ def _slot_names(tp: type) -> tuple[str, ...]:
 
 
 def _key_repr(k: object) -> str | None:
-    """`repr(k)` if it reads back with `ast.literal_eval`, else None (no path for it)."""
+    """`repr(k)` if it reads back with `ast.literal_eval`, else None (no path for it). A
+    `torch.Size` (in a tuple key too: FlashInfer's `("w3_w1", weight.shape)` caches) reads
+    as its plain tuple, which finds the same dict entry (equal, with the same hash)."""
     if type(k) in _KEY_TYPES:
         return repr(k)
-    if type(k) in (float, tuple):
+    if type(k) in (float, tuple, torch.Size):
         try:
-            r = repr(k)
+            r = repr(_plain_key(k))
             return r if ast.literal_eval(r) == k else None
         except (ValueError, SyntaxError, TypeError, RecursionError):
             return None
     return None
+
+
+def _plain_key(k: object) -> object:
+    """`k` with every torch.Size (at any tuple depth) as a plain tuple."""
+    if type(k) is torch.Size:
+        return tuple(k)
+    if type(k) is tuple:
+        return tuple(_plain_key(x) for x in k)
+    return k
 
 
 # Note [tensor subclasses]

@@ -83,6 +83,7 @@ FINDING_KINDS = (
     "dangling source",          # a live handle whose source was freed, kept elsewhere by the model
     "released source",          # ... whose source the model dropped on purpose (consumed)
     "non-idempotent step",      # a registered storage updated in place from its own value
+    "carried-over state",       # a process step read state kept from an earlier load cycle
 )
 FINDING_FIELDS = ("kind", "holder", "op", "source", "source_kind", "site", "n")
 

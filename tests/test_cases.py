@@ -55,7 +55,8 @@ def test_every_variant_as_its_case_states(results, case, variant):
 def test_case_library_has_the_issue_cases():
     refs = " ".join(c.reference for c in CASES.values())
     for ref in ("#48539", "#48438", "#48251", "#41670", "#40390", "#46009", "#50521",
-                "#6265", "#27140", "Megatron-LM #6723", "ROCm ATOM #2028", "TRL colocate"):
+                "#6265", "#27140", "Megatron-LM #6723", "ROCm ATOM #2028", "TRL colocate",
+                "SGLang #26194"):
         assert ref in refs
     kinds = {v.kind for c in CASES.values() for v in c.variants}
     assert kinds == {"buggy", "fixed", "control"}
@@ -63,8 +64,8 @@ def test_case_library_has_the_issue_cases():
                           for e in v.expect}
     assert "unrefreshed" in {e.verdict for c in CASES.values() for v in c.variants
                              for e in v.expect}
-    assert "non-idempotent step" in {f.kind for c in CASES.values() for v in c.variants
-                                     for f in v.finds}
+    finds = {f.kind for c in CASES.values() for v in c.variants for f in v.finds}
+    assert {"non-idempotent step", "carried-over state"} <= finds
 
 
 def _wrong(case_name: str, variant_name: str, verdict: str):

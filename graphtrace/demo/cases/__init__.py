@@ -27,6 +27,7 @@ MODULES = (
     "megatron_6723_a_neg_exp_cache",
     "rl_load_weights_no_process",
     "rocm_atom_2028_scale_normalise",
+    "sglang_26194_permute_index_cache",
     "control_same_storage",
 )
 

@@ -38,7 +38,7 @@ __all__ = [
 
 KINDS = ("buggy", "fixed", "control")
 # findings a case must state when it has them (a `released source` is information only)
-FOUND_KINDS = ("dangling source", "non-idempotent step")
+FOUND_KINDS = ("dangling source", "non-idempotent step", "carried-over state")
 FLIPS = ("frozen", "follows")
 RELOADS = {
     "vllm-layerwise": "vLLM's layerwise reload (restore, load, process, copy back into the "
@@ -54,6 +54,9 @@ RELOADS = {
                          "with no process_weights_after_loading after it (TRL's colocate sync)",
     "sync-process": "a weight sync that loads into the live parameters and runs the process "
                     "step again, several times (ROCm ATOM)",
+    "memory-saver-update": "colocated RL: pause the engine (the memory saver releases the "
+                           "weights region; it comes back zeroed, written by no torch op), "
+                           "resume, load_weights into the live parameters, process again",
     "vllm-layerwise+attention": "vLLM's layerwise reload, then the attention layers' "
                                 "process_weights_after_loading on the live layer (deferred)",
 }
