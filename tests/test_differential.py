@@ -435,6 +435,24 @@ def rl_sync(process=False):
     return update
 
 
+# -- SGLang #26194 (graphtrace.demo.cases.sglang_26194_permute_index_cache): a findings case --
+
+def _sglang(clear=False):
+    def build():
+        from graphtrace.demo.cases.sglang_26194_permute_index_cache import MoEModel
+        return MoEModel(clear_each_cycle=clear)
+    return build
+
+
+def sglang_update(m, keep):
+    """The memory saver's pause and resume, then load and process again (no verdict: the
+    carried-over indices are a finding, tests/test_carried_state.py)."""
+    from graphtrace.demo.cases.sglang_26194_permute_index_cache import pause_resume
+
+    pause_resume(m)
+    m.load(m.checkpoint(1))
+
+
 @dataclasses.dataclass
 class Scenario:
     build: Callable[[], nn.Module]
@@ -545,6 +563,9 @@ SCENARIOS: dict[str, Scenario] = {
                                       setup=rl_first_load),
     "rl-reprocess-in-place-compiled": Scenario(_rl(in_place=True), rl_sync(process=True),
                                                set(), setup=rl_first_load, compiled=True),
+    "sglang-permute-cache-reused": Scenario(_sglang(), sglang_update, set(), setup=rl_first_load),
+    "sglang-permute-cache-reused-compiled": Scenario(_sglang(), sglang_update, set(),
+                                                     setup=rl_first_load, compiled=True),
     "handle-source-freed": Scenario(_handle_model, rebind_scale, {"dangling"}, {"unknown"},
                                     setup=process_again),
     "handle-source-in-place": Scenario(_handle_model, scale_in_place, {"unrefreshed"},
