@@ -24,8 +24,16 @@ forward, labelled apart: 102 captures, batch sizes up to 512), with ``gt.capture
 (default 1, the CPU default: replayable emulated graphs). Also printed: the process's peak
 resident memory (the model, the trace and every graph) and the capture time.
 
+``--freshness``: freshness against identity only (issue 24's goal: at most 2x). A process
+step inside the trace derives each layer's kernel scale from its ``q_proj.weight`` (the graphs
+read 80 derived storages, lineage records them), the reload copies the same weights and
+recomputes the scales in place (clean); the same run is made with lineage on (the guard checks
+identity and freshness) and off (identity only), and the clean checks' medians compared:
+
+    python analysis/bench_guard.py --freshness [--layers 80] [--graphs 67]
+
 Exit status 1 when the full-size run misses the targets: check <= 10 ms and >= 50x faster
-than diff.
+than diff (with ``--freshness``: the ratio at most 2).
 """
 
 from __future__ import annotations
@@ -142,6 +150,63 @@ def same_weights_reload(model: nn.Module) -> None:
             p.copy_(p.detach().clone())
 
 
+def derive_scales(model: nn.Module) -> None:
+    """A process step: each layer's kernel scale derived from its q_proj weight."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.kernel_scale = functools.partial(torch.mul,
+                                                  other=attn.q_proj.weight.abs().amax(0))
+
+
+def rederive_in_place(model: nn.Module) -> None:
+    """The reload's process step: the derived scales recomputed into their own storages."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.kernel_scale.keywords["other"].copy_(attn.q_proj.weight.abs().amax(0))
+
+
+def freshness_ratio(args, captures) -> int:
+    """guard.check() with freshness (lineage on) against identity only (lineage off)."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    medians, derived = {}, {}
+    for lineage in (True, False):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(args.layers).eval()
+        with torch.no_grad(), gt.trace(model, lineage=lineage) as t:
+            derive_scales(model)
+            graphs = []
+            for label, bs in captures:
+                with gt.capture(label, emulate=bool(args.emulate)) as g:
+                    model(torch.arange(bs) % 32)
+                graphs.append(g)
+        guard = t.guard()
+        derived[lineage] = len(t.lineage.captured) if t.lineage is not None else 0
+        same_weights_reload(model)
+        rederive_in_place(model)
+        assert guard.check().empty, "a same-weights reload that re-processes must be clean"
+        medians[lineage] = median_ms(guard.check, args.check_repeat)
+        del graphs, guard, t
+    ratio = medians[True] / medians[False]
+    print("\n".join([
+        "# graphtrace guard.check(): freshness against identity only, Llama-70B-shaped model",
+        f"# python {platform.python_version()}, torch {torch.__version__}, "
+        f"{platform.machine()}, threads {torch.get_num_threads()}, load average at start "
+        f"{load:.1f} (a shared machine: timings vary with it)",
+        f"layers {args.layers}, graphs {args.graphs}, derived storages the graphs read: "
+        f"{derived[True]} (lineage on), {derived[False]} (off)",
+        "",
+        "| guard.check(), clean | median ms |",
+        "|---|---|",
+        f"| identity only (lineage off, x{args.check_repeat}) | {medians[False]:.2f} |",
+        f"| identity + freshness (lineage on, x{args.check_repeat}) | {medians[True]:.2f} |",
+        "",
+        f"ratio freshness / identity only: {ratio:.2f}  (issue 24's goal: at most 2)",
+    ]))
+    return 0 if (args.quick or ratio <= 2.0) else 1
+
+
 def median_ms(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
@@ -164,6 +229,8 @@ def main(argv=None) -> int:
                          "FULL and PIECEWISE (102 captures)")
     ap.add_argument("--emulate", type=int, choices=(0, 1), default=1,
                     help="gt.capture(emulate=...) (default 1: replayable emulated graphs)")
+    ap.add_argument("--freshness", action="store_true",
+                    help="guard.check() with freshness against identity only (issue 24)")
     args = ap.parse_args(argv)
     if args.quick:
         args.layers, args.graphs, args.check_repeat, args.diff_repeat = 4, 3, 5, 1
@@ -173,6 +240,8 @@ def main(argv=None) -> int:
     else:
         captures = [(f"decode_bs{bs}", bs) for bs in range(1, args.graphs + 1)]
     args.graphs = len(captures)
+    if args.freshness:
+        return freshness_ratio(args, captures)
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     torch.manual_seed(0)

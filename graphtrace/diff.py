@@ -45,6 +45,7 @@ from graphtrace.verdict import (
     impact_of,
     owner_status,
     storage_verdicts,
+    unrefreshed_impact,
     verdict_of,
 )
 from graphtrace.vocab import (
@@ -170,16 +171,18 @@ def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.nd
 
 def _freshness(lineage, sids: np.ndarray, handles, alive: np.ndarray,
                live: Mapping[str, Mapping], n_storages: int
-               ) -> tuple[np.ndarray, dict, np.ndarray]:
+               ) -> tuple[np.ndarray, dict, np.ndarray, dict]:
     """Per storage id: is it unrefreshed (the verdict engine's `freshness_of`, with what
     lineage saw), the `derived_from` text of each captured storage lineage matched (a freed
-    source marked `(freed)`), and is it a handle with a dangling source (`freed_sources`)."""
+    source marked `(freed)`), is it a handle with a dangling source (`freed_sources`), and
+    the impact of each unrefreshed one (`unrefreshed_impact`)."""
     flags = np.zeros(n_storages, dtype=bool)
     freed = np.zeros(n_storages, dtype=bool)
     texts: dict[int, str] = {}
+    impacts: dict[int, str] = {}
     derived = lineage.captured if lineage is not None else {}
     if not derived:
-        return flags, texts, freed
+        return flags, texts, freed, impacts
 
     def resolve(model: str, path: str):
         paths = live.get(model)
@@ -196,7 +199,9 @@ def _freshness(lineage, sids: np.ndarray, handles, alive: np.ndarray,
                 freed[sid] = True
                 texts[sid] = d.marked(gone)
             flags[sid] = freshness_of(d, resolve, lineage, handles[sid])
-    return flags, texts, freed
+            if flags[sid]:
+                impacts[sid] = unrefreshed_impact(d, resolve, lineage)
+    return flags, texts, freed, impacts
 
 
 def _per_storage(owners: pd.DataFrame, alive: np.ndarray, internal: np.ndarray,
@@ -286,14 +291,17 @@ def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray,
 
 def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndarray,
              moved_to: dict, moved_by: dict, snapshot: OwnerSnapshot,
-             notes: list[BlindSpot]) -> pd.Categorical:
+             notes: list[BlindSpot], fresh_impacts: Mapping[int, str] = {}) -> pd.Categorical:
     """`impact` per edge (`graphtrace.verdict.impact_of`, once per storage and view) for
-    stale and diverged edges, unknown for dangling ones, empty otherwise. A moved owner's
-    dtype or shape change since capture is appended to `notes`, one text per storage and
-    view, naming the owners."""
+    stale and diverged edges, unknown for dangling ones, `fresh_impacts` (per storage id:
+    `unrefreshed_impact`, default unknown) for unrefreshed ones, empty otherwise. A moved
+    owner's dtype or shape change since capture is appended to `notes`, one text per
+    storage and view, naming the owners."""
     owners = snapshot.owners
     names = ["", *IMPACTS]
     codes = np.where((verdict == DANGLING) | (verdict == UNREFRESHED), names.index("unknown"), 0)
+    for i in np.flatnonzero(verdict == UNREFRESHED).tolist():
+        codes[i] = names.index(fresh_impacts.get(int(sids[i]), "unknown"))
     items = recorder.views.items
     cache: dict[tuple[int, int], int] = {}
     for i in np.flatnonzero((verdict == STALE) | (verdict == DIVERGED)).tolist():
@@ -478,11 +486,11 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
         owners, moved_to, moved_by = _resolve_owners(table.handles, snapshot.owners, edge_sids,
                                                      live)
         try:
-            unrefreshed, derived_from, freed = _freshness(lineage, edge_sids, table.handles,
-                                                          alive, live, n_storages)
+            unrefreshed, derived_from, freed, fresh_impacts = _freshness(
+                lineage, edge_sids, table.handles, alive, live, n_storages)
         except Exception as exc:  # fail open: identity verdicts still stand
             rec.fail("freshness", exc)
-            unrefreshed, derived_from = np.zeros(n_storages, dtype=bool), {}
+            unrefreshed, derived_from, fresh_impacts = np.zeros(n_storages, dtype=bool), {}, {}
             freed = np.zeros(n_storages, dtype=bool)
     edges.update(_owner_columns(_per_storage(owners, alive, internal_storage, unrefreshed,
                                              freed),
@@ -491,7 +499,7 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     edges["origin"] = pd.Categorical.from_codes(np.where(internal, 1, 0), list(ORIGINS))
     notes: list[BlindSpot] = []
     edges["impact"] = _impacts(rec, verdict, sids, raw["view"][view_row], moved_to, moved_by,
-                               snapshot, notes)
+                               snapshot, notes, fresh_impacts)
     _add(spots, notes)
     edges.update(edge_columns(provenance, table, sids, verdict, owners, moved_to))
     texts = [""] + sorted(set(derived_from.values()))

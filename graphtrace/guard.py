@@ -43,6 +43,7 @@ from graphtrace.verdict import (
     freshness_of,
     impact_of,
     owner_status,
+    unrefreshed_impact,
     verdict_of,
 )
 from graphtrace.vocab import (
@@ -148,6 +149,7 @@ class Guard:
                                              if s.get("derived") is not None}
         self._lineage = weakref.ref(lineage) if lineage is not None else None
         self._fresh_paths: dict | None = None  # model -> (paths, PathSet), made on first use
+        self._fresh_impacts: dict[int, str] = {}  # the last check's unrefreshed -> impact
         self._owner_views: list[View | None] = [
             (s.get("owner_views") or {}).get((m, p)) for s in storages for m, p, _ in s["owners"]]
         # per model: its owner paths resolved together, and the owner rows they answer
@@ -328,6 +330,7 @@ class Guard:
 
         lineage = self._lineage() if self._lineage is not None else None
         out = set()
+        self._fresh_impacts = {}
         for i, d in self._derived.items():
             if i in bad or self._internal[i]:
                 continue
@@ -335,7 +338,8 @@ class Guard:
             if (ref.expired() if ref is not None else self._dead[i]):
                 continue
             if freshness_of(d, resolve, lineage, ref.cdata if ref is not None else None):
-                out.add(i)
+                out.add(i)  # problems only: the impact's byte compare (Note [freshness])
+                self._fresh_impacts[i] = unrefreshed_impact(d, resolve, lineage)
         return out
 
     def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list,
@@ -375,8 +379,10 @@ class Guard:
                                          if old is not None and view is not None and moved
                                          else "unknown")
                     impact = impacts[view]
+                elif verdict == "unrefreshed":
+                    impact = self._fresh_impacts.get(i, "unknown")
                 else:
-                    impact = "unknown" if verdict in ("dangling", "unrefreshed") else pd.NA
+                    impact = "unknown" if verdict == "dangling" else pd.NA
                 rows.append((g, self.graphs.get(g, ""), self._sids[i], self._ptrs[i],
                              self._nbytes[i], self._dtypes[i], self._shapes[i],
                              "; ".join(self._owners[r][2] for r in owner_rows),

@@ -34,7 +34,8 @@ from graphtrace.opaque import is_opaque, storage_of
 from graphtrace.vocab import HOLDS, MOVED, ORPHANED, OWNER_STATUSES, VERDICTS
 
 __all__ = ["View", "owner_status", "verdict_of", "storage_verdicts", "impact_of",
-           "source_changed", "unrefreshed", "freshness_of", "freed_sources"]
+           "source_changed", "unrefreshed", "freshness_of", "unrefreshed_impact",
+           "freed_sources"]
 
 # verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
 _V = {v: v for v in VERDICTS}
@@ -201,7 +202,16 @@ def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray
 # check cannot see: an in-place write through a tensor with its own version counter
 # (`param.data.copy_`) made while lineage is not recording (after the trace, or from a
 # guard read from JSON); a rewrite of an unowned storage then (it has no path to read a
-# version from). `impact` is `unknown`: graphtrace does not recompute the derived value.
+# version from). `impact`: graphtrace does not recompute the derived value, so it is
+# `unknown`, except where the sources' values are known unchanged: every source that changed
+# was *rebound* to a storage holding the same bytes as its old one, which is still alive (a
+# graph or a holder keeps it) and which lineage saw no write to since the match -- a
+# same-weights reload that binds new tensors: the derived value is still what recomputing it
+# would give, `latent` (wrong only after the next real update), as for a stale edge
+# (`unrefreshed_impact`). A source changed in place (its version moved, or lineage saw a
+# write) has no old value left to compare: `unknown`. Byte compares run for unrefreshed
+# storages only (problems), never on a clean check; a guard read from JSON holds no weak
+# handles, so its impact stays `unknown`.
 
 def source_changed(tensor: object, cdata: int | None, data_ptr: int, nbytes: int,
                    version: int | None) -> bool:
@@ -342,6 +352,42 @@ def freshness_of(derived, resolve, lineage=None, address: int | None = None) -> 
         changed.append(moved)
     return unrefreshed(derived.stale, changed,
                        [(resolve(m, p), v) for (m, p), v in derived.owner_versions.items()])
+
+
+def unrefreshed_impact(derived, resolve, lineage=None) -> str:
+    """`latent` or `unknown`: the impact of an unrefreshed storage (Note [freshness]).
+    `derived`: its graphtrace.lineage.Derived; `resolve(model, path)`: what a source's path
+    reaches now; `lineage`: the trace's, while it lives (without it: `unknown`)."""
+    if lineage is None or derived.stale:
+        return "unknown"
+    rebound = False
+    for s in derived.sources:
+        if s.ref is None or s.ref.expired() or lineage.clock_of(s.ref.cdata) > s.clock:
+            return "unknown"  # no old value left, or lineage saw it written since
+        now = resolve(s.model, s.path)
+        if not source_changed(now, s.ref.cdata, s.data_ptr, s.nbytes, s.version):
+            continue
+        try:
+            new = now.untyped_storage()
+            if new._cdata == s.ref.cdata:
+                return "unknown"  # changed in place (its version moved): no old value
+            old = _storage_from_weak_ref(s.ref.cdata)
+            if old is None or old.nbytes() != new.nbytes() or old.device != new.device:
+                return "unknown"
+            same = torch.equal(torch.empty(0, dtype=torch.uint8, device=old.device).set_(old),
+                               torch.empty(0, dtype=torch.uint8, device=new.device).set_(new))
+        except Exception:  # no storage, no bytes to compare: say so rather than guess
+            return "unknown"
+        if not same:
+            return "unknown"
+        rebound = True
+    return "latent" if rebound else "unknown"
+
+
+def _storage_from_weak_ref(cdata: int):
+    from graphtrace._compat import storage_from_weak_ref
+
+    return storage_from_weak_ref(cdata)
 
 
 def freed_sources(derived, resolve) -> list:

@@ -380,6 +380,20 @@ def rebind_source(m, keep):
     m.layers[0].A_log = nn.Parameter(torch.rand(8), requires_grad=False)
 
 
+def rebind_source_same_values(m, keep):
+    """A same-weights reload that binds new tensors, the old A_log kept alive by a holder: the
+    cache is unrefreshed, but its sources' values are unchanged (impact latent)."""
+    keep.append(m.layers[0].A_log)
+    m.layers[0].A_log = nn.Parameter(m.layers[0].A_log.detach().clone(), requires_grad=False)
+
+
+def rebind_source_new_values(m, keep):
+    """As above with new values: the old A_log is alive but differs (impact unknown: the
+    derived value is not recomputed)."""
+    keep.append(m.layers[0].A_log)
+    m.layers[0].A_log = nn.Parameter(m.layers[0].A_log.detach() + 1, requires_grad=False)
+
+
 def refit_and_drop_cache(m, keep):
     m.refit(m.checkpoint(1))
     m.layers[1]._A_neg_exp_cache = -torch.exp(m.layers[1].A_log)  # rebuilt, not in place
@@ -548,6 +562,10 @@ SCENARIOS: dict[str, Scenario] = {
     "derived-cache-graph-rewrites": Scenario(_mamba(True), refit(), set(), warmup=True),
     "derived-source-rebound": Scenario(_mamba(), rebind_source, {"unrefreshed"}, {"unknown"},
                                        warmup=True),
+    "derived-source-rebound-same-values": Scenario(_mamba(), rebind_source_same_values,
+                                                   {"unrefreshed"}, {"latent"}, warmup=True),
+    "derived-source-rebound-new-values": Scenario(_mamba(), rebind_source_new_values,
+                                                  {"unrefreshed"}, {"unknown"}, warmup=True),
     "derived-cache-refit-one-rebuilt": Scenario(_mamba(), refit_and_drop_cache,
                                                 {"unrefreshed", "stale"},
                                                 {"unknown", "manifest"}, warmup=True),
