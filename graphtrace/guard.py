@@ -307,17 +307,28 @@ class Guard:
                 out[i] = gone
         return out
 
+    # Note [guard rebaseline]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~
+    # Freshness compares version counters with the baselines taken at the capture (Note
+    # [freshness] in graphtrace/verdict.py). After an update that changed a source in place
+    # and recomputed the derived storage in place (its owners' versions moved: fresh), every
+    # later check would resolve the owners' paths again to reach the same conclusion, and an
+    # update after it that changes the source again *without* recomputing would still look
+    # rewritten (the owners' versions differ from the capture's). So a check that finds a
+    # derived storage fresh although a source's version moved takes the versions now as its
+    # baseline: the next check costs what a clean one does, and finds that second update
+    # `unrefreshed`. Only where every source still has its storage (a rebound source keeps
+    # its baseline); a guard read from JSON rebaselines its version counters alike.
+
     def _unrefreshed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> set[int]:
         """The derived storages whose owners all hold them (or that have none) and whose
         sources changed since they were last written (the verdict engine's freshness_of:
         version counters and storage identity only)."""
-        if self._fresh_paths is None:  # every path freshness reads, resolved together
+        if self._fresh_paths is None:  # the sources' paths, resolved together
             by_model: dict[str, set] = {}
             for d in self._derived.values():
                 for src in d.sources:
                     by_model.setdefault(src.model, set()).add(src.path)
-                for m, p in d.owner_versions:
-                    by_model.setdefault(m, set()).add(p)
             self._fresh_paths = {m: (sorted(ps), PathSet(sorted(ps))) for m, ps in by_model.items()}
         found: dict[tuple[str, str], object] = {}
         for name, (paths, path_set) in self._fresh_paths.items():
@@ -326,7 +337,14 @@ class Guard:
                 found.update(zip(((name, p) for p in paths), path_set.resolve(model)))
 
         def resolve(model: str, path: str):
-            return found.get((model, path))
+            # an owner's path: only where a source changed (freshness_of), resolved then
+            key = (model, path)
+            if key not in found:
+                try:
+                    found[key] = resolve_path(models[model], path) if model in models else None
+                except Exception:
+                    found[key] = None
+            return found[key]
 
         lineage = self._lineage() if self._lineage is not None else None
         out = set()
@@ -340,7 +358,46 @@ class Guard:
             if freshness_of(d, resolve, lineage, ref.cdata if ref is not None else None):
                 out.add(i)  # problems only: the impact's byte compare (Note [freshness])
                 self._fresh_impacts[i] = unrefreshed_impact(d, resolve, lineage)
+            else:
+                self._rebaseline(i, d, resolve, lineage)
         return out
+
+    def _rebaseline(self, i: int, d: Derived, resolve, lineage) -> None:
+        """Note [guard rebaseline]: a derived storage found fresh although a source's version
+        moved (so its owners' moved too: it was rewritten since) takes the versions now as
+        its baseline, where every source still has its storage."""
+        moved = False
+        for s in d.sources:
+            t = resolve(s.model, s.path)
+            if s.version is not None and isinstance(t, torch.Tensor) and t._version != s.version:
+                moved = True
+                break
+        if not moved:
+            return
+        sources = []
+        for s in d.sources:
+            t = resolve(s.model, s.path)
+            if not isinstance(t, torch.Tensor):
+                return
+            try:
+                st = t.untyped_storage()
+                same = (st._cdata == s.ref.cdata if s.ref is not None else
+                        st.data_ptr() == s.data_ptr and st.nbytes() == s.nbytes)
+                version = t._version
+            except Exception:
+                return
+            if not same:
+                return
+            clock = s.clock
+            if lineage is not None and s.ref is not None:
+                clock = max(clock, lineage.clock_of(s.ref.cdata))
+            sources.append(s._replace(version=version if s.version is not None else None,
+                                      clock=clock))
+        versions = {}
+        for (m, p), v in d.owner_versions.items():
+            t = resolve(m, p)
+            versions[(m, p)] = t._version if isinstance(t, torch.Tensor) else v
+        self._derived[i] = d._replace(sources=tuple(sources), owner_versions=versions)
 
     def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list,
                   tensors: list, unrefreshed: set[int] = frozenset(),

@@ -350,6 +350,8 @@ def freshness_of(derived, resolve, lineage=None, address: int | None = None) -> 
         if not moved and lineage is not None and cdata is not None:
             moved = lineage.clock_of(cdata) > s.clock
         changed.append(moved)
+    if not (derived.stale or any(changed)):  # the owners' paths are resolved only when needed
+        return False
     return unrefreshed(derived.stale, changed,
                        [(resolve(m, p), v) for (m, p), v in derived.owner_versions.items()])
 

@@ -359,3 +359,27 @@ def test_watch_copy_declares_lineage_for_a_producer_lineage_cannot_see():
     assert list(row["derived_from"].astype(str)) == ["weight"]
     assert list(t.guard().check()["verdict"]) == ["unrefreshed"]
     del g
+
+
+def test_the_guard_finds_a_second_update_without_recompute_after_a_clean_one():
+    """Note [guard rebaseline] in graphtrace/guard.py: after an update that recomputed the
+    derived cache in place (clean), a second update that changes its source again and does not
+    recompute it is unrefreshed (the baselines moved with the clean check)."""
+    model = MambaModel().eval()
+    model.refit(model.checkpoint(0))
+    x = torch.rand(2, 8)
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        model(x)  # the cache is filled here, in the trace
+        with gt.capture("g") as g:
+            model(x)
+    guard = t.guard()
+    model.refit(model.checkpoint(1))
+    for layer in model.layers:
+        layer.refresh()
+    assert guard.check().empty
+    assert guard.check().empty  # the same answer again, from the new baselines
+    model.refit(model.checkpoint(2))  # no recompute this time
+    problems = guard.check()
+    assert set(problems["verdict"]) == {"unrefreshed"}, problems
+    assert set(problems["derived_from"]) == {"layers.0.A_log", "layers.1.A_log"}
+    del g
