@@ -12,6 +12,18 @@ vllm/model_executor/layers/vocab_parallel_embedding.py:69-71): its `handler_tens
 lineage's handle mode sees (Note [handle mode] in graphtrace/lineage.py). `lm_head` runs in
 `compute_logits`, outside the model's forward, so the test captures `compute_logits` itself
 (`gt.capture`, an emulated graph on CPU).
+
+Why the linears' handles show no `derived_from` (checked under `trace_llm`: all ten oneDNN
+handles are seen, none names a source when made): lineage names a handle's registered
+sources when the op makes it, from the watched models (Note [dangling sources] in
+graphtrace/lineage.py), but vLLM makes them inside `Worker.load_model`, before `trace_llm`
+watches the model (its `after_load` listener); and `dispatch_cpu_unquantized_gemm(...,
+remove_weight=True)` then replaces each linear's weight with an empty Parameter, freeing the
+storage the handle was made from, so the walk after the capture has nothing left to name.
+`lm_head` keeps its weight (`remove_weight=False`), so that walk names it. Naming earlier would
+not help as such: the freed weight's path then reaches a live (empty) tensor, which the rule
+reads as a `dangling source`, a false alarm for a handler that prepacked (copied) the weight;
+it would need an empty placeholder read as `released` first.
 """
 
 from __future__ import annotations
