@@ -32,6 +32,7 @@ __all__ = ["GraphtraceError", "Trace", "EmulatedGraph", "trace", "capture", "act
 
 
 
+RECORD = ("auto", "always")  # when provenance and lineage record: Note [recording while serving]
 _active_lock = threading.Lock()
 _active: "Trace | None" = None
 
@@ -261,6 +262,7 @@ class _Region:
                 self.trace._note_scalars(self.capture.label, self.graph)
         finally:
             self.trace.recorder.unpin(self.capture)
+        self.trace._serving()  # once graphs exist: Note [recording while serving]
 
 
 class _CaptureContext:
@@ -421,17 +423,51 @@ class _CudaGraphPatch:
         self.cls = None
 
 
+# Note [recording while serving]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Provenance and lineage (one dispatch mode on the tracing thread: Note [provenance]) cost a
+# dispatch per op, which a model that serves while its trace stays open should not pay. So
+# under `record="auto"` (the default of `graphtrace.trace`) they record while the model is
+# loaded, processed and captured, and around weight updates, and pause while it serves:
+#
+# - they PAUSE, once the trace has at least one graph, when a capture region ends, when a
+#   watched model's forward begins outside capture regions (a forward pre-hook on each
+#   watched model; not inside compiled code, which Dynamo inlines), and when a
+#   `with t.updating():` block ends;
+# - they RESUME when an update begins: `load_state_dict` on a watched model (a pre-hook), a
+#   parameter or buffer registered on any module (torch's global registration hooks:
+#   `register_parameter`, assigning an `nn.Parameter`, `register_buffer`; what vLLM-style
+#   reloads do when they rebuild a layer's tensors), or `with t.updating():` (recording
+#   inside the block even where the user paused, and a forward inside it does not pause).
+#
+# An update graphtrace cannot see begin -- values written in place into existing tensors
+# (`p.copy_(new)`, `p.data.copy_`), `p.data = new`, `torch.utils.swap_tensors`, a plain
+# tensor attribute set -- is not recorded while paused: its new tensors read `not
+# recorded`, and freshness falls back to version counters (Note [lineage]). Wrap such an
+# update in `t.updating()`, or open the trace with `record="always"` (record whenever the
+# trace is open, as before this rule). The explicit switches still work and win:
+# `t.pause_provenance()` is a pause no update signal undoes (only `resume_provenance()` or
+# an `updating()` block, after which it pauses again); `resume_provenance()` records until
+# the rule's next pause. The rule runs on the tracing thread only (dispatch modes are per
+# thread). The vLLM adapter opens its trace with `record="always"` and steers the same
+# switches from vLLM's own warm-up and update hooks (`pause_provenance=True`). Cost:
+# docs/performance.md, "A trace open while the model serves".
+
+
 class Trace:
     """Everything recorded between `trace()` entry and `diff()`; see `graphtrace.trace`."""
 
     def __init__(self, model: torch.nn.Module | None = None, *, strict: bool = False,
                  name: str | None = None, native: bool | None = None, modules: str = "forward",
-                 provenance: bool | None = None, lineage: bool | None = None):
+                 provenance: bool | None = None, lineage: bool | None = None,
+                 record: str = "auto"):
         from graphtrace import native as _native
         from graphtrace.lineage import Lineage
         from graphtrace.lineage import enabled_by_default as lineage_by_default
         from graphtrace.provenance import Provenance, enabled_by_default
 
+        if record not in RECORD:
+            raise ValueError(f"record must be one of {RECORD}, got {record!r}")
         self._attribution = ModuleAttribution(modules)  # checks `modules` before any build
         self.recorder = Recorder(strict=strict, native=_native.resolve(native))
         self.strict = strict
@@ -456,6 +492,12 @@ class Trace:
             trace = weakref.ref(self)  # no cycle: the lineage names handles' sources by it
             self.provenance.lineage.models = lambda: (trace().models if trace() is not None
                                                       else {})
+        # when provenance and lineage pause themselves (Note [recording while serving])
+        self.record = record
+        self._auto_paused = False  # paused by that rule: the next update resumes it
+        self._updating = 0         # depth of `with t.updating():` blocks
+        self._model_hooks: dict[str, list] = {}  # model name -> its hooks' handles
+        self._global_hooks: list = []
         self._patch = _CudaGraphPatch(self)
         self.compiled_regions = CompiledPatch(self)  # compiled regions: Note [Compiled regions]
         self._open = False
@@ -483,10 +525,12 @@ class Trace:
             except Exception as exc:
                 self.recorder.fail("provenance start", exc)
         self.compiled_regions.install()
+        self._install_update_hooks()
         return self
 
     def __exit__(self, *exc) -> None:
         global _active
+        self._remove_update_hooks()
         self._patch.uninstall()
         self.compiled_regions.uninstall()
         for region in list(self._cuda_regions.values()):
@@ -520,6 +564,7 @@ class Trace:
         self._models[name] = weakref.ref(model)
         if self._open:
             self._attribute_modules(name, model)
+            self._hook_model(name, model)
         self.owner_snapshot.forget(name)
         if self.recorder.captures:
             self._refresh_owners()
@@ -710,6 +755,121 @@ class Trace:
         """Whether a compiled region (torch.compile) was called inside a capture."""
         return bool(self.compiled_regions.seen)
 
+    # -- recording while serving (Note [recording while serving]) ---------------------------
+    def _rule_on(self) -> bool:
+        return self.provenance is not None and self.record == "auto"
+
+    def _install_update_hooks(self) -> None:
+        """The signals of an update beginning and of serving (Note [recording while
+        serving]): global parameter/buffer registration hooks, per watched model a
+        `load_state_dict` pre-hook and a forward pre-hook. Removed at exit."""
+        if not self._rule_on():
+            return
+        from torch.nn.modules.module import (
+            register_module_buffer_registration_hook,
+            register_module_parameter_registration_hook,
+        )
+
+        ref = weakref.ref(self)  # hooks outlive nothing, but never keep the trace alive
+
+        def registered(module, name, value):
+            trace = ref()
+            if trace is not None and trace._auto_paused:
+                trace._update_begins()
+            return None
+
+        self._global_hooks = [register_module_parameter_registration_hook(registered),
+                              register_module_buffer_registration_hook(registered)]
+        for name, model in self.models.items():
+            self._hook_model(name, model)
+
+    def _hook_model(self, name: str, model: torch.nn.Module) -> None:
+        if not self._rule_on():
+            return
+        for handle in self._model_hooks.pop(name, ()):
+            handle.remove()
+        ref = weakref.ref(self)
+
+        def load_pre(*args):
+            trace = ref()
+            if trace is not None and trace._auto_paused:
+                trace._update_begins()
+
+        def forward_pre(module, args):
+            if _compiling():  # Dynamo inlines hooks: a compiled forward does not pause
+                return None
+            trace = ref()
+            if trace is not None and not trace._auto_paused:
+                trace._serving()
+            return None
+
+        self._model_hooks[name] = [model.register_load_state_dict_pre_hook(load_pre),
+                                   model.register_forward_pre_hook(forward_pre)]
+
+    def _remove_update_hooks(self) -> None:
+        for handle in self._global_hooks:
+            handle.remove()
+        self._global_hooks = []
+        for handles in self._model_hooks.values():
+            for handle in handles:
+                handle.remove()
+        self._model_hooks.clear()
+        self._auto_paused = False
+
+    def _serving(self) -> None:
+        """A capture region ended, a watched model's forward began or an update ended:
+        under ``record="auto"``, once graphs exist, provenance and lineage pause."""
+        p = self.provenance
+        if (p is None or self.record != "auto" or not self._open or self._updating
+                or p.suspended or not self.recorder.captures
+                or p.thread != threading.get_ident() or self._open_region() is not None
+                or self._cuda_regions):
+            return
+        try:
+            p.suspend()
+            self._auto_paused = p.suspended
+        except Exception as exc:  # fail open: recording on costs time, never the engine
+            self.recorder.fail("provenance pause", exc)
+
+    def _update_begins(self) -> None:
+        """An update began (Note [recording while serving]): undo the rule's pause."""
+        p = self.provenance
+        if p is None or not self._auto_paused or p.thread != threading.get_ident():
+            return
+        try:
+            p.unsuspend()
+            self._auto_paused = False
+        except Exception as exc:
+            self.recorder.fail("provenance resume", exc)
+
+    @contextlib.contextmanager
+    def updating(self):
+        """``with t.updating(): update(model)``: provenance and lineage record inside the
+        block, paused or not before it, and a watched model's forward inside it does not
+        pause them; after it they pause again where they were paused before it or where
+        the rule pauses them (graphs exist, ``record="auto"``). Note [recording while
+        serving]. Call on the thread that opened the trace."""
+        if not self._open:
+            raise GraphtraceError("t.updating() needs the trace open: use it inside "
+                                  "`with graphtrace.trace(...) as t:`")
+        p = self.provenance
+        if p is not None:
+            self._check_thread("updating")
+        user_paused = p is not None and p.suspended and not self._auto_paused
+        self._updating += 1
+        if p is not None and p.suspended:
+            self._auto_paused = False
+            p.unsuspend()
+        try:
+            yield self
+        finally:
+            self._updating -= 1
+            if not self._updating and p is not None and self._open:
+                if user_paused:
+                    p.suspend()
+                else:
+                    self._serving()
+
     @property
     def provenance_recording(self) -> bool:
         """Is provenance on and not paused (its dispatch mode on the opening thread)?"""
@@ -723,12 +883,14 @@ class Trace:
         if self.provenance is not None and self._open:
             self._check_thread("pause_provenance")
             self.provenance.suspend()
+            self._auto_paused = False  # the user's pause: no update undoes it
 
     def resume_provenance(self) -> None:
         """Note creation sites again after `pause_provenance` (around a weight update)."""
         if self.provenance is not None and self._open:
             self._check_thread("resume_provenance")
             self.provenance.unsuspend()
+            self._auto_paused = False
 
     @contextlib.contextmanager
     def provenance_paused(self):
@@ -832,6 +994,13 @@ class Trace:
                 f"{self.recorder.n_errors} errors>")
 
 
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except Exception:  # a torch without torch.compiler: nothing compiles
+        return False
+
+
 def _current_stream() -> str:
     try:
         return str(torch.cuda.current_stream())
@@ -841,7 +1010,8 @@ def _current_stream() -> str:
 
 def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
           name: str | None = None, native: bool | None = None, modules: str = "forward",
-          provenance: bool | None = None, lineage: bool | None = None) -> Trace:
+          provenance: bool | None = None, lineage: bool | None = None,
+          record: str = "auto") -> Trace:
     """Open a trace: every capture region and CUDA graph captured inside it is recorded.
 
     `model` (optional) is watched for owners; add more with `t.watch(model, name=...)`.
@@ -860,6 +1030,10 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
     a storage derived from parameters that changed since is `unrefreshed` (True; None: as
     GRAPHTRACE_LINEAGE says, default on; False: off). See Note [lineage] in
     graphtrace/lineage.py.
+    `record`: when provenance and lineage record: "auto" (default) while loading, capturing
+    and around weight updates, paused while the model serves (from a capture's end or a
+    watched model's forward, once graphs exist, until an update begins); "always": whenever
+    the trace is open. See Note [recording while serving] in graphtrace/tracing.py.
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"graphtrace.trace() takes a torch.nn.Module, got {type(model).__name__}")
@@ -870,4 +1044,4 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
     if lineage not in (None, True, False):
         raise TypeError(f"lineage must be True, False or None, got {lineage!r}")
     return Trace(model, strict=strict, name=name, native=native, modules=modules,
-                 provenance=provenance, lineage=lineage)
+                 provenance=provenance, lineage=lineage, record=record)
