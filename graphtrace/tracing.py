@@ -770,14 +770,7 @@ class Trace:
             register_module_parameter_registration_hook,
         )
 
-        ref = weakref.ref(self)  # hooks outlive nothing, but never keep the trace alive
-
-        def registered(module, name, value):
-            trace = ref()
-            if trace is not None and trace._auto_paused:
-                trace._update_begins()
-            return None
-
+        registered = _RuleHook(self, "update")
         self._global_hooks = [register_module_parameter_registration_hook(registered),
                               register_module_buffer_registration_hook(registered)]
         for name, model in self.models.items():
@@ -788,23 +781,9 @@ class Trace:
             return
         for handle in self._model_hooks.pop(name, ()):
             handle.remove()
-        ref = weakref.ref(self)
-
-        def load_pre(*args):
-            trace = ref()
-            if trace is not None and trace._auto_paused:
-                trace._update_begins()
-
-        def forward_pre(module, args):
-            if _compiling():  # Dynamo inlines hooks: a compiled forward does not pause
-                return None
-            trace = ref()
-            if trace is not None and not trace._auto_paused:
-                trace._serving()
-            return None
-
-        self._model_hooks[name] = [model.register_load_state_dict_pre_hook(load_pre),
-                                   model.register_forward_pre_hook(forward_pre)]
+        self._model_hooks[name] = [
+            model.register_load_state_dict_pre_hook(_RuleHook(self, "update")),
+            model.register_forward_pre_hook(_RuleHook(self, "serve"))]
 
     def _remove_update_hooks(self) -> None:
         for handle in self._global_hooks:
@@ -992,6 +971,40 @@ class Trace:
                 f"{len(self.recorder.captures)} graphs, {n} accesses, "
                 f"{len(self.recorder.storages.handles)} storages, {len(self.models)} models, "
                 f"{self.recorder.n_errors} errors>")
+
+
+class _RuleHook:
+    """A hook of Note [recording while serving]: "update" (an update begins) or "serve" (a
+    forward begins). Holds its trace weakly; pickled or copied with a model, it becomes
+    `_no_hook` (a copy of a watched model is not watched)."""
+
+    __slots__ = ("trace", "kind")
+
+    def __init__(self, trace: "Trace", kind: str):
+        self.trace = weakref.ref(trace)
+        self.kind = kind
+
+    def __call__(self, *args):
+        trace = self.trace()
+        if trace is None:
+            return None
+        if self.kind == "update":
+            if trace._auto_paused:
+                trace._update_begins()
+        elif not trace._auto_paused and not _compiling():  # Dynamo inlines hooks: skip there
+            trace._serving()
+        return None
+
+    def __reduce__(self):
+        return (_inert_hook, ())
+
+
+def _no_hook(*args) -> None:
+    return None
+
+
+def _inert_hook():
+    return _no_hook
 
 
 def _compiling() -> bool:
