@@ -310,6 +310,9 @@ class Provenance:
                 "the trace was closed on another thread than it was opened on: provenance "
                 "stays paused on the opening thread"))
         else:
+            # a suspended mode goes back on the stack first, so that it leaves through its
+            # __exit__ (which restores torch's mode flags; popped alone, it would not)
+            self.unsuspend()
             stack = current_dispatch_mode_stack()
             if self.mode in stack:
                 above = [pop_mode() for _ in range(len(stack) - 1 - stack.index(self.mode))]

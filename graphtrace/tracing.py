@@ -262,7 +262,6 @@ class _Region:
                 self.trace._note_scalars(self.capture.label, self.graph)
         finally:
             self.trace.recorder.unpin(self.capture)
-        self.trace._serving()  # once graphs exist: Note [recording while serving]
 
 
 class _CaptureContext:
@@ -428,30 +427,33 @@ class _CudaGraphPatch:
 # Provenance and lineage (one dispatch mode on the tracing thread: Note [provenance]) cost a
 # dispatch per op, which a model that serves while its trace stays open should not pay. So
 # under `record="auto"` (the default of `graphtrace.trace`) they record while the model is
-# loaded, processed and captured, and around weight updates, and pause while it serves:
+# built, loaded, processed and captured, and around weight updates, and pause while it
+# serves. The rule, on the thread that opened the trace:
 #
-# - they PAUSE, once the trace has at least one graph, when a capture region ends, when a
-#   watched model's forward begins outside capture regions (a forward pre-hook on each
-#   watched model; not inside compiled code, which Dynamo inlines), and when a
-#   `with t.updating():` block ends;
-# - they RESUME when an update begins: `load_state_dict` on a watched model (a pre-hook), a
-#   parameter or buffer registered on any module (torch's global registration hooks:
-#   `register_parameter`, assigning an `nn.Parameter`, `register_buffer`; what vLLM-style
-#   reloads do when they rebuild a layer's tensors), or `with t.updating():` (recording
-#   inside the block even where the user paused, and a forward inside it does not pause).
+# - they PAUSE when a watched model's forward begins outside capture regions once the trace
+#   has a graph (a forward pre-hook on each watched model; not inside compiled code, which
+#   Dynamo inlines). Code between a capture and the model's next forward -- a reload right
+#   after capturing, a guard built, a diff -- is still recorded;
+# - they RESUME when an update begins: `load_state_dict` on a watched model (a pre-hook), or
+#   a parameter or buffer registered on any module (torch's global registration hooks:
+#   `register_parameter`, assigning an `nn.Parameter`, `register_buffer`: what vLLM-style
+#   reloads do when they rebuild a layer's tensors), and record until the next forward;
+# - `with t.updating(): ...` records inside the block whatever came before, and a forward
+#   inside it does not pause them.
 #
-# An update graphtrace cannot see begin -- values written in place into existing tensors
-# (`p.copy_(new)`, `p.data.copy_`), `p.data = new`, `torch.utils.swap_tensors`, a plain
-# tensor attribute set -- is not recorded while paused: its new tensors read `not
-# recorded`, and freshness falls back to version counters (Note [lineage]). Wrap such an
-# update in `t.updating()`, or open the trace with `record="always"` (record whenever the
-# trace is open, as before this rule). The explicit switches still work and win:
-# `t.pause_provenance()` is a pause no update signal undoes (only `resume_provenance()` or
-# an `updating()` block, after which it pauses again); `resume_provenance()` records until
-# the rule's next pause. The rule runs on the tracing thread only (dispatch modes are per
-# thread). The vLLM adapter opens its trace with `record="always"` and steers the same
-# switches from vLLM's own warm-up and update hooks (`pause_provenance=True`). Cost:
-# docs/performance.md, "A trace open while the model serves".
+# An update that begins with none of these signals after the model served -- values written
+# in place (`p.data.copy_(new)`, `p.copy_(new)`), `p.data = new`, `torch.utils.swap_tensors`,
+# a plain tensor attribute set -- is not recorded: its new tensors read `not recorded`, and
+# freshness falls back to version counters (Note [lineage]), which `.data` writes do not
+# bump. Wrap such an update in `t.updating()`, or open the trace with `record="always"`
+# (record whenever the trace is open, as before this rule). Steering by hand takes over:
+# after `t.pause_provenance()` or `t.resume_provenance()` (and `t.provenance_paused()`, made
+# of them) the rule no longer pauses or resumes anything in that trace. The vLLM adapter
+# opens its trace with `record="always"` and steers by hand from vLLM's own warm-up and
+# update hooks (`pause_provenance=True`). A CUDA graph's replay is not a signal (serving
+# that only replays graphs runs no op through the mode; eager ops around the replays do,
+# until a watched model's forward). Cost: docs/performance.md, "A trace open while the
+# model serves".
 
 
 class Trace:
@@ -496,6 +498,7 @@ class Trace:
         self.record = record
         self._auto_paused = False  # paused by that rule: the next update resumes it
         self._updating = 0         # depth of `with t.updating():` blocks
+        self._manual = False       # pause_provenance()/resume_provenance() called: no rule
         self._model_hooks: dict[str, list] = {}  # model name -> its hooks' handles
         self._global_hooks: list = []
         self._patch = _CudaGraphPatch(self)
@@ -796,10 +799,11 @@ class Trace:
         self._auto_paused = False
 
     def _serving(self) -> None:
-        """A capture region ended, a watched model's forward began or an update ended:
-        under ``record="auto"``, once graphs exist, provenance and lineage pause."""
+        """A watched model's forward began: under ``record="auto"``, once graphs exist,
+        provenance and lineage pause (Note [recording while serving])."""
         p = self.provenance
-        if (p is None or self.record != "auto" or not self._open or self._updating
+        if (p is None or self.record != "auto" or self._manual or not self._open
+                or self._updating
                 or p.suspended or not self.recorder.captures
                 or p.thread != threading.get_ident() or self._open_region() is not None
                 or self._cuda_regions):
@@ -813,7 +817,8 @@ class Trace:
     def _update_begins(self) -> None:
         """An update began (Note [recording while serving]): undo the rule's pause."""
         p = self.provenance
-        if p is None or not self._auto_paused or p.thread != threading.get_ident():
+        if (p is None or not self._auto_paused or self._manual
+                or p.thread != threading.get_ident()):
             return
         try:
             p.unsuspend()
@@ -825,16 +830,17 @@ class Trace:
     def updating(self):
         """``with t.updating(): update(model)``: provenance and lineage record inside the
         block, paused or not before it, and a watched model's forward inside it does not
-        pause them; after it they pause again where they were paused before it or where
-        the rule pauses them (graphs exist, ``record="auto"``). Note [recording while
-        serving]. Call on the thread that opened the trace."""
+        pause them. After it, a pause made by `pause_provenance()` is restored; otherwise
+        they record until the model serves again (Note [recording while serving]). For an
+        update graphtrace cannot see begin (`p.data = new`, `p.data.copy_(new)` after the
+        model served). Call on the thread that opened the trace."""
         if not self._open:
             raise GraphtraceError("t.updating() needs the trace open: use it inside "
                                   "`with graphtrace.trace(...) as t:`")
         p = self.provenance
         if p is not None:
             self._check_thread("updating")
-        user_paused = p is not None and p.suspended and not self._auto_paused
+        user_paused = p is not None and p.suspended and self._manual
         self._updating += 1
         if p is not None and p.suspended:
             self._auto_paused = False
@@ -843,11 +849,8 @@ class Trace:
             yield self
         finally:
             self._updating -= 1
-            if not self._updating and p is not None and self._open:
-                if user_paused:
-                    p.suspend()
-                else:
-                    self._serving()
+            if not self._updating and p is not None and self._open and user_paused:
+                p.suspend()
 
     @property
     def provenance_recording(self) -> bool:
@@ -858,18 +861,22 @@ class Trace:
     def pause_provenance(self) -> None:
         """Stop noting creation sites (an engine's steady state: its eager forwards then run
         without provenance's dispatch mode); idempotent. Storages made meanwhile read
-        ``not recorded``. Call on the thread that opened the trace."""
+        ``not recorded``. From then on provenance is steered by hand (the rule of Note
+        [recording while serving] stops). Call on the thread that opened the trace."""
         if self.provenance is not None and self._open:
             self._check_thread("pause_provenance")
             self.provenance.suspend()
-            self._auto_paused = False  # the user's pause: no update undoes it
+            self._auto_paused = False
+            self._manual = True  # steered by hand from now on: Note [recording while serving]
 
     def resume_provenance(self) -> None:
-        """Note creation sites again after `pause_provenance` (around a weight update)."""
+        """Note creation sites again after `pause_provenance` (around a weight update); steered
+        by hand from then on, as after `pause_provenance`."""
         if self.provenance is not None and self._open:
             self._check_thread("resume_provenance")
             self.provenance.unsuspend()
             self._auto_paused = False
+            self._manual = True
 
     @contextlib.contextmanager
     def provenance_paused(self):
@@ -1044,9 +1051,10 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
     GRAPHTRACE_LINEAGE says, default on; False: off). See Note [lineage] in
     graphtrace/lineage.py.
     `record`: when provenance and lineage record: "auto" (default) while loading, capturing
-    and around weight updates, paused while the model serves (from a capture's end or a
-    watched model's forward, once graphs exist, until an update begins); "always": whenever
-    the trace is open. See Note [recording while serving] in graphtrace/tracing.py.
+    and around weight updates, paused while the model serves (from a watched model's
+    forward once graphs exist until an update begins: `load_state_dict`, a parameter or
+    buffer registered, `t.updating()`); "always": whenever the trace is open. See Note
+    [recording while serving] in graphtrace/tracing.py.
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"graphtrace.trace() takes a torch.nn.Module, got {type(model).__name__}")
