@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(script: str, *args: str) -> str:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    # the graphtrace of this checkout, not whichever one the environment installed
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, str(ROOT / "analysis" / script), "--quick", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{script} --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
