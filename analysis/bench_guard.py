@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_scale import frames_alone
 from torch import nn
 
 import graphtrace as gt
@@ -274,6 +275,13 @@ def main(argv=None) -> int:
     check_ms = median_ms(guard.check, args.check_repeat)
     diff_ms = median_ms(t.diff, args.diff_repeat)
     ratio = diff_ms / check_ms
+    # the frames t.diff() rests on, built alone (as bench_scale.py's "frames s"): the accesses
+    # frame from the recorder's columns, and the report's edges/storages/owners frames from
+    # ready columns
+    accesses_ms = median_ms(lambda: t.accesses, args.diff_repeat)
+    build = frames_alone(report)
+    frames_ms = accesses_ms + median_ms(build, args.diff_repeat)
+    diff_frames = diff_ms / frames_ms
 
     # a reload that rebinds one holder: both find it, with the same verdict
     layer = model.model.layers[args.layers // 2].self_attn
@@ -305,8 +313,10 @@ def main(argv=None) -> int:
         f"| guard.check(), clean (x{args.check_repeat}) | {check_ms:.2f} |",
         f"| guard.check(), one holder rebound | {bad_ms:.2f} |",
         f"| t.diff() (x{args.diff_repeat}) | {diff_ms:.1f} |",
+        f"| its frames alone (x{args.diff_repeat}; accesses {accesses_ms:.1f}) | {frames_ms:.1f} |",
         "",
         f"ratio diff / check: {ratio:.0f}x",
+        f"ratio diff / its frames: {diff_frames:.1f}x (goal <= 3x)",
         f"rebound holder: found by check and diff alike ({len(problems)} edges, {verdict}): "
         f"{'yes' if found else 'NO'}",
     ]

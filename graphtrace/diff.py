@@ -20,9 +20,7 @@ moved owner since capture is also named in the report's blind spots (Note [impac
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
-import gc
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -34,7 +32,7 @@ from graphtrace.blindspots import BlindSpot
 from graphtrace.edges import CaptureEdges, capture_edges
 from graphtrace.encoding import VIEW
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
-from graphtrace.owners import OwnerSnapshot, resolve_path
+from graphtrace.owners import OwnerSnapshot, gc_paused, resolve_path
 from graphtrace.provenance import Provenance, edge_columns
 from graphtrace.recorder import Recorder
 from graphtrace.report import Report
@@ -68,20 +66,6 @@ STORAGE_COLUMNS = COLUMNS["storages"]
 _V = {v: v for v in VERDICTS}
 STALE, DANGLING, DIVERGED, UNOWNED, UNREFRESHED = (
     _V[v] for v in ("stale", "dangling", "diverged", "unowned", "unrefreshed"))
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """No cyclic GC while the owner walk and resolution allocate their ~100k small objects
-    (none of them garbage): each full collection they would trigger walks the caller's whole
-    heap (0.04 s with 120k tracked objects, 0.25 s with 500k), for nothing to collect."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 class _Resolved(dict):
@@ -397,6 +381,19 @@ def _add(spots: list[BlindSpot], new: Iterable[BlindSpot]) -> None:
             spots.append(b)
 
 
+def _rows_where(column: pd.Series, test) -> np.ndarray:
+    """`test(text)` for each row of `column` as text, run once per distinct value (a
+    categorical's categories; else its factorized values): a boolean array."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        codes = column.cat.codes.to_numpy()
+        values = [str(c) for c in column.cat.categories] + ["nan"]  # code -1: a missing value
+    else:
+        codes, uniq = pd.factorize(column.astype(str))
+        values = [str(v) for v in uniq] + ["nan"]
+    hit = np.fromiter((bool(test(v)) for v in values), dtype=bool, count=len(values))
+    return hit[codes]
+
+
 def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[BlindSpot]:
     """A pointer-valued tensor (one int64) that a custom op reads, with no lineage behind it
     (made by a producer lineage cannot see: a raw pointer taken in C++, an op no mode sees):
@@ -405,15 +402,16 @@ def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[Blin
     vLLM adapter names its oneDNN handles)."""
     if edges.empty:
         return []
-    dtype = edges["dtype"].astype(str)
-    shape = edges["shape"].astype(str)
-    ops = edges["ops"].astype(str)
-    owners = edges["owners"].astype(str)
-    pick = ((dtype.isin(("int64", "torch.int64"))) & shape.isin(("()", "(1,)", "[]", "[1]"))
-            & (edges["derived_from"].astype(str) == "") & (owners != "")
-            & ops.map(lambda o: any(not p.startswith("aten::") for p in o.split(";") if p)))
+    pick = (_rows_where(edges["dtype"], lambda d: d in ("int64", "torch.int64"))
+            & _rows_where(edges["shape"], lambda s: s in ("()", "(1,)", "[]", "[1]"))
+            & _rows_where(edges["derived_from"], lambda d: d == "")
+            & _rows_where(edges["owners"], lambda o: o != ""))
+    if pick.any():  # rare: most edges fail the cheap tests above, so the ops text is read last
+        pick[pick] = _rows_where(edges["ops"][pick], lambda o: any(
+            not p.startswith("aten::") for p in o.split(";") if p))
     out = []
-    for holder, op in sorted(set(zip(owners[pick], ops[pick]))):
+    picked = zip(edges["owners"][pick].astype(str), edges["ops"][pick].astype(str))
+    for holder, op in sorted(set(picked)):
         if holder.split("; ")[0] in named:  # an integration already said what it is
             continue
         custom = next(p for p in op.split(";") if p and not p.startswith("aten::"))
@@ -481,7 +479,7 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
 
     # -- owners, verdicts, impact: per storage, then onto the edges ----------------------------
     edge_sids = np.flatnonzero(np.bincount(sids, minlength=n_storages))  # sorted, no hashing
-    with _gc_paused():
+    with gc_paused():
         live = _live_paths(models, snapshot, rec.fail)
         owners, moved_to, moved_by = _resolve_owners(table.handles, snapshot.owners, edge_sids,
                                                      live)

@@ -35,7 +35,7 @@ from graphtrace.blindspots import BlindSpot
 from graphtrace.errors import GraphtraceError
 from graphtrace.lineage import Derived, Source
 from graphtrace.opaque import storage_of
-from graphtrace.owners import OwnerSnapshot, PathSet, resolve_path, resolve_value
+from graphtrace.owners import OwnerSnapshot, PathSet, gc_paused, resolve_path, resolve_value
 from graphtrace.recorder import Recorder
 from graphtrace.verdict import (
     View,
@@ -727,6 +727,12 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
     opaque handles they read) are kept with their holders' identity, and `check()` fails
     closed on them unless their kind is in `accept` (Note [blind spots in the guard]);
     `values`: the float a `baked scalar` record's holder held at capture."""
+    with gc_paused():  # the build allocates much, collects nothing: owners.gc_paused
+        return _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept,
+                         values)
+
+
+def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept, values):
     from graphtrace.edges import capture_edges
 
     accept = accepted_kinds(accept)  # a bad kind fails before any work

@@ -78,6 +78,8 @@ __all__ = ["ENV", "enabled_by_default", "skipped_file", "ProvenanceTable", "Prov
 # `resume_provenance()` / `with t.provenance_paused():` take the mode off the stack for a
 # while (the vLLM adapters pause it after warm-up and resume it around weight updates, so
 # an engine's steady-state forwards pay nothing); storages made meanwhile are `not recorded`.
+# A plain trace pauses and resumes itself by a rule: Note [recording while serving] in
+# graphtrace/tracing.py.
 #
 # "Before the trace": storages reachable from the models watched when the trace opens are
 # noted as `before trace` (a census by the owner walk); anything else the trace never saw
@@ -310,6 +312,9 @@ class Provenance:
                 "the trace was closed on another thread than it was opened on: provenance "
                 "stays paused on the opening thread"))
         else:
+            # a suspended mode goes back on the stack first, so that it leaves through its
+            # __exit__ (which restores torch's mode flags; popped alone, it would not)
+            self.unsuspend()
             stack = current_dispatch_mode_stack()
             if self.mode in stack:
                 above = [pop_mode() for _ in range(len(stack) - 1 - stack.index(self.mode))]

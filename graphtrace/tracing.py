@@ -32,6 +32,7 @@ __all__ = ["GraphtraceError", "Trace", "EmulatedGraph", "trace", "capture", "act
 
 
 
+RECORD = ("auto", "always")  # when provenance and lineage record: Note [recording while serving]
 _active_lock = threading.Lock()
 _active: "Trace | None" = None
 
@@ -421,17 +422,54 @@ class _CudaGraphPatch:
         self.cls = None
 
 
+# Note [recording while serving]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Provenance and lineage (one dispatch mode on the tracing thread: Note [provenance]) cost a
+# dispatch per op, which a model that serves while its trace stays open should not pay. So
+# under `record="auto"` (the default of `graphtrace.trace`) they record while the model is
+# built, loaded, processed and captured, and around weight updates, and pause while it
+# serves. The rule, on the thread that opened the trace:
+#
+# - they PAUSE when a watched model's forward begins outside capture regions once the trace
+#   has a graph (a forward pre-hook on each watched model; not inside compiled code, which
+#   Dynamo inlines). Code between a capture and the model's next forward -- a reload right
+#   after capturing, a guard built, a diff -- is still recorded;
+# - they RESUME when an update begins: `load_state_dict` on a watched model (a pre-hook), or
+#   a parameter or buffer registered on any module (torch's global registration hooks:
+#   `register_parameter`, assigning an `nn.Parameter`, `register_buffer`: what vLLM-style
+#   reloads do when they rebuild a layer's tensors), and record until the next forward;
+# - `with t.updating(): ...` records inside the block whatever came before, and a forward
+#   inside it does not pause them.
+#
+# An update that begins with none of these signals after the model served -- values written
+# in place (`p.data.copy_(new)`, `p.copy_(new)`), `p.data = new`, `torch.utils.swap_tensors`,
+# a plain tensor attribute set -- is not recorded: its new tensors read `not recorded`, and
+# freshness falls back to version counters (Note [lineage]), which `.data` writes do not
+# bump. Wrap such an update in `t.updating()`, or open the trace with `record="always"`
+# (record whenever the trace is open, as before this rule). Steering by hand takes over:
+# after `t.pause_provenance()` or `t.resume_provenance()` (and `t.provenance_paused()`, made
+# of them) the rule no longer pauses or resumes anything in that trace. The vLLM adapter
+# opens its trace with `record="always"` and steers by hand from vLLM's own warm-up and
+# update hooks (`pause_provenance=True`). A CUDA graph's replay is not a signal (serving
+# that only replays graphs runs no op through the mode; eager ops around the replays do,
+# until a watched model's forward). Cost: docs/performance.md, "A trace open while the
+# model serves".
+
+
 class Trace:
     """Everything recorded between `trace()` entry and `diff()`; see `graphtrace.trace`."""
 
     def __init__(self, model: torch.nn.Module | None = None, *, strict: bool = False,
                  name: str | None = None, native: bool | None = None, modules: str = "forward",
-                 provenance: bool | None = None, lineage: bool | None = None):
+                 provenance: bool | None = None, lineage: bool | None = None,
+                 record: str = "auto"):
         from graphtrace import native as _native
         from graphtrace.lineage import Lineage
         from graphtrace.lineage import enabled_by_default as lineage_by_default
         from graphtrace.provenance import Provenance, enabled_by_default
 
+        if record not in RECORD:
+            raise ValueError(f"record must be one of {RECORD}, got {record!r}")
         self._attribution = ModuleAttribution(modules)  # checks `modules` before any build
         self.recorder = Recorder(strict=strict, native=_native.resolve(native))
         self.strict = strict
@@ -456,6 +494,13 @@ class Trace:
             trace = weakref.ref(self)  # no cycle: the lineage names handles' sources by it
             self.provenance.lineage.models = lambda: (trace().models if trace() is not None
                                                       else {})
+        # when provenance and lineage pause themselves (Note [recording while serving])
+        self.record = record
+        self._auto_paused = False  # paused by that rule: the next update resumes it
+        self._updating = 0         # depth of `with t.updating():` blocks
+        self._manual = False       # pause_provenance()/resume_provenance() called: no rule
+        self._model_hooks: dict[str, list] = {}  # model name -> its hooks' handles
+        self._global_hooks: list = []
         self._patch = _CudaGraphPatch(self)
         self.compiled_regions = CompiledPatch(self)  # compiled regions: Note [Compiled regions]
         self._open = False
@@ -483,10 +528,12 @@ class Trace:
             except Exception as exc:
                 self.recorder.fail("provenance start", exc)
         self.compiled_regions.install()
+        self._install_update_hooks()
         return self
 
     def __exit__(self, *exc) -> None:
         global _active
+        self._remove_update_hooks()
         self._patch.uninstall()
         self.compiled_regions.uninstall()
         for region in list(self._cuda_regions.values()):
@@ -520,6 +567,7 @@ class Trace:
         self._models[name] = weakref.ref(model)
         if self._open:
             self._attribute_modules(name, model)
+            self._hook_model(name, model)
         self.owner_snapshot.forget(name)
         if self.recorder.captures:
             self._refresh_owners()
@@ -710,6 +758,100 @@ class Trace:
         """Whether a compiled region (torch.compile) was called inside a capture."""
         return bool(self.compiled_regions.seen)
 
+    # -- recording while serving (Note [recording while serving]) ---------------------------
+    def _rule_on(self) -> bool:
+        return self.provenance is not None and self.record == "auto"
+
+    def _install_update_hooks(self) -> None:
+        """The signals of an update beginning and of serving (Note [recording while
+        serving]): global parameter/buffer registration hooks, per watched model a
+        `load_state_dict` pre-hook and a forward pre-hook. Removed at exit."""
+        if not self._rule_on():
+            return
+        from torch.nn.modules.module import (
+            register_module_buffer_registration_hook,
+            register_module_parameter_registration_hook,
+        )
+
+        registered = _RuleHook(self, "update")
+        self._global_hooks = [register_module_parameter_registration_hook(registered),
+                              register_module_buffer_registration_hook(registered)]
+        for name, model in self.models.items():
+            self._hook_model(name, model)
+
+    def _hook_model(self, name: str, model: torch.nn.Module) -> None:
+        if not self._rule_on():
+            return
+        for handle in self._model_hooks.pop(name, ()):
+            handle.remove()
+        self._model_hooks[name] = [
+            model.register_load_state_dict_pre_hook(_RuleHook(self, "update")),
+            model.register_forward_pre_hook(_RuleHook(self, "serve"))]
+
+    def _remove_update_hooks(self) -> None:
+        for handle in self._global_hooks:
+            handle.remove()
+        self._global_hooks = []
+        for handles in self._model_hooks.values():
+            for handle in handles:
+                handle.remove()
+        self._model_hooks.clear()
+        self._auto_paused = False
+
+    def _serving(self) -> None:
+        """A watched model's forward began: under ``record="auto"``, once graphs exist,
+        provenance and lineage pause (Note [recording while serving])."""
+        p = self.provenance
+        if (p is None or self.record != "auto" or self._manual or not self._open
+                or self._updating
+                or p.suspended or not self.recorder.captures
+                or p.thread != threading.get_ident() or self._open_region() is not None
+                or self._cuda_regions):
+            return
+        try:
+            p.suspend()
+            self._auto_paused = p.suspended
+        except Exception as exc:  # fail open: recording on costs time, never the engine
+            self.recorder.fail("provenance pause", exc)
+
+    def _update_begins(self) -> None:
+        """An update began (Note [recording while serving]): undo the rule's pause."""
+        p = self.provenance
+        if (p is None or not self._auto_paused or self._manual
+                or p.thread != threading.get_ident()):
+            return
+        try:
+            p.unsuspend()
+            self._auto_paused = False
+        except Exception as exc:
+            self.recorder.fail("provenance resume", exc)
+
+    @contextlib.contextmanager
+    def updating(self):
+        """``with t.updating(): update(model)``: provenance and lineage record inside the
+        block, paused or not before it, and a watched model's forward inside it does not
+        pause them. After it, a pause made by `pause_provenance()` is restored; otherwise
+        they record until the model serves again (Note [recording while serving]). For an
+        update graphtrace cannot see begin (`p.data = new`, `p.data.copy_(new)` after the
+        model served). Call on the thread that opened the trace."""
+        if not self._open:
+            raise GraphtraceError("t.updating() needs the trace open: use it inside "
+                                  "`with graphtrace.trace(...) as t:`")
+        p = self.provenance
+        if p is not None:
+            self._check_thread("updating")
+        user_paused = p is not None and p.suspended and self._manual
+        self._updating += 1
+        if p is not None and p.suspended:
+            self._auto_paused = False
+            p.unsuspend()
+        try:
+            yield self
+        finally:
+            self._updating -= 1
+            if not self._updating and p is not None and self._open and user_paused:
+                p.suspend()
+
     @property
     def provenance_recording(self) -> bool:
         """Is provenance on and not paused (its dispatch mode on the opening thread)?"""
@@ -719,16 +861,22 @@ class Trace:
     def pause_provenance(self) -> None:
         """Stop noting creation sites (an engine's steady state: its eager forwards then run
         without provenance's dispatch mode); idempotent. Storages made meanwhile read
-        ``not recorded``. Call on the thread that opened the trace."""
+        ``not recorded``. From then on provenance is steered by hand (the rule of Note
+        [recording while serving] stops). Call on the thread that opened the trace."""
         if self.provenance is not None and self._open:
             self._check_thread("pause_provenance")
             self.provenance.suspend()
+            self._auto_paused = False
+            self._manual = True  # steered by hand from now on: Note [recording while serving]
 
     def resume_provenance(self) -> None:
-        """Note creation sites again after `pause_provenance` (around a weight update)."""
+        """Note creation sites again after `pause_provenance` (around a weight update); steered
+        by hand from then on, as after `pause_provenance`."""
         if self.provenance is not None and self._open:
             self._check_thread("resume_provenance")
             self.provenance.unsuspend()
+            self._auto_paused = False
+            self._manual = True
 
     @contextlib.contextmanager
     def provenance_paused(self):
@@ -832,6 +980,47 @@ class Trace:
                 f"{self.recorder.n_errors} errors>")
 
 
+class _RuleHook:
+    """A hook of Note [recording while serving]: "update" (an update begins) or "serve" (a
+    forward begins). Holds its trace weakly; pickled or copied with a model, it becomes
+    `_no_hook` (a copy of a watched model is not watched)."""
+
+    __slots__ = ("trace", "kind")
+
+    def __init__(self, trace: "Trace", kind: str):
+        self.trace = weakref.ref(trace)
+        self.kind = kind
+
+    def __call__(self, *args):
+        trace = self.trace()
+        if trace is None:
+            return None
+        if self.kind == "update":
+            if trace._auto_paused:
+                trace._update_begins()
+        elif not trace._auto_paused and not _compiling():  # Dynamo inlines hooks: skip there
+            trace._serving()
+        return None
+
+    def __reduce__(self):
+        return (_inert_hook, ())
+
+
+def _no_hook(*args) -> None:
+    return None
+
+
+def _inert_hook():
+    return _no_hook
+
+
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except Exception:  # a torch without torch.compiler: nothing compiles
+        return False
+
+
 def _current_stream() -> str:
     try:
         return str(torch.cuda.current_stream())
@@ -841,7 +1030,8 @@ def _current_stream() -> str:
 
 def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
           name: str | None = None, native: bool | None = None, modules: str = "forward",
-          provenance: bool | None = None, lineage: bool | None = None) -> Trace:
+          provenance: bool | None = None, lineage: bool | None = None,
+          record: str = "auto") -> Trace:
     """Open a trace: every capture region and CUDA graph captured inside it is recorded.
 
     `model` (optional) is watched for owners; add more with `t.watch(model, name=...)`.
@@ -860,6 +1050,11 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
     a storage derived from parameters that changed since is `unrefreshed` (True; None: as
     GRAPHTRACE_LINEAGE says, default on; False: off). See Note [lineage] in
     graphtrace/lineage.py.
+    `record`: when provenance and lineage record: "auto" (default) while loading, capturing
+    and around weight updates, paused while the model serves (from a watched model's
+    forward once graphs exist until an update begins: `load_state_dict`, a parameter or
+    buffer registered, `t.updating()`); "always": whenever the trace is open. See Note
+    [recording while serving] in graphtrace/tracing.py.
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"graphtrace.trace() takes a torch.nn.Module, got {type(model).__name__}")
@@ -870,4 +1065,4 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
     if lineage not in (None, True, False):
         raise TypeError(f"lineage must be True, False or None, got {lineage!r}")
     return Trace(model, strict=strict, name=name, native=native, modules=modules,
-                 provenance=provenance, lineage=lineage)
+                 provenance=provenance, lineage=lineage, record=record)

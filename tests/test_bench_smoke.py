@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(script: str, *args: str) -> str:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    # the graphtrace of this checkout, not whichever one the environment installed
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, str(ROOT / "analysis" / script), "--quick", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{script} --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -62,10 +64,27 @@ def test_bench_guard_quick(tmp_path):
     out = _run("bench_guard.py", "--out", str(out_file))
     assert "| guard.check(), clean" in out and "| t.diff()" in out
     assert "ratio diff / check:" in out
+    assert "| its frames alone" in out and "ratio diff / its frames:" in out
     # the rebound holder is found by both, with the same edges
     assert "found by check and diff alike (3 edges, stale): yes" in out
     assert "parameters 39 (9 per layer)" in out
     assert out_file.read_text().startswith("# graphtrace guard.check() vs t.diff()")
+
+
+def test_bench_serving_quick(tmp_path):
+    out_file = tmp_path / "serving.txt"
+    out = _run("bench_serving.py", "--out", str(out_file))
+    for workload in ("mlp", "elementwise"):
+        assert f"## {workload}:" in out, workload
+    for row in ("no trace open", "gt.trace(model) (defaults)", "defaults, after a load_state_dict",
+                'record="always"', "provenance=False"):
+        assert row in out, row
+    assert out.count("goal: defaults <= 1.1x no trace") == 2
+    # what the rule says: paused while serving by default, recording with record="always"
+    rows = {line[:34].strip(): line.split()[-1] for line in out.splitlines()
+            if line.startswith(("gt.trace(model)", "defaults,", 'record="always"'))}
+    assert set(rows.values()) == {"no", "yes"} and rows['record="always"'] == "yes", rows
+    assert out_file.read_text().startswith("# graphtrace: a trace left open while the model serves")
 
 
 def test_bench_sync_quick(tmp_path):

@@ -266,7 +266,8 @@ class VllmTrace:
         self.watch_runner = watch_runner
         self.keep_graphs = keep_graphs
         self.runner_attrs = tuple(runner_attrs) if runner_attrs is not None else None
-        self.trace = gt.trace(strict=strict, modules=modules, provenance=provenance)
+        self.trace = gt.trace(strict=strict, modules=modules, provenance=provenance,
+                              record="always")  # it steers provenance from vLLM's hooks
         self.llm = None
         self.worker = None
         self.model: nn.Module | None = None
