@@ -273,6 +273,19 @@ STANDINS: dict[str, StandIn] = {
         "int thread_n, int blocks_per_sm) -> Tensor",
         lambda a, b_scales, size_m, size_n, top_k, **_: torch.empty(
             size_m * top_k, size_n, dtype=_act_dtype(a, b_scales))),
+    # activations and MoE data of vLLM's CUDA build (csrc/torch_bindings.cpp), as 0.32's
+    # callers pass them: the clamped SwiGLU of gpt-oss-style experts (fused_moe/
+    # activation.py:311), the fused SiLU-and-mul with per-block quantization
+    # (_custom_ops.py:539), and the CUTLASS MoE data preparation (_custom_ops.py:898)
+    "_C::silu_and_mul_with_clamp": StandIn(
+        "(Tensor! result, Tensor input, float limit, float alpha=1.0, float beta=0.0) -> ()"),
+    "_C::silu_and_mul_per_block_quant": StandIn(
+        "(Tensor! out, Tensor input, Tensor! scales, int group_size, Tensor? scale_ub=None, "
+        "bool is_scale_transposed=False) -> ()"),
+    "_C::get_cutlass_moe_mm_data": StandIn(
+        "(Tensor topk_ids, Tensor! expert_offsets, Tensor! problem_sizes1, "
+        "Tensor! problem_sizes2, Tensor! input_permutation, Tensor! output_permutation, "
+        "int num_experts, int n, int k, Tensor? blockscale_offsets, bool is_gated) -> ()"),
     "_xpu_C::int4_gemm_w4a8": StandIn(
         # float16 output (the kernel's own warning, kernels/.../mixed_precision/xpu.py:152)
         "(Tensor input, Tensor input_scale, Tensor input_zero, Tensor weight, "
@@ -722,6 +735,12 @@ TRITON_KERNELS = (
     ("vllm.model_executor.layers.fused_moe.fused_moe", "fused_moe_kernel_gptq_awq"),
     ("vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe",
      "fused_moe_nvfp4_emulation_kernel"),
+    # the activation quantizers the Triton MoE experts call for INT8 per-token and FP8
+    # per-token-group activations (fused_moe/utils.py _int8_quantize, _fp8_quantize)
+    ("vllm.model_executor.layers.quantization.utils.int8_utils", "_per_token_quant_int8"),
+    ("vllm.model_executor.layers.quantization.utils.fp8_utils", "_per_token_group_quant_fp8"),
+    ("vllm.model_executor.layers.quantization.utils.fp8_utils",
+     "_per_token_group_quant_fp8_colmajor"),
 )
 
 

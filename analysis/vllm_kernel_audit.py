@@ -763,6 +763,39 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("CompressedTensorsW4A4Nvfp4MoEMethod", "marlin"),
     ("QuarkNvfp4MoEMethod", "emulation"),
     ("QuarkNvfp4MoEMethod", "marlin"),
+    # CANDIDATES
+    ("Fp8PerTensorOnlineMoEMethod", "triton"),
+    ("Fp8PerBlockOnlineMoEMethod", "triton"),
+    ("Fp8PtpcOnlineMoEMethod", "triton"),
+    ("Fp8MoEMethod", "cutlass"),
+    ("ModelOptFp8MoEMethod", "cutlass"),
+    ("QuarkW8A8Fp8MoEMethod", "cutlass"),
+    ("ModelOptFp8MoEMethod", "marlin"),
+    ("QuarkW8A8Fp8MoEMethod", "marlin"),
+    ("CompressedTensorsW8A8Fp8MoEMethod", "marlin"),
+    ("ModelOptFp8MoEMethod", "aiter"),
+    ("QuarkW8A8Fp8MoEMethod", "aiter"),
+    ("CompressedTensorsW8A8Fp8MoEMethod", "aiter"),
+    ("Fp8PerTensorOnlineMoEMethod", "marlin"),
+    ("AutoGPTQMoEMethod", "triton"),
+    ("CompressedTensorsWNA16MoEMethod", "triton"),
+    ("QuarkW4A16Int4MoEMethod", "triton"),
+    ("AutoAWQMoEMethod", "emulation"),
+    ("AutoGPTQMoEMethod", "emulation"),
+    ("QuarkW4A16Int4MoEMethod", "emulation"),
+    ("QuarkOCP_MX_MoEMethod", "emulation"),
+    ("GptOssMxfp4MoEMethod", "emulation"),
+    ("Mxfp4OnlineMoEMethod", "emulation"),
+    ("CompressedTensorsW4A4Mxfp4MoEMethod", "emulation"),
+    ("CompressedTensorsW4A8Mxfp4MoEMethod", "emulation"),
+    ("Nvfp4OnlineMoEMethod", "emulation"),
+    ("UnquantizedFusedMoEMethod", "triton"),
+    ("UnquantizedFusedMoEMethod", "aiter"),
+    ("UnquantizedFusedMoEMethod", "flashinfer_cutlass"),
+    ("ModelOptNvFp4FusedMoE", "cutlass"),
+    ("CompressedTensorsW4A8Int8MoEMethod", "cpu"),
+    ("CompressedTensorsW4A8Fp8MoEMethod", "cutlass"),
+    ("ModelOptMxFp8FusedMoE", "marlin"),
 ]
 
 # extra FusedMoE arguments for a row, as a model's MoE block passes them (layer.py
@@ -796,8 +829,15 @@ def forced_moe_device(backend: str = ""):
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
         if "_supports_current_device" in cls.__dict__:
-            saved.append((cls, cls.__dict__["_supports_current_device"]))
+            saved.append((cls, "_supports_current_device", cls.__dict__["_supports_current_device"]))
             cls._supports_current_device = staticmethod(lambda: True)
+        if "_supports_quant_scheme" in cls.__dict__:
+            old_check = cls.__dict__["_supports_quant_scheme"]
+            saved.append((cls, "_supports_quant_scheme", old_check))
+            kind = type(old_check) if isinstance(old_check, (staticmethod, classmethod)) \
+                else None
+            fn = _as_cuda(platform, old_check.__func__ if kind else old_check)
+            cls._supports_quant_scheme = kind(fn) if kind else fn
     aiter_cls = aiter_ops.rocm_aiter_ops
     policy = aiter_cls.__dict__["get_moe_dispatch_policy"]
     if backend == "aiter":
@@ -806,13 +846,31 @@ def forced_moe_device(backend: str = ""):
         yield
     finally:
         aiter_cls.get_moe_dispatch_policy = policy
-        for cls, old in reversed(saved):
-            setattr(cls, "_supports_current_device", old)
+        for cls, attr, old in reversed(saved):
+            setattr(cls, attr, old)
         for attr, old in old_platform.items():
             if old is _MISSING:
                 delattr(platform, attr)
             else:
                 setattr(platform, attr, old)
+
+
+def _as_cuda(platform, check):
+    """`check` (an experts class's `_supports_quant_scheme`) run as shipped, with the
+    platform's `is_cuda()` answering yes during the call: TritonExperts asks whether the
+    device has INT8 (`is_cuda() and has_device_capability((7, 5))`, experts/triton_moe.py:
+    137-144) inside its scheme check, a device question the forced device answers yes."""
+    def wrapped(*args, **kwargs):
+        old = platform.__dict__.get("is_cuda", _MISSING)
+        platform.is_cuda = classmethod(lambda cls: True)
+        try:
+            return check(*args, **kwargs)
+        finally:
+            if old is _MISSING:
+                delattr(platform, "is_cuda")
+            else:
+                platform.is_cuda = old
+    return wrapped
 
 
 class MoEAuditModel(torch.nn.Module):
@@ -881,6 +939,8 @@ def _moe_shard_shape(experts, name: str, param, shard: str) -> tuple[int, ...]:
                   or param.dim() == 1 or "weight_shape" in name
                   or (param.dim() == 2 and param.shape[1] <= 2 and "bias" not in name))
     if per_tensor:
+        if param.dim() == 1 and getattr(param, "quant_method", None) == "channel":
+            return ()      # the per-channel loader writes param[expert] (a 0-d slice)
         return (1,) if "weight_shape" not in name else tuple(param.shape[1:])
     dest = list(param.shape[1:])
     if "bias" in name:
@@ -896,6 +956,9 @@ def _moe_shard_shape(experts, name: str, param, shard: str) -> tuple[int, ...]:
             "CompressedTensorsWNA16MoEMethod", "CompressedTensorsW4A16FlydslMoEMethod")
             and getattr(param, "is_transposed", False)):
         dest = dest[::-1]     # the loader transposes these first
+    if (type(getattr(experts, "quant_method", None)).__name__ == "QuarkW4A16Int4MoEMethod"
+            and name.endswith(("weight_scale", "weight_zero_point"))):
+        dest = dest[::-1]     # quark_int4_weight_loader transposes them (quark_moe.py:524-561)
     return tuple(dest)
 
 
