@@ -286,6 +286,18 @@ STANDINS: dict[str, StandIn] = {
         "(Tensor topk_ids, Tensor! expert_offsets, Tensor! problem_sizes1, "
         "Tensor! problem_sizes2, Tensor! input_permutation, Tensor! output_permutation, "
         "int num_experts, int n, int k, Tensor? blockscale_offsets, bool is_gated) -> ()"),
+    # the CUTLASS MXFP4 MoE path (experts/cutlass_moe.py:898-964)
+    "_C::mxfp4_experts_quant": StandIn(
+        "(Tensor! output, Tensor! output_scale, Tensor input, Tensor input_offset_by_experts, "
+        "Tensor output_scale_offset_by_experts, int n_experts) -> ()"),
+    "_C::silu_and_mul_mxfp4_experts_quant": StandIn(
+        "(Tensor! output, Tensor! output_scale, Tensor input, Tensor input_offset_by_experts, "
+        "Tensor output_scale_offset_by_experts, int n_experts) -> ()"),
+    "_C::cutlass_mxfp4_group_mm": StandIn(
+        "(Tensor! out, Tensor a, Tensor b, Tensor a_blockscale, Tensor b_blockscales, "
+        "Tensor problem_sizes, Tensor expert_offsets, Tensor sf_offsets) -> ()"),
+    "_moe_C::shuffle_rows": StandIn(
+        "(Tensor input_tensor, Tensor dst2src_map, Tensor! output_tensor) -> ()"),
     "_xpu_C::int4_gemm_w4a8": StandIn(
         # float16 output (the kernel's own warning, kernels/.../mixed_precision/xpu.py:152)
         "(Tensor input, Tensor input_scale, Tensor input_zero, Tensor weight, "

@@ -838,6 +838,11 @@ def forced_moe_device(backend: str = ""):
                 else None
             fn = _as_cuda(platform, old_check.__func__ if kind else old_check)
             cls._supports_quant_scheme = kind(fn) if kind else fn
+    # `torch.accelerator.empty_cache()` (quark_moe.py:1844, after the weights are replaced)
+    # frees a device's cached blocks; with no accelerator it raises, so it does nothing here
+    empty_cache = torch.accelerator.empty_cache
+    if torch.accelerator.current_accelerator() is None:
+        torch.accelerator.empty_cache = lambda: None
     aiter_cls = aiter_ops.rocm_aiter_ops
     policy = aiter_cls.__dict__["get_moe_dispatch_policy"]
     if backend == "aiter":
@@ -846,6 +851,7 @@ def forced_moe_device(backend: str = ""):
         yield
     finally:
         aiter_cls.get_moe_dispatch_policy = policy
+        torch.accelerator.empty_cache = empty_cache
         for cls, attr, old in reversed(saved):
             setattr(cls, attr, old)
         for attr, old in old_platform.items():
