@@ -754,6 +754,9 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("Mxfp4MoEMethod", "marlin"),
     ("GptOssMxfp4MoEMethod", "marlin"),
     ("QuarkOCP_MX_MoEMethod", "marlin"),
+    # compressed-tensors W4A4 MXFP4 does not read moe_backend: it takes CutlassExpertsMxfp4
+    # wherever that class supports the device (compressed_tensors_moe_w4a4_mxfp4.py:63-79),
+    # so under the forced device this row runs the CUTLASS MXFP4 experts (its scheme column)
     ("CompressedTensorsW4A4Mxfp4MoEMethod", "marlin"),
     ("Mxfp4MoEMethod", "emulation"),
     # NVFP4 (oracle/nvfp4.py map_nvfp4_backend: "emulation", "marlin")
@@ -763,40 +766,47 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("CompressedTensorsW4A4Nvfp4MoEMethod", "marlin"),
     ("QuarkNvfp4MoEMethod", "emulation"),
     ("QuarkNvfp4MoEMethod", "marlin"),
-    # CANDIDATES
+    # the FP8 online methods on the Triton experts and Marlin (oracle/fp8.py map_fp8_backend)
     ("Fp8PerTensorOnlineMoEMethod", "triton"),
     ("Fp8PerBlockOnlineMoEMethod", "triton"),
     ("Fp8PtpcOnlineMoEMethod", "triton"),
-    ("Fp8MoEMethod", "cutlass"),
-    ("ModelOptFp8MoEMethod", "cutlass"),
-    ("QuarkW8A8Fp8MoEMethod", "cutlass"),
+    ("Fp8PerTensorOnlineMoEMethod", "marlin"),
+    # the other FP8 checkpoint formats on Marlin and AITER
     ("ModelOptFp8MoEMethod", "marlin"),
     ("QuarkW8A8Fp8MoEMethod", "marlin"),
     ("CompressedTensorsW8A8Fp8MoEMethod", "marlin"),
     ("ModelOptFp8MoEMethod", "aiter"),
     ("QuarkW8A8Fp8MoEMethod", "aiter"),
     ("CompressedTensorsW8A8Fp8MoEMethod", "aiter"),
-    ("Fp8PerTensorOnlineMoEMethod", "marlin"),
-    ("AutoGPTQMoEMethod", "triton"),
+    # MXFP8 weights requested on Marlin
+    ("ModelOptMxFp8FusedMoE", "marlin"),
+    # WNA16 on the Triton experts (AutoAWQ's layout and GPTQ's bias are refused there,
+    # oracle/int_wna16.py:194-198) and on the INT4 emulation experts
     ("CompressedTensorsWNA16MoEMethod", "triton"),
     ("QuarkW4A16Int4MoEMethod", "triton"),
     ("AutoAWQMoEMethod", "emulation"),
     ("AutoGPTQMoEMethod", "emulation"),
-    ("QuarkW4A16Int4MoEMethod", "emulation"),
-    ("QuarkOCP_MX_MoEMethod", "emulation"),
-    ("GptOssMxfp4MoEMethod", "emulation"),
-    ("Mxfp4OnlineMoEMethod", "emulation"),
-    ("CompressedTensorsW4A4Mxfp4MoEMethod", "emulation"),
-    ("CompressedTensorsW4A8Mxfp4MoEMethod", "emulation"),
-    ("Nvfp4OnlineMoEMethod", "emulation"),
+    # unquantized experts (oracle/unquantized.py map_unquantized_backend)
     ("UnquantizedFusedMoEMethod", "triton"),
     ("UnquantizedFusedMoEMethod", "aiter"),
     ("UnquantizedFusedMoEMethod", "flashinfer_cutlass"),
-    ("ModelOptNvFp4FusedMoE", "cutlass"),
-    ("CompressedTensorsW4A8Int8MoEMethod", "cpu"),
-    ("CompressedTensorsW4A8Fp8MoEMethod", "cutlass"),
-    ("ModelOptMxFp8FusedMoE", "marlin"),
 ]
+
+# forced-backend rows that still do not run, and why, read in vLLM's source (appended to the
+# row's reason)
+MOE_FORCED_WHY_NOT: dict[str, str] = {
+    "QuarkW4A16Int4MoEMethod@marlin": (
+        "on any device: Marlin MoE takes only AutoAWQ, AutoGPTQ and compressed-tensors "
+        "configs, a Quark config gets \"Marlin not supported for this layer\" "
+        "(fused_moe/oracle/int_wna16.py:208-221); the row QuarkW4A16Int4MoEMethod@triton runs"),
+    "Mxfp4MoEMethod@emulation": (
+        "the OCP MX emulation experts need the amd-quark package (experts/"
+        "ocp_mx_emulation_moe.py:131); amd-quark 0.13 installs from the registry without "
+        "changing torch or vLLM, but its MXFP4 dequantization, which vLLM calls at apply "
+        "(quantization/utils/mxfp4_utils.py:150-158), is CUDA/HIP only: with it installed "
+        "the row stops at apply with \"dq_uint8_mxfp4_to_half is only implemented in CUDA "
+        "devices!\". A GPU with amd-quark would run it; the package is not installed here"),
+}
 
 # extra FusedMoE arguments for a row, as a model's MoE block passes them (layer.py
 # FusedMoEFactory): a SwiGLU clamp limit, as gpt-oss-style models set, is what FlashInfer
@@ -1071,9 +1081,73 @@ def audit_moe(k: KernelInfo) -> Outcome:
                                 lambda: load_moe(layer, seed=2, dropped=res.dropped))
     except Exception as exc:
         res.reason = _reason(exc)
+        if not k.backend and res.stage in ("create_weights", "load",
+                                           "process_weights_after_loading"):
+            res.reason += f"; {amx_probe(k)}"
+        if k.name in MOE_FORCED_WHY_NOT:
+            res.reason += f"; {MOE_FORCED_WHY_NOT[k.name]}"
     res.standins = standins.used()
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _moe_layer(k: KernelInfo, config, dt: torch.dtype):
+    """The FusedMoE layer of row `k`, built as audit_moe builds it."""
+    quant_config = moe_quant_config(k)
+    object.__setattr__(config, "quant_config", quant_config)
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    return FusedMoEFactory(num_experts=MOE_EXPERTS, top_k=MOE_TOPK, hidden_size=MOE_HIDDEN,
+                           intermediate_size=MOE_INTER, params_dtype=dt,
+                           quant_config=quant_config, prefix="moe",
+                           **MOE_LAYER_ARGS.get(k.name, {}))
+
+
+# Note [audit AMX probe]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# A row without a forced backend runs the backend vLLM's oracle picks for this CPU; vLLM's
+# CPU MoE experts are offered only on x86 with AMX (`torch.cpu._is_amx_tile_supported()`,
+# fused_moe/experts/cpu_moe.py:327-330, :457-460, :625-628, :841-844, :1000-1003) and each
+# takes one quant scheme (`_supports_quant_scheme` beside each). When such a row stops at
+# construction or at process_weights_after_loading, the row builds the layer once more with
+# `torch.cpu._is_amx_tile_supported` answering yes during the construction only (no weight
+# is loaded or processed and no kernel runs, so no AMX instruction is executed) and appends
+# what the oracle picked then: an experts class (an AMX CPU would run the row), or the same
+# failure or no backend (AMX changes nothing; the `@backend` rows and the reason say what
+# would). The probe's answers are not recorded as the row's AMX answers (`amx_asked`).
+
+
+def amx_probe(k: KernelInfo) -> str:
+    """What vLLM's oracle picks for row `k` when told the CPU has AMX (Note [audit AMX
+    probe])."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    if k.cls is None:
+        return "AMX probe: not run (the class did not import)"
+    watched = torch.cpu._is_amx_tile_supported
+    torch.cpu._is_amx_tile_supported = lambda: True
+    try:
+        dt = torch.bfloat16
+        config = VllmConfig()
+        object.__setattr__(config, "model_config", SimpleNamespace(
+            dtype=dt, quantization=None, is_deepseek_mla=False, hf_config=None,
+            max_model_len=128, quantization_config=None))
+        with set_current_vllm_config(config), set_default_torch_dtype(dt):
+            layer = _moe_layer(k, config, dt)
+        qm = _experts(layer).quant_method
+        picked = getattr(qm, "experts_cls", None)
+        name = getattr(picked, "__name__", None) or _moe_backend(layer)
+        if name in ("NONE", "?", None):
+            return (f"AMX probe: on a CPU with AMX vLLM's oracle picks no backend either "
+                    f"({name})")
+        return f"AMX probe: on a CPU with AMX vLLM's oracle picks {name}"
+    except Exception as exc:  # noqa: BLE001 (the probe's answer is part of the reason)
+        return f"AMX probe: on a CPU with AMX too: {_reason(exc)}"
+    finally:
+        torch.cpu._is_amx_tile_supported = watched
 
 
 def _moe_backend(layer) -> str:
@@ -2034,6 +2108,18 @@ def last_error(log: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
+def note_forced_rows(outcomes: list[Outcome]) -> None:
+    """A method's row that did not run names the rows of the same method that ran on a
+    requested GPU backend (Note [audit MoE backends]): on a GPU with that backend vLLM runs it."""
+    ran = {}
+    for r in outcomes:
+        if r.ran and r.kernel.backend:
+            ran.setdefault(r.kernel.method, []).append(r.kernel.name)
+    for r in outcomes:
+        if not r.ran and not r.kernel.backend and r.kernel.method in ran:
+            r.reason += ("; on a GPU backend it runs: " + ", ".join(ran[r.kernel.method]))
+
+
 def _vllm_version() -> str:
     import vllm
 
@@ -2093,6 +2179,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{k.name:48s} {state:32s} {r.edges} "
               f"{[f[1] for f in r.findings]}" + (f" {r.reason}" if not r.ran else ""),
               flush=True)
+    note_forced_rows(outcomes)
     table = rows(outcomes)
     elapsed = time.perf_counter() - t0
     if not args.no_write:
