@@ -720,15 +720,22 @@ def _one_cpu_extension() -> None:
 
 # Note [audit MoE backends]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
-# On this CPU vLLM's oracles pick no backend for most quantized methods (FP8: CPU experts need
-# AMX, experts/cpu_moe.py). The published MoE bugs live in the CUDA/ROCm backends, so a
-# method also runs once per backend listed in MOE_FORCED_BACKENDS, as a row `Class@backend`:
-# the backend is requested the way a user does (`kernel_config.moe_backend`, which the
-# oracle's "explicit moe_backend from user" branch honours, e.g. oracle/fp8.py select_fp8_moe_
-# backend), and inside `forced_moe_device()` every experts class answers yes to
-# `_supports_current_device()` (its quant-scheme, activation and shape checks still run as
-# shipped). The backend's CUDA ops and library calls are stand-ins (Note [audit stand-ins]).
-# vLLM's real CPU ops are never reached this way (their AMX paths would SIGILL).
+# On this CPU vLLM's oracles pick no backend for most quantized methods (the CPU experts need
+# AMX, experts/cpu_moe.py; what an AMX CPU would pick: Note [audit AMX probe]). The published
+# MoE bugs live in the CUDA/ROCm backends, so a method also runs once per backend listed in
+# MOE_FORCED_BACKENDS, as a row `Class@backend`: the backend is requested the way a user does
+# (`kernel_config.moe_backend`, which the oracle's "explicit moe_backend from user" branch
+# honours, e.g. oracle/fp8.py select_fp8_moe_backend), and inside `forced_moe_device()` the
+# platform is a Hopper (SM 9.0) and every experts class answers yes to
+# `_supports_current_device()`. Its quant-scheme, activation and shape checks still run as
+# shipped; a device question asked inside a scheme check (TritonExperts' INT8 needs
+# `is_cuda()` and SM 7.5, experts/triton_moe.py:137-144) gets the forced device's answer
+# (`_as_cuda`). `torch.accelerator.empty_cache()`, which raises with no accelerator
+# (quark_moe.py:1844), does nothing there. The backend's CUDA ops, Triton kernels and library
+# calls are stand-ins (Note [audit stand-ins]). vLLM's real CPU ops are never reached this
+# way (their AMX paths would SIGILL). A row that still cannot run says why
+# (MOE_FORCED_WHY_NOT); a method's row without a forced backend names the forced rows of the
+# method that ran (note_forced_rows).
 MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("CompressedTensorsW8A8Fp8MoEMethod", "cutlass"),        # vLLM #41670
     ("Fp8MoEMethod", "flashinfer_cutlass"),                  # vLLM #50521
@@ -1585,6 +1592,95 @@ FINDING_PATTERNS.insert(0, (
     "has no original storage to copy them back into; the new quant config (:249) holds the "
     "new tensors and the captured graph keeps reading the old ones (freed with the old "
     "kernel): stale"))
+
+# The same method on another requested backend: its process_weights_after_loading replaces
+# the converted tensors and rebuilds the quant config and kernel on the same lines whatever
+# the backend (the backend changes only the conversion before them: convert_to_fp8_moe_
+# kernel_format at modelopt.py:592, compressed_tensors_moe_w8a8_fp8.py:300, quark_moe.py:929-
+# 943; the WNA16 conversion before compressed_tensors_moe_wna16.py:445 and auto_gptq.py:676)
+for _row, _base in (("ModelOptFp8MoEMethod@marlin", "ModelOptFp8MoEMethod@triton"),
+                    ("ModelOptFp8MoEMethod@aiter", "ModelOptFp8MoEMethod@triton"),
+                    ("QuarkW8A8Fp8MoEMethod@marlin", "QuarkW8A8Fp8MoEMethod@triton"),
+                    ("QuarkW8A8Fp8MoEMethod@aiter", "QuarkW8A8Fp8MoEMethod@triton"),
+                    ("CompressedTensorsW8A8Fp8MoEMethod@marlin",
+                     "CompressedTensorsW8A8Fp8MoEMethod@triton"),
+                    ("CompressedTensorsW8A8Fp8MoEMethod@aiter",
+                     "CompressedTensorsW8A8Fp8MoEMethod@triton"),
+                    ("CompressedTensorsWNA16MoEMethod@triton",
+                     "CompressedTensorsWNA16MoEMethod@marlin"),
+                    ("AutoGPTQMoEMethod@emulation", "AutoGPTQMoEMethod@marlin"),
+                    ("AutoAWQMoEMethod@emulation", "AutoAWQMoEMethod@marlin")):
+    FINDING_PATTERNS += [(_row, pat, src, what) for name, pat, src, what in FINDING_PATTERNS
+                         if name == _base]
+_CONFIG_REBUILT = (
+    "process_weights_after_loading builds a new `moe_quant_config` from the layer's scale "
+    "parameters and a new experts object around that config ({rebuild}){replaced}; during "
+    "vLLM's layerwise reload this runs on the temporaries the reload materialised "
+    "(model_loader/reload/layerwise.py:354, :388), so the new quant config "
+    "(`moe_quant_config._w1.scale`, and the experts' `quant_config`) holds that run's "
+    "temporary, while the reload copies the values into the original parameter (:425) and "
+    "re-registers it (:444), the storage the graph read. `prefer_copy` is not the cause. "
+    "Equal values after the reload; they part when the parameters are later written in place "
+    "(`is_checkpoint_format=False`, model_loader/reload/inplace.py:104-108; Note [audit "
+    "diverged scales]): the pattern of vLLM #41670 (`moe_quant_config._w1.scale` orphaned)")
+_SCALES = r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$"
+_CT = "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+_Q = "vllm/model_executor/layers/quantization/quark/quark_moe.py"
+FINDING_PATTERNS += [
+    (f"{_m}@triton", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale(_inv)?)$",
+     "vllm/model_executor/layers/quantization/online/fp8.py:567",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
+                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
+                            replaced=", after replacing the quantized weights and scales "
+                            "(:562-565)"))
+    for _m in ("Fp8PerTensorOnlineMoEMethod", "Fp8PerBlockOnlineMoEMethod",
+               "Fp8PtpcOnlineMoEMethod")]
+FINDING_PATTERNS += [
+    ("Fp8PerTensorOnlineMoEMethod@marlin", _SCALES,
+     "vllm/model_executor/layers/quantization/online/fp8.py:567",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
+                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
+                            replaced=", after replacing the Marlin-converted weights and "
+                            "scales (:562-565)")),
+    ("Int8OnlineMoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scale)$",
+     "vllm/model_executor/layers/quantization/online/int8.py:112",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/int8.py:112 "
+                            "`get_fused_moe_quant_config`, :115 `make_int8_moe_kernel`",
+                            replaced=", after `_quantize_weights` replaced the scales "
+                            "(:98-99)")),
+    ("CompressedTensorsW8A8Int8MoEMethod@triton", _SCALES,
+     _CT + "compressed_tensors_moe_w8a8_int8.py:223",
+     _CONFIG_REBUILT.format(rebuild="compressed_tensors_moe_w8a8_int8.py:223 "
+                            "`get_fused_moe_quant_config`, :225 `make_int8_moe_kernel`",
+                            replaced="")),
+    ("QuarkW8A8Int8MoEMethod@triton", _SCALES, f"{_Q}:1309",
+     _CONFIG_REBUILT.format(rebuild="quark_moe.py:1309 `get_fused_moe_quant_config`, :1315 "
+                            "`make_int8_moe_kernel`", replaced="")),
+    ("QuarkW4A16Int4MoEMethod@triton", _SCALES, f"{_Q}:459",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, quark_moe.py:459 "
+                            "`get_fused_moe_quant_config`, :461 `make_wna16_moe_kernel`",
+                            replaced=", after replacing the converted scales (:452-453)")),
+    ("QuarkOCP_MX_MoEMethod@marlin", _SCALES, f"{_Q}:1847",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, quark_moe.py:1847 "
+                            "`get_fused_moe_quant_config`, :1849 `make_mxfp4_moe_kernel`",
+                            replaced=", after replacing the converted scales (:1837-1838)")),
+    ("GptOssMxfp4MoEMethod@marlin", _SCALES,
+     "vllm/model_executor/layers/quantization/mxfp4.py:379",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, mxfp4.py:379 "
+                            "`get_fused_moe_quant_config`, :383 `make_mxfp4_moe_kernel`",
+                            replaced=", after replacing the converted scales (:366-367)")),
+    ("CompressedTensorsW4A4Mxfp4MoEMethod@marlin", _SCALES,
+     _CT + "compressed_tensors_moe_w4a4_mxfp4.py:238",
+     _CONFIG_REBUILT.format(rebuild="compressed_tensors_moe_w4a4_mxfp4.py:238 "
+                            "`get_fused_moe_quant_config`, :241 `make_mxfp4_moe_kernel`",
+                            replaced=", after rebinding the swizzled CUTLASS scales as new "
+                            "`nn.Parameter`s (:206-211)")),
+    ("ModelOptMxFp8FusedMoE@marlin", _SCALES,
+     "vllm/model_executor/layers/quantization/modelopt.py:1449",
+     _CONFIG_REBUILT.format(rebuild="modelopt.py:1449 `get_fused_moe_quant_config`, :1452 "
+                            "`make_fp8_moe_kernel`",
+                            replaced=", after replacing the converted scales (:1446-1447)")),
+]
 
 
 def finding_source(kernel: str, path: str) -> tuple[str, str] | None:
