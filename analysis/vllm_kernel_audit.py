@@ -1242,6 +1242,12 @@ NO_FLIP = {
     "Fp8MoEMethod@flashinfer_cutlass": "not run: the flashinfer cutlass_fused_moe stand-in's "
                                        "output hashes uninitialized workspaces too, so a flip "
                                        "proves nothing here",
+    "CompressedTensorsW4A4Mxfp4MoEMethod@marlin": (
+        "not run: vLLM hands `_C::get_cutlass_moe_mm_data` a fresh `torch.empty` "
+        "`blockscale_offsets` (experts/cutlass_moe.py:885) that the CUDA kernel fills, though "
+        "the op's schema declares it read-only (`Tensor? blockscale_offsets`); the stand-in "
+        "follows the schema, so the stand-ins after it hash uninitialized memory (seen: every "
+        "perturbation changed both eager and replay) and a flip proves nothing here"),
 }
 
 
