@@ -791,6 +791,7 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     # oracle/int_wna16.py:194-198) and on the INT4 emulation experts
     ("CompressedTensorsWNA16MoEMethod", "triton"),
     ("QuarkW4A16Int4MoEMethod", "triton"),
+    ("MoeWNA16Method", "triton"),
     ("AutoAWQMoEMethod", "emulation"),
     ("AutoGPTQMoEMethod", "emulation"),
     # unquantized experts (oracle/unquantized.py map_unquantized_backend)
@@ -985,6 +986,19 @@ def _moe_shard_shape(experts, name: str, param, shard: str) -> tuple[int, ...]:
     return tuple(dest)
 
 
+def _moe_checkpoint_layout(experts, name: str, dest: tuple, dtype: torch.dtype):
+    """(shape, dtype) of the checkpoint tensor whose conversion by the method's own loader
+    fills the destination slice `dest`: MoeWNA16Method reads GPTQ tensors, int32-packed along
+    K and transposed (`loaded_weight.T.contiguous().view(torch.uint8)` for the weights,
+    `loaded_weight.T` for the scales, moe_wna16.py:611-620)."""
+    method = type(getattr(experts, "quant_method", None)).__name__
+    if method == "MoeWNA16Method" and name.endswith("qweight"):
+        return (dest[1] * 2 // 8, dest[0]), torch.int32     # (N, K/2) uint8 <- (K/8, N) int32
+    if method == "MoeWNA16Method" and name.endswith("scales"):
+        return tuple(dest[::-1]), dtype
+    return dest, dtype
+
+
 def _moe_value(name: str, shape, dt: torch.dtype, g: torch.Generator) -> torch.Tensor:
     if dt.is_floating_point:
         v = (torch.rand(shape, generator=g) + 0.5 if "scale" in name
@@ -1025,8 +1039,9 @@ def load_moe(layer, seed: int, dropped: list | None = None) -> None:
         shards = ("w2",) if name.startswith("w2") else ("w1", "w3")
         for e in range(MOE_EXPERTS):
             for shard in shards:
-                shape = _moe_shard_shape(experts, name, param, shard)
-                value = _moe_value(name, shape, param.dtype, g)
+                shape, dtype = _moe_checkpoint_layout(
+                    experts, name, _moe_shard_shape(experts, name, param, shard), param.dtype)
+                value = _moe_value(name, shape, dtype, g)
                 if "input_scale" in name:
                     value = torch.ones(shape, dtype=param.dtype)   # equal for w1 and w3
                 if info is not None and not info.can_load():
@@ -1681,6 +1696,12 @@ FINDING_PATTERNS += [
                             "`get_fused_moe_quant_config`, :241 `make_mxfp4_moe_kernel`",
                             replaced=", after rebinding the swizzled CUTLASS scales as new "
                             "`nn.Parameter`s (:206-211)")),
+    ("MoeWNA16Method@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scales)$",
+     "vllm/model_executor/layers/quantization/moe_wna16.py:415",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, moe_wna16.py:415 "
+                            "`get_fused_moe_quant_config` (the layer's `w13_scales`/"
+                            "`w2_scales`, :404-406), :417 `make_wna16_moe_kernel`",
+                            replaced="")),
     ("ModelOptMxFp8FusedMoE@marlin", _SCALES,
      "vllm/model_executor/layers/quantization/modelopt.py:1449",
      _CONFIG_REBUILT.format(rebuild="modelopt.py:1449 `get_fused_moe_quant_config`, :1452 "
