@@ -753,6 +753,8 @@ TRITON_KERNELS = (
     ("vllm.model_executor.layers.quantization.utils.fp8_utils", "_per_token_group_quant_fp8"),
     ("vllm.model_executor.layers.quantization.utils.fp8_utils",
      "_per_token_group_quant_fp8_colmajor"),
+    # the MXFP4 quantizer of the online MXFP4 method (quantization/utils/mxfp4_utils.py:491)
+    ("vllm.model_executor.layers.quantization.utils.mxfp4_utils", "_downcast_to_mxfp"),
 )
 
 

@@ -798,6 +798,11 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("UnquantizedFusedMoEMethod", "triton"),
     ("UnquantizedFusedMoEMethod", "aiter"),
     ("UnquantizedFusedMoEMethod", "flashinfer_cutlass"),
+    # more methods on Marlin, and WNA16 on the INT4 emulation experts
+    ("Fp8PerBlockOnlineMoEMethod", "marlin"),
+    ("Mxfp4OnlineMoEMethod", "marlin"),
+    ("CompressedTensorsW4A8Mxfp4MoEMethod", "marlin"),
+    ("CompressedTensorsWNA16MoEMethod", "emulation"),
 ]
 
 # forced-backend rows that still do not run, and why, read in vLLM's source (appended to the
@@ -814,6 +819,26 @@ MOE_FORCED_WHY_NOT: dict[str, str] = {
         "(quantization/utils/mxfp4_utils.py:150-158), is CUDA/HIP only: with it installed "
         "the row stops at apply with \"dq_uint8_mxfp4_to_half is only implemented in CUDA "
         "devices!\". A GPU with amd-quark would run it; the package is not installed here"),
+}
+
+# methods with no row that runs, neither here nor on a forced backend, and what would change
+# that, read in vLLM's source (appended to the reason of the method's row)
+MOE_BASE_WHY_NOT: dict[str, str] = {
+    "CompressedTensorsW4A8Int8MoEMethod": (
+        "vLLM lists one W4A8 INT8 backend, on CPU only (fused_moe/oracle/w4a8_int8.py:39-41), "
+        "and its experts take only an Arm CPU (experts/cpu_int4_moe.py:60-64): an Arm CPU "
+        "would change it, not AMX or a GPU"),
+    "CompressedTensorsW4A8Fp8MoEMethod": (
+        "its experts are CUTLASS and Humming (fused_moe/oracle/w4a8.py), so it needs a GPU "
+        "(Humming also the `humming` package), and the method asserts hidden and intermediate "
+        "sizes divisible by 256 for CUTLASS's reorder "
+        "(compressed_tensors_moe_w4a8_fp8.py:69-72), twice the audit's MoE layer"),
+    "Nvfp4OnlineMoEMethod": (
+        "its constructor requires a Blackwell GPU "
+        "(`is_device_capability_family(100)`, quantization/online/nvfp4.py:100-102)"),
+    "QuarkW4A8Fp8MoEMethod": (
+        "its constructor asserts ROCm AITER fused MoE (quark/quark_moe.py:1404-1405): a ROCm "
+        "GPU with aiter would change it"),
 }
 
 # extra FusedMoE arguments for a row, as a model's MoE block passes them (layer.py
@@ -1106,8 +1131,9 @@ def audit_moe(k: KernelInfo) -> Outcome:
         if not k.backend and res.stage in ("create_weights", "load",
                                            "process_weights_after_loading"):
             res.reason += f"; {amx_probe(k)}"
-        if k.name in MOE_FORCED_WHY_NOT:
-            res.reason += f"; {MOE_FORCED_WHY_NOT[k.name]}"
+        why = MOE_FORCED_WHY_NOT.get(k.name) or MOE_BASE_WHY_NOT.get(k.name)
+        if why:
+            res.reason += f"; {why}"
     res.standins = standins.used()
     res.seconds = time.perf_counter() - t0
     return res
@@ -1630,7 +1656,12 @@ for _row, _base in (("ModelOptFp8MoEMethod@marlin", "ModelOptFp8MoEMethod@triton
                     ("CompressedTensorsWNA16MoEMethod@triton",
                      "CompressedTensorsWNA16MoEMethod@marlin"),
                     ("AutoGPTQMoEMethod@emulation", "AutoGPTQMoEMethod@marlin"),
-                    ("AutoAWQMoEMethod@emulation", "AutoAWQMoEMethod@marlin")):
+                    ("AutoAWQMoEMethod@emulation", "AutoAWQMoEMethod@marlin"),
+                    ("CompressedTensorsWNA16MoEMethod@emulation",
+                     "CompressedTensorsWNA16MoEMethod@marlin"),
+                    # inherits Mxfp4MoEMethod.process_weights_after_loading
+                    # (compressed_tensors_moe_w4a8_mxfp4.py:10, :34)
+                    ("CompressedTensorsW4A8Mxfp4MoEMethod@marlin", "Mxfp4MoEMethod@marlin")):
     FINDING_PATTERNS += [(_row, pat, src, what) for name, pat, src, what in FINDING_PATTERNS
                          if name == _base]
 _CONFIG_REBUILT = (
@@ -1656,6 +1687,21 @@ FINDING_PATTERNS += [
                             "(:562-565)"))
     for _m in ("Fp8PerTensorOnlineMoEMethod", "Fp8PerBlockOnlineMoEMethod",
                "Fp8PtpcOnlineMoEMethod")]
+FINDING_PATTERNS += [
+    ("Fp8PerBlockOnlineMoEMethod@marlin",
+     r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale_inv)$",
+     "vllm/model_executor/layers/quantization/online/fp8.py:567",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
+                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
+                            replaced=", after replacing the Marlin-converted weights and "
+                            "scales (:562-565)")),
+    ("Mxfp4OnlineMoEMethod@marlin", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
+     "vllm/model_executor/layers/quantization/online/mxfp4.py:252",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/mxfp4.py:252 "
+                            "`get_fused_moe_quant_config`, :254 `make_mxfp4_moe_kernel`",
+                            replaced=", after replacing the converted weights and scales "
+                            "(:243-246)")),
+]
 FINDING_PATTERNS += [
     ("Fp8PerTensorOnlineMoEMethod@marlin", _SCALES,
      "vllm/model_executor/layers/quantization/online/fp8.py:567",
