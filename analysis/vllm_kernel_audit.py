@@ -1159,24 +1159,44 @@ def _moe_layer(k: KernelInfo, config, dt: torch.dtype):
 # takes one quant scheme (`_supports_quant_scheme` beside each). When such a row stops at
 # construction or at process_weights_after_loading, the row builds the layer once more with
 # `torch.cpu._is_amx_tile_supported` answering yes during the construction only (no weight
-# is loaded or processed and no kernel runs, so no AMX instruction is executed) and appends
-# what the oracle picked then: an experts class (an AMX CPU would run the row), or the same
-# failure or no backend (AMX changes nothing; the `@backend` rows and the reason say what
-# would). The probe's answers are not recorded as the row's AMX answers (`amx_asked`).
+# is loaded or processed and no kernel runs, so no AMX instruction is executed), and once
+# with this CPU's answer, and appends what the construction picked with AMX: another experts
+# class (an AMX CPU would take it: the row then depends on the CPU, CPU_DEPENDENT), or the
+# same class, failure or no backend (AMX changes nothing; the forced `@backend` rows and
+# MOE_BASE_WHY_NOT say what would). Some methods pick their experts without the oracle
+# (compressed-tensors W4A4 MXFP4: CUTLASS, XPU, else Marlin,
+# compressed_tensors_moe_w4a4_mxfp4.py:63-79), hence the comparison. The probe's answers are
+# not recorded as the row's AMX answers (`amx_asked`).
 
 
 def amx_probe(k: KernelInfo) -> str:
-    """What vLLM's oracle picks for row `k` when told the CPU has AMX (Note [audit AMX
-    probe])."""
+    """What vLLM's oracle picks for row `k` when told the CPU has AMX, against what it picks
+    with this CPU's answer (Note [audit AMX probe])."""
+    if k.cls is None:
+        return "AMX probe: not run (the class did not import)"
+    with_amx, without = _picked_experts(k, True), _picked_experts(k, None)
+    if with_amx == without:
+        same = "error" if with_amx.startswith("error: ") else with_amx
+        return f"AMX probe: on a CPU with AMX the same {same}, so AMX changes nothing"
+    if with_amx.startswith("error: "):
+        return f"AMX probe: on a CPU with AMX too: {with_amx[len('error: '):]}"
+    if with_amx in ("NONE", "?"):
+        return f"AMX probe: on a CPU with AMX vLLM's oracle picks no backend either ({with_amx})"
+    return f"AMX probe: on a CPU with AMX vLLM's oracle picks {with_amx}"
+
+
+def _picked_experts(k: KernelInfo, amx: bool | None) -> str:
+    """The experts class (or backend name) the layer of row `k` gets at construction, with
+    `torch.cpu._is_amx_tile_supported()` answering `amx` (None: this CPU's answer, unrecorded),
+    or `error: <reason>`."""
     from types import SimpleNamespace
 
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    if k.cls is None:
-        return "AMX probe: not run (the class did not import)"
     watched = torch.cpu._is_amx_tile_supported
-    torch.cpu._is_amx_tile_supported = lambda: True
+    real = bool(watched())     # called from here, the watcher (_watch_amx) records nothing
+    torch.cpu._is_amx_tile_supported = lambda: real if amx is None else amx
     try:
         dt = torch.bfloat16
         config = VllmConfig()
@@ -1185,15 +1205,10 @@ def amx_probe(k: KernelInfo) -> str:
             max_model_len=128, quantization_config=None))
         with set_current_vllm_config(config), set_default_torch_dtype(dt):
             layer = _moe_layer(k, config, dt)
-        qm = _experts(layer).quant_method
-        picked = getattr(qm, "experts_cls", None)
-        name = getattr(picked, "__name__", None) or _moe_backend(layer)
-        if name in ("NONE", "?", None):
-            return (f"AMX probe: on a CPU with AMX vLLM's oracle picks no backend either "
-                    f"({name})")
-        return f"AMX probe: on a CPU with AMX vLLM's oracle picks {name}"
+        picked = getattr(_experts(layer).quant_method, "experts_cls", None)
+        return getattr(picked, "__name__", None) or _moe_backend(layer)
     except Exception as exc:  # noqa: BLE001 (the probe's answer is part of the reason)
-        return f"AMX probe: on a CPU with AMX too: {_reason(exc)}"
+        return f"error: {_reason(exc)}"
     finally:
         torch.cpu._is_amx_tile_supported = watched
 
@@ -2092,6 +2107,17 @@ CPU_DEPENDENT: dict[str, str] = {
     "UnquantizedFusedMoEMethod": "CPU experts: AMX kernels with AMX "
                                  "(fused_moe/experts/cpu_moe.py:318-330)",
 }
+# the methods whose MoE oracle offers a CPU experts class only with AMX (cpu_moe.py, Note
+# [audit AMX probe]): on an AMX CPU the row takes it, here it finds no backend
+CPU_DEPENDENT.update({name: f"with AMX the oracle picks {experts} (fused_moe/experts/cpu_moe.py)"
+                      for experts, names in (
+    ("CPUExpertsInt4", ("AutoAWQMoEMethod", "AutoGPTQMoEMethod", "MoeWNA16Method",
+                        "CompressedTensorsWNA16MoEMethod", "QuarkW4A16Int4MoEMethod")),
+    ("CPUExpertsInt8", ("CompressedTensorsW8A8Int8MoEMethod", "QuarkW8A8Int8MoEMethod",
+                        "Int8OnlineMoEMethod")),
+    ("CPUExpertsMxfp4", ("Mxfp4MoEMethod", "GptOssMxfp4MoEMethod", "Mxfp4OnlineMoEMethod",
+                         "CompressedTensorsW4A8Mxfp4MoEMethod", "QuarkOCP_MX_MoEMethod")),
+    ("CPUExpertsFp8", ("Fp8PerBlockOnlineMoEMethod",))) for name in names})
 # the rows of CPU_DEPENDENT whose outcome depends on the ops vLLM's build has: the AVX2 build
 # lacks them, the AVX-512 build (which AMX CPUs load too) has them
 BUILD_DEPENDENT = frozenset({"CPUWNA16LinearKernel", "CPUFp8BlockScaledMMKernel",
