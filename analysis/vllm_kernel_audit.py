@@ -1992,7 +1992,7 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
                          f"`{r['reload_dropped']}`: {RELOAD_DROP_SOURCE[1]}.")
         sourced = dict.fromkeys(
             src for o in r["stale_owners"].split(" | ")
-            if (src := finding_source(r["kernel"], o.split(":", 1)[1])) is not None)
+            if o and (src := finding_source(r["kernel"], o.split(":", 1)[1])) is not None)
         for src, what in sourced:
             lines.append(f"  - `{src}`: {what}.")
         lines.append(f"  - flip test: {r['flip']}")
