@@ -812,6 +812,10 @@ MOE_FORCED_WHY_NOT: dict[str, str] = {
         "on any device: Marlin MoE takes only AutoAWQ, AutoGPTQ and compressed-tensors "
         "configs, a Quark config gets \"Marlin not supported for this layer\" "
         "(fused_moe/oracle/int_wna16.py:208-221); the row QuarkW4A16Int4MoEMethod@triton runs"),
+    "MoeWNA16Method@marlin": (
+        "on any device: Marlin MoE (and the emulation experts) refuse the MoeWNA16 checkpoint "
+        "layout (`allow_marlin = not isinstance(quant_config, MoeWNA16Config)`, fused_moe/"
+        "oracle/int_wna16.py:208, :228-233); the row MoeWNA16Method@triton runs"),
     "Mxfp4MoEMethod@emulation": (
         "the OCP MX emulation experts need the amd-quark package (experts/"
         "ocp_mx_emulation_moe.py:131); amd-quark 0.13 installs from the registry without "
@@ -2042,10 +2046,17 @@ def _cause(reason: str) -> str:
     m = re.search(r"No module named '([\w.]+)'", reason)
     if m:
         return f"needs the `{m.group(1)}` package (not installed for CPU)"
+    if "AMX probe: on a CPU with AMX vLLM's oracle picks CPUExperts" in reason:
+        return ("no MoE backend on this CPU; with AMX vLLM's oracle picks its CPU experts "
+                "(Note [audit AMX probe])")
+    if "AMX probe:" in reason:
+        return ("no MoE backend on this CPU, nor with AMX (Note [audit AMX probe]); its "
+                "reason says what would run it")
     for pat, cause in ((r"FlashInfer", "needs FlashInfer"),
                        (r"DeepGEMM", "needs DeepGEMM"),
                        (r"amd-quark", "needs amd-quark"),
-                       (r"not subscriptable|triton", "launches a Triton kernel (no Triton here)"),
+                       (r"not subscriptable|(?<!@)triton",
+                        "launches a Triton kernel (no Triton here)"),
                        (r"'_OpNamespace' '(\w+)' object has no attribute '(\w+)'",
                         "calls an op of another platform's extension with no stand-in yet"),
                        (r"not compiled with (\w+)", "needs a device tensor"),
