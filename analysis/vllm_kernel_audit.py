@@ -1073,7 +1073,12 @@ def load_moe(layer, seed: int, dropped: list | None = None) -> None:
                 value = _moe_value(name, shape, dtype, g)
                 if "input_scale" in name:
                     value = torch.ones(shape, dtype=param.dtype)   # equal for w1 and w3
-                if info is not None and not info.can_load():
+                # a load into an empty placeholder loses nothing: MoeWNA16Method registers
+                # `w13_qzeros`/`w2_qzeros` with no elements for GPTQ checkpoints without zero
+                # points (moe_wna16.py:378-389) and its loader discards their loads
+                # (:593-594), so they add nothing to `load_numel_total` and arrive after
+                # the layer was processed; not a dropped load
+                if info is not None and not info.can_load() and param.numel():
                     dropped.append(f"{name}[{e}].{shard}")
                 loader(param, value, name, shard_id=shard, expert_id=e)
 
