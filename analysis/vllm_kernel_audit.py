@@ -1808,7 +1808,9 @@ def finding_source(kernel: str, path: str) -> tuple[str, str] | None:
 # parameter, experts in order, w1 before w3) and records, during the reload, each load that
 # vLLM's own `can_load()` says will be dropped (column reload_dropped). Which tensors lose
 # their values depends on the order a trainer sends weights in. The stand-ins then read
-# uninitialized memory, so the flip test is not run for such a row.
+# uninitialized memory, so the flip test is not run for such a row. A load into a parameter
+# with no elements loses nothing and is not listed (MoeWNA16Method's zero-point placeholders,
+# load_moe).
 # What a real model does instead (analysis/repro/moe_reload_drops_loads.py, vLLM's own loader
 # and `reload_weights` from a sorted safetensors checkpoint): `RoutedExperts.load_weights`
 # looks the parameter up by name at call time (`getattr(self, param_name)`), which after the
