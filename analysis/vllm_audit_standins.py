@@ -273,6 +273,31 @@ STANDINS: dict[str, StandIn] = {
         "int thread_n, int blocks_per_sm) -> Tensor",
         lambda a, b_scales, size_m, size_n, top_k, **_: torch.empty(
             size_m * top_k, size_n, dtype=_act_dtype(a, b_scales))),
+    # activations and MoE data of vLLM's CUDA build (csrc/torch_bindings.cpp), as 0.32's
+    # callers pass them: the clamped SwiGLU of gpt-oss-style experts (fused_moe/
+    # activation.py:311), the fused SiLU-and-mul with per-block quantization
+    # (_custom_ops.py:539), and the CUTLASS MoE data preparation (_custom_ops.py:898)
+    "_C::silu_and_mul_with_clamp": StandIn(
+        "(Tensor! result, Tensor input, float limit, float alpha=1.0, float beta=0.0) -> ()"),
+    "_C::silu_and_mul_per_block_quant": StandIn(
+        "(Tensor! out, Tensor input, Tensor! scales, int group_size, Tensor? scale_ub=None, "
+        "bool is_scale_transposed=False) -> ()"),
+    "_C::get_cutlass_moe_mm_data": StandIn(
+        "(Tensor topk_ids, Tensor! expert_offsets, Tensor! problem_sizes1, "
+        "Tensor! problem_sizes2, Tensor! input_permutation, Tensor! output_permutation, "
+        "int num_experts, int n, int k, Tensor? blockscale_offsets, bool is_gated) -> ()"),
+    # the CUTLASS MXFP4 MoE path (experts/cutlass_moe.py:898-964)
+    "_C::mxfp4_experts_quant": StandIn(
+        "(Tensor! output, Tensor! output_scale, Tensor input, Tensor input_offset_by_experts, "
+        "Tensor output_scale_offset_by_experts, int n_experts) -> ()"),
+    "_C::silu_and_mul_mxfp4_experts_quant": StandIn(
+        "(Tensor! output, Tensor! output_scale, Tensor input, Tensor input_offset_by_experts, "
+        "Tensor output_scale_offset_by_experts, int n_experts) -> ()"),
+    "_C::cutlass_mxfp4_group_mm": StandIn(
+        "(Tensor! out, Tensor a, Tensor b, Tensor a_blockscale, Tensor b_blockscales, "
+        "Tensor problem_sizes, Tensor expert_offsets, Tensor sf_offsets) -> ()"),
+    "_moe_C::shuffle_rows": StandIn(
+        "(Tensor input_tensor, Tensor dst2src_map, Tensor! output_tensor) -> ()"),
     "_xpu_C::int4_gemm_w4a8": StandIn(
         # float16 output (the kernel's own warning, kernels/.../mixed_precision/xpu.py:152)
         "(Tensor input, Tensor input_scale, Tensor input_zero, Tensor weight, "
@@ -722,6 +747,14 @@ TRITON_KERNELS = (
     ("vllm.model_executor.layers.fused_moe.fused_moe", "fused_moe_kernel_gptq_awq"),
     ("vllm.model_executor.layers.fused_moe.experts.nvfp4_emulation_moe",
      "fused_moe_nvfp4_emulation_kernel"),
+    # the activation quantizers the Triton MoE experts call for INT8 per-token and FP8
+    # per-token-group activations (fused_moe/utils.py _int8_quantize, _fp8_quantize)
+    ("vllm.model_executor.layers.quantization.utils.int8_utils", "_per_token_quant_int8"),
+    ("vllm.model_executor.layers.quantization.utils.fp8_utils", "_per_token_group_quant_fp8"),
+    ("vllm.model_executor.layers.quantization.utils.fp8_utils",
+     "_per_token_group_quant_fp8_colmajor"),
+    # the MXFP4 quantizer of the online MXFP4 method (quantization/utils/mxfp4_utils.py:491)
+    ("vllm.model_executor.layers.quantization.utils.mxfp4_utils", "_downcast_to_mxfp"),
 )
 
 

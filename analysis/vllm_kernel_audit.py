@@ -720,15 +720,22 @@ def _one_cpu_extension() -> None:
 
 # Note [audit MoE backends]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
-# On this CPU vLLM's oracles pick no backend for most quantized methods (FP8: CPU experts need
-# AMX, experts/cpu_moe.py). The published MoE bugs live in the CUDA/ROCm backends, so a
-# method also runs once per backend listed in MOE_FORCED_BACKENDS, as a row `Class@backend`:
-# the backend is requested the way a user does (`kernel_config.moe_backend`, which the
-# oracle's "explicit moe_backend from user" branch honours, e.g. oracle/fp8.py select_fp8_moe_
-# backend), and inside `forced_moe_device()` every experts class answers yes to
-# `_supports_current_device()` (its quant-scheme, activation and shape checks still run as
-# shipped). The backend's CUDA ops and library calls are stand-ins (Note [audit stand-ins]).
-# vLLM's real CPU ops are never reached this way (their AMX paths would SIGILL).
+# On this CPU vLLM's oracles pick no backend for most quantized methods (the CPU experts need
+# AMX, experts/cpu_moe.py; what an AMX CPU would pick: Note [audit AMX probe]). The published
+# MoE bugs live in the CUDA/ROCm backends, so a method also runs once per backend listed in
+# MOE_FORCED_BACKENDS, as a row `Class@backend`: the backend is requested the way a user does
+# (`kernel_config.moe_backend`, which the oracle's "explicit moe_backend from user" branch
+# honours, e.g. oracle/fp8.py select_fp8_moe_backend), and inside `forced_moe_device()` the
+# platform is a Hopper (SM 9.0) and every experts class answers yes to
+# `_supports_current_device()`. Its quant-scheme, activation and shape checks still run as
+# shipped; a device question asked inside a scheme check (TritonExperts' INT8 needs
+# `is_cuda()` and SM 7.5, experts/triton_moe.py:137-144) gets the forced device's answer
+# (`_as_cuda`). `torch.accelerator.empty_cache()`, which raises with no accelerator
+# (quark_moe.py:1844), does nothing there. The backend's CUDA ops, Triton kernels and library
+# calls are stand-ins (Note [audit stand-ins]). vLLM's real CPU ops are never reached this
+# way (their AMX paths would SIGILL). A row that still cannot run says why
+# (MOE_FORCED_WHY_NOT); a method's row without a forced backend names the forced rows of the
+# method that ran (note_forced_rows).
 MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("CompressedTensorsW8A8Fp8MoEMethod", "cutlass"),        # vLLM #41670
     ("Fp8MoEMethod", "flashinfer_cutlass"),                  # vLLM #50521
@@ -754,6 +761,9 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("Mxfp4MoEMethod", "marlin"),
     ("GptOssMxfp4MoEMethod", "marlin"),
     ("QuarkOCP_MX_MoEMethod", "marlin"),
+    # compressed-tensors W4A4 MXFP4 does not read moe_backend: it takes CutlassExpertsMxfp4
+    # wherever that class supports the device (compressed_tensors_moe_w4a4_mxfp4.py:63-79),
+    # so under the forced device this row runs the CUTLASS MXFP4 experts (its scheme column)
     ("CompressedTensorsW4A4Mxfp4MoEMethod", "marlin"),
     ("Mxfp4MoEMethod", "emulation"),
     # NVFP4 (oracle/nvfp4.py map_nvfp4_backend: "emulation", "marlin")
@@ -763,7 +773,77 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("CompressedTensorsW4A4Nvfp4MoEMethod", "marlin"),
     ("QuarkNvfp4MoEMethod", "emulation"),
     ("QuarkNvfp4MoEMethod", "marlin"),
+    # the FP8 online methods on the Triton experts and Marlin (oracle/fp8.py map_fp8_backend)
+    ("Fp8PerTensorOnlineMoEMethod", "triton"),
+    ("Fp8PerBlockOnlineMoEMethod", "triton"),
+    ("Fp8PtpcOnlineMoEMethod", "triton"),
+    ("Fp8PerTensorOnlineMoEMethod", "marlin"),
+    # the other FP8 checkpoint formats on Marlin and AITER
+    ("ModelOptFp8MoEMethod", "marlin"),
+    ("QuarkW8A8Fp8MoEMethod", "marlin"),
+    ("CompressedTensorsW8A8Fp8MoEMethod", "marlin"),
+    ("ModelOptFp8MoEMethod", "aiter"),
+    ("QuarkW8A8Fp8MoEMethod", "aiter"),
+    ("CompressedTensorsW8A8Fp8MoEMethod", "aiter"),
+    # MXFP8 weights requested on Marlin
+    ("ModelOptMxFp8FusedMoE", "marlin"),
+    # WNA16 on the Triton experts (AutoAWQ's layout and GPTQ's bias are refused there,
+    # oracle/int_wna16.py:194-198) and on the INT4 emulation experts
+    ("CompressedTensorsWNA16MoEMethod", "triton"),
+    ("QuarkW4A16Int4MoEMethod", "triton"),
+    ("MoeWNA16Method", "triton"),
+    ("AutoAWQMoEMethod", "emulation"),
+    ("AutoGPTQMoEMethod", "emulation"),
+    # unquantized experts (oracle/unquantized.py map_unquantized_backend)
+    ("UnquantizedFusedMoEMethod", "triton"),
+    ("UnquantizedFusedMoEMethod", "aiter"),
+    ("UnquantizedFusedMoEMethod", "flashinfer_cutlass"),
+    # more methods on Marlin, and WNA16 on the INT4 emulation experts
+    ("Fp8PerBlockOnlineMoEMethod", "marlin"),
+    ("Mxfp4OnlineMoEMethod", "marlin"),
+    ("CompressedTensorsW4A8Mxfp4MoEMethod", "marlin"),
+    ("CompressedTensorsWNA16MoEMethod", "emulation"),
 ]
+
+# forced-backend rows that still do not run, and why, read in vLLM's source (appended to the
+# row's reason)
+MOE_FORCED_WHY_NOT: dict[str, str] = {
+    "QuarkW4A16Int4MoEMethod@marlin": (
+        "on any device: Marlin MoE takes only AutoAWQ, AutoGPTQ and compressed-tensors "
+        "configs, a Quark config gets \"Marlin not supported for this layer\" "
+        "(fused_moe/oracle/int_wna16.py:208-221); the row QuarkW4A16Int4MoEMethod@triton runs"),
+    "MoeWNA16Method@marlin": (
+        "on any device: Marlin MoE (and the emulation experts) refuse the MoeWNA16 checkpoint "
+        "layout (`allow_marlin = not isinstance(quant_config, MoeWNA16Config)`, fused_moe/"
+        "oracle/int_wna16.py:208, :228-233); the row MoeWNA16Method@triton runs"),
+    "Mxfp4MoEMethod@emulation": (
+        "the OCP MX emulation experts need the amd-quark package (experts/"
+        "ocp_mx_emulation_moe.py:131); amd-quark 0.13 installs from the registry without "
+        "changing torch or vLLM, but its MXFP4 dequantization, which vLLM calls at apply "
+        "(quantization/utils/mxfp4_utils.py:150-158), is CUDA/HIP only: with it installed "
+        "the row stops at apply with \"dq_uint8_mxfp4_to_half is only implemented in CUDA "
+        "devices!\". A GPU with amd-quark would run it; the package is not installed here"),
+}
+
+# methods with no row that runs, neither here nor on a forced backend, and what would change
+# that, read in vLLM's source (appended to the reason of the method's row)
+MOE_BASE_WHY_NOT: dict[str, str] = {
+    "CompressedTensorsW4A8Int8MoEMethod": (
+        "vLLM lists one W4A8 INT8 backend, on CPU only (fused_moe/oracle/w4a8_int8.py:39-41), "
+        "and its experts take only an Arm CPU (experts/cpu_int4_moe.py:60-64): an Arm CPU "
+        "would change it, not AMX or a GPU"),
+    "CompressedTensorsW4A8Fp8MoEMethod": (
+        "its experts are CUTLASS and Humming (fused_moe/oracle/w4a8.py), so it needs a GPU "
+        "(Humming also the `humming` package), and the method asserts hidden and intermediate "
+        "sizes divisible by 256 for CUTLASS's reorder "
+        "(compressed_tensors_moe_w4a8_fp8.py:69-72), twice the audit's MoE layer"),
+    "Nvfp4OnlineMoEMethod": (
+        "its constructor requires a Blackwell GPU "
+        "(`is_device_capability_family(100)`, quantization/online/nvfp4.py:100-102)"),
+    "QuarkW4A8Fp8MoEMethod": (
+        "its constructor asserts ROCm AITER fused MoE (quark/quark_moe.py:1404-1405): a ROCm "
+        "GPU with aiter would change it"),
+}
 
 # extra FusedMoE arguments for a row, as a model's MoE block passes them (layer.py
 # FusedMoEFactory): a SwiGLU clamp limit, as gpt-oss-style models set, is what FlashInfer
@@ -796,8 +876,20 @@ def forced_moe_device(backend: str = ""):
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
         if "_supports_current_device" in cls.__dict__:
-            saved.append((cls, cls.__dict__["_supports_current_device"]))
+            saved.append((cls, "_supports_current_device", cls.__dict__["_supports_current_device"]))
             cls._supports_current_device = staticmethod(lambda: True)
+        if "_supports_quant_scheme" in cls.__dict__:
+            old_check = cls.__dict__["_supports_quant_scheme"]
+            saved.append((cls, "_supports_quant_scheme", old_check))
+            kind = type(old_check) if isinstance(old_check, (staticmethod, classmethod)) \
+                else None
+            fn = _as_cuda(platform, old_check.__func__ if kind else old_check)
+            cls._supports_quant_scheme = kind(fn) if kind else fn
+    # `torch.accelerator.empty_cache()` (quark_moe.py:1844, after the weights are replaced)
+    # frees a device's cached blocks; with no accelerator it raises, so it does nothing here
+    empty_cache = torch.accelerator.empty_cache
+    if torch.accelerator.current_accelerator() is None:
+        torch.accelerator.empty_cache = lambda: None
     aiter_cls = aiter_ops.rocm_aiter_ops
     policy = aiter_cls.__dict__["get_moe_dispatch_policy"]
     if backend == "aiter":
@@ -806,13 +898,32 @@ def forced_moe_device(backend: str = ""):
         yield
     finally:
         aiter_cls.get_moe_dispatch_policy = policy
-        for cls, old in reversed(saved):
-            setattr(cls, "_supports_current_device", old)
+        torch.accelerator.empty_cache = empty_cache
+        for cls, attr, old in reversed(saved):
+            setattr(cls, attr, old)
         for attr, old in old_platform.items():
             if old is _MISSING:
                 delattr(platform, attr)
             else:
                 setattr(platform, attr, old)
+
+
+def _as_cuda(platform, check):
+    """`check` (an experts class's `_supports_quant_scheme`) run as shipped, with the
+    platform's `is_cuda()` answering yes during the call: TritonExperts asks whether the
+    device has INT8 (`is_cuda() and has_device_capability((7, 5))`, experts/triton_moe.py:
+    137-144) inside its scheme check, a device question the forced device answers yes."""
+    def wrapped(*args, **kwargs):
+        old = platform.__dict__.get("is_cuda", _MISSING)
+        platform.is_cuda = classmethod(lambda cls: True)
+        try:
+            return check(*args, **kwargs)
+        finally:
+            if old is _MISSING:
+                delattr(platform, "is_cuda")
+            else:
+                platform.is_cuda = old
+    return wrapped
 
 
 class MoEAuditModel(torch.nn.Module):
@@ -881,6 +992,8 @@ def _moe_shard_shape(experts, name: str, param, shard: str) -> tuple[int, ...]:
                   or param.dim() == 1 or "weight_shape" in name
                   or (param.dim() == 2 and param.shape[1] <= 2 and "bias" not in name))
     if per_tensor:
+        if param.dim() == 1 and getattr(param, "quant_method", None) == "channel":
+            return ()      # the per-channel loader writes param[expert] (a 0-d slice)
         return (1,) if "weight_shape" not in name else tuple(param.shape[1:])
     dest = list(param.shape[1:])
     if "bias" in name:
@@ -896,7 +1009,23 @@ def _moe_shard_shape(experts, name: str, param, shard: str) -> tuple[int, ...]:
             "CompressedTensorsWNA16MoEMethod", "CompressedTensorsW4A16FlydslMoEMethod")
             and getattr(param, "is_transposed", False)):
         dest = dest[::-1]     # the loader transposes these first
+    if (type(getattr(experts, "quant_method", None)).__name__ == "QuarkW4A16Int4MoEMethod"
+            and name.endswith(("weight_scale", "weight_zero_point"))):
+        dest = dest[::-1]     # quark_int4_weight_loader transposes them (quark_moe.py:524-561)
     return tuple(dest)
+
+
+def _moe_checkpoint_layout(experts, name: str, dest: tuple, dtype: torch.dtype):
+    """(shape, dtype) of the checkpoint tensor whose conversion by the method's own loader
+    fills the destination slice `dest`: MoeWNA16Method reads GPTQ tensors, int32-packed along
+    K and transposed (`loaded_weight.T.contiguous().view(torch.uint8)` for the weights,
+    `loaded_weight.T` for the scales, moe_wna16.py:611-620)."""
+    method = type(getattr(experts, "quant_method", None)).__name__
+    if method == "MoeWNA16Method" and name.endswith("qweight"):
+        return (dest[1] * 2 // 8, dest[0]), torch.int32     # (N, K/2) uint8 <- (K/8, N) int32
+    if method == "MoeWNA16Method" and name.endswith("scales"):
+        return tuple(dest[::-1]), dtype
+    return dest, dtype
 
 
 def _moe_value(name: str, shape, dt: torch.dtype, g: torch.Generator) -> torch.Tensor:
@@ -939,11 +1068,17 @@ def load_moe(layer, seed: int, dropped: list | None = None) -> None:
         shards = ("w2",) if name.startswith("w2") else ("w1", "w3")
         for e in range(MOE_EXPERTS):
             for shard in shards:
-                shape = _moe_shard_shape(experts, name, param, shard)
-                value = _moe_value(name, shape, param.dtype, g)
+                shape, dtype = _moe_checkpoint_layout(
+                    experts, name, _moe_shard_shape(experts, name, param, shard), param.dtype)
+                value = _moe_value(name, shape, dtype, g)
                 if "input_scale" in name:
                     value = torch.ones(shape, dtype=param.dtype)   # equal for w1 and w3
-                if info is not None and not info.can_load():
+                # a load into an empty placeholder loses nothing: MoeWNA16Method registers
+                # `w13_qzeros`/`w2_qzeros` with no elements for GPTQ checkpoints without zero
+                # points (moe_wna16.py:378-389) and its loader discards their loads
+                # (:593-594), so they add nothing to `load_numel_total` and arrive after
+                # the layer was processed; not a dropped load
+                if info is not None and not info.can_load() and param.numel():
                     dropped.append(f"{name}[{e}].{shard}")
                 loader(param, value, name, shard_id=shard, expert_id=e)
 
@@ -1002,9 +1137,89 @@ def audit_moe(k: KernelInfo) -> Outcome:
                                 lambda: load_moe(layer, seed=2, dropped=res.dropped))
     except Exception as exc:
         res.reason = _reason(exc)
+        if not k.backend and res.stage in ("create_weights", "load",
+                                           "process_weights_after_loading"):
+            res.reason += f"; {amx_probe(k)}"
+        why = MOE_FORCED_WHY_NOT.get(k.name) or MOE_BASE_WHY_NOT.get(k.name)
+        if why:
+            res.reason += f"; {why}"
     res.standins = standins.used()
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _moe_layer(k: KernelInfo, config, dt: torch.dtype):
+    """The FusedMoE layer of row `k`, built as audit_moe builds it."""
+    quant_config = moe_quant_config(k)
+    object.__setattr__(config, "quant_config", quant_config)
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    return FusedMoEFactory(num_experts=MOE_EXPERTS, top_k=MOE_TOPK, hidden_size=MOE_HIDDEN,
+                           intermediate_size=MOE_INTER, params_dtype=dt,
+                           quant_config=quant_config, prefix="moe",
+                           **MOE_LAYER_ARGS.get(k.name, {}))
+
+
+# Note [audit AMX probe]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# A row without a forced backend runs the backend vLLM's oracle picks for this CPU; vLLM's
+# CPU MoE experts are offered only on x86 with AMX (`torch.cpu._is_amx_tile_supported()`,
+# fused_moe/experts/cpu_moe.py:327-330, :457-460, :625-628, :841-844, :1000-1003) and each
+# takes one quant scheme (`_supports_quant_scheme` beside each). When such a row stops at
+# construction or at process_weights_after_loading, the row builds the layer once more with
+# `torch.cpu._is_amx_tile_supported` answering yes during the construction only (no weight
+# is loaded or processed and no kernel runs, so no AMX instruction is executed), and once
+# with this CPU's answer, and appends what the construction picked with AMX: another experts
+# class (an AMX CPU would take it: the row then depends on the CPU, CPU_DEPENDENT), or the
+# same class, failure or no backend (AMX changes nothing; the forced `@backend` rows and
+# MOE_BASE_WHY_NOT say what would). Some methods pick their experts without the oracle
+# (compressed-tensors W4A4 MXFP4: CUTLASS, XPU, else Marlin,
+# compressed_tensors_moe_w4a4_mxfp4.py:63-79), hence the comparison. The probe's answers are
+# not recorded as the row's AMX answers (`amx_asked`).
+
+
+def amx_probe(k: KernelInfo) -> str:
+    """What vLLM's oracle picks for row `k` when told the CPU has AMX, against what it picks
+    with this CPU's answer (Note [audit AMX probe])."""
+    if k.cls is None:
+        return "AMX probe: not run (the class did not import)"
+    with_amx, without = _picked_experts(k, True), _picked_experts(k, None)
+    if with_amx == without:
+        same = "error" if with_amx.startswith("error: ") else with_amx
+        return f"AMX probe: on a CPU with AMX the same {same}, so AMX changes nothing"
+    if with_amx.startswith("error: "):
+        return f"AMX probe: on a CPU with AMX too: {with_amx[len('error: '):]}"
+    if with_amx in ("NONE", "?"):
+        return f"AMX probe: on a CPU with AMX vLLM's oracle picks no backend either ({with_amx})"
+    return f"AMX probe: on a CPU with AMX vLLM's oracle picks {with_amx}"
+
+
+def _picked_experts(k: KernelInfo, amx: bool | None) -> str:
+    """The experts class (or backend name) the layer of row `k` gets at construction, with
+    `torch.cpu._is_amx_tile_supported()` answering `amx` (None: this CPU's answer, unrecorded),
+    or `error: <reason>`."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    watched = torch.cpu._is_amx_tile_supported
+    real = bool(watched())     # called from here, the watcher (_watch_amx) records nothing
+    torch.cpu._is_amx_tile_supported = lambda: real if amx is None else amx
+    try:
+        dt = torch.bfloat16
+        config = VllmConfig()
+        object.__setattr__(config, "model_config", SimpleNamespace(
+            dtype=dt, quantization=None, is_deepseek_mla=False, hf_config=None,
+            max_model_len=128, quantization_config=None))
+        with set_current_vllm_config(config), set_default_torch_dtype(dt):
+            layer = _moe_layer(k, config, dt)
+        picked = getattr(_experts(layer).quant_method, "experts_cls", None)
+        return getattr(picked, "__name__", None) or _moe_backend(layer)
+    except Exception as exc:  # noqa: BLE001 (the probe's answer is part of the reason)
+        return f"error: {_reason(exc)}"
+    finally:
+        torch.cpu._is_amx_tile_supported = watched
 
 
 def _moe_backend(layer) -> str:
@@ -1092,6 +1307,12 @@ NO_FLIP = {
     "Fp8MoEMethod@flashinfer_cutlass": "not run: the flashinfer cutlass_fused_moe stand-in's "
                                        "output hashes uninitialized workspaces too, so a flip "
                                        "proves nothing here",
+    "CompressedTensorsW4A4Mxfp4MoEMethod@marlin": (
+        "not run: vLLM hands `_C::get_cutlass_moe_mm_data` a fresh `torch.empty` "
+        "`blockscale_offsets` (experts/cutlass_moe.py:885) that the CUDA kernel fills, though "
+        "the op's schema declares it read-only (`Tensor? blockscale_offsets`); the stand-in "
+        "follows the schema, so the stand-ins after it hash uninitialized memory (seen: every "
+        "perturbation changed both eager and replay) and a flip proves nothing here"),
 }
 
 
@@ -1443,6 +1664,121 @@ FINDING_PATTERNS.insert(0, (
     "new tensors and the captured graph keeps reading the old ones (freed with the old "
     "kernel): stale"))
 
+# The same method on another requested backend: its process_weights_after_loading replaces
+# the converted tensors and rebuilds the quant config and kernel on the same lines whatever
+# the backend (the backend changes only the conversion before them: convert_to_fp8_moe_
+# kernel_format at modelopt.py:592, compressed_tensors_moe_w8a8_fp8.py:300, quark_moe.py:929-
+# 943; the WNA16 conversion before compressed_tensors_moe_wna16.py:445 and auto_gptq.py:676)
+for _row, _base in (("ModelOptFp8MoEMethod@marlin", "ModelOptFp8MoEMethod@triton"),
+                    ("ModelOptFp8MoEMethod@aiter", "ModelOptFp8MoEMethod@triton"),
+                    ("QuarkW8A8Fp8MoEMethod@marlin", "QuarkW8A8Fp8MoEMethod@triton"),
+                    ("QuarkW8A8Fp8MoEMethod@aiter", "QuarkW8A8Fp8MoEMethod@triton"),
+                    ("CompressedTensorsW8A8Fp8MoEMethod@marlin",
+                     "CompressedTensorsW8A8Fp8MoEMethod@triton"),
+                    ("CompressedTensorsW8A8Fp8MoEMethod@aiter",
+                     "CompressedTensorsW8A8Fp8MoEMethod@triton"),
+                    ("CompressedTensorsWNA16MoEMethod@triton",
+                     "CompressedTensorsWNA16MoEMethod@marlin"),
+                    ("AutoGPTQMoEMethod@emulation", "AutoGPTQMoEMethod@marlin"),
+                    ("AutoAWQMoEMethod@emulation", "AutoAWQMoEMethod@marlin"),
+                    ("CompressedTensorsWNA16MoEMethod@emulation",
+                     "CompressedTensorsWNA16MoEMethod@marlin"),
+                    # inherits Mxfp4MoEMethod.process_weights_after_loading
+                    # (compressed_tensors_moe_w4a8_mxfp4.py:10, :34)
+                    ("CompressedTensorsW4A8Mxfp4MoEMethod@marlin", "Mxfp4MoEMethod@marlin")):
+    FINDING_PATTERNS += [(_row, pat, src, what) for name, pat, src, what in FINDING_PATTERNS
+                         if name == _base]
+_CONFIG_REBUILT = (
+    "process_weights_after_loading builds a new `moe_quant_config` from the layer's scale "
+    "parameters and a new experts object around that config ({rebuild}){replaced}; during "
+    "vLLM's layerwise reload this runs on the temporaries the reload materialised "
+    "(model_loader/reload/layerwise.py:354, :388), so the new quant config "
+    "(`moe_quant_config._w1.scale`, and the experts' `quant_config`) holds that run's "
+    "temporary, while the reload copies the values into the original parameter (:425) and "
+    "re-registers it (:444), the storage the graph read. `prefer_copy` is not the cause. "
+    "Equal values after the reload; they part when the parameters are later written in place "
+    "(`is_checkpoint_format=False`, model_loader/reload/inplace.py:104-108; Note [audit "
+    "diverged scales]): the pattern of vLLM #41670 (`moe_quant_config._w1.scale` orphaned)")
+_SCALES = r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$"
+_CT = "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+_Q = "vllm/model_executor/layers/quantization/quark/quark_moe.py"
+FINDING_PATTERNS += [
+    (f"{_m}@triton", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale(_inv)?)$",
+     "vllm/model_executor/layers/quantization/online/fp8.py:567",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
+                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
+                            replaced=", after replacing the quantized weights and scales "
+                            "(:562-565)"))
+    for _m in ("Fp8PerTensorOnlineMoEMethod", "Fp8PerBlockOnlineMoEMethod",
+               "Fp8PtpcOnlineMoEMethod")]
+FINDING_PATTERNS += [
+    ("Fp8PerBlockOnlineMoEMethod@marlin",
+     r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale_inv)$",
+     "vllm/model_executor/layers/quantization/online/fp8.py:567",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
+                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
+                            replaced=", after replacing the Marlin-converted weights and "
+                            "scales (:562-565)")),
+    ("Mxfp4OnlineMoEMethod@marlin", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
+     "vllm/model_executor/layers/quantization/online/mxfp4.py:252",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/mxfp4.py:252 "
+                            "`get_fused_moe_quant_config`, :254 `make_mxfp4_moe_kernel`",
+                            replaced=", after replacing the converted weights and scales "
+                            "(:243-246)")),
+]
+FINDING_PATTERNS += [
+    ("Fp8PerTensorOnlineMoEMethod@marlin", _SCALES,
+     "vllm/model_executor/layers/quantization/online/fp8.py:567",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
+                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
+                            replaced=", after replacing the Marlin-converted weights and "
+                            "scales (:562-565)")),
+    ("Int8OnlineMoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scale)$",
+     "vllm/model_executor/layers/quantization/online/int8.py:112",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/int8.py:112 "
+                            "`get_fused_moe_quant_config`, :115 `make_int8_moe_kernel`",
+                            replaced=", after `_quantize_weights` replaced the scales "
+                            "(:98-99)")),
+    ("CompressedTensorsW8A8Int8MoEMethod@triton", _SCALES,
+     _CT + "compressed_tensors_moe_w8a8_int8.py:223",
+     _CONFIG_REBUILT.format(rebuild="compressed_tensors_moe_w8a8_int8.py:223 "
+                            "`get_fused_moe_quant_config`, :225 `make_int8_moe_kernel`",
+                            replaced="")),
+    ("QuarkW8A8Int8MoEMethod@triton", _SCALES, f"{_Q}:1309",
+     _CONFIG_REBUILT.format(rebuild="quark_moe.py:1309 `get_fused_moe_quant_config`, :1315 "
+                            "`make_int8_moe_kernel`", replaced="")),
+    ("QuarkW4A16Int4MoEMethod@triton", _SCALES, f"{_Q}:459",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, quark_moe.py:459 "
+                            "`get_fused_moe_quant_config`, :461 `make_wna16_moe_kernel`",
+                            replaced=", after replacing the converted scales (:452-453)")),
+    ("QuarkOCP_MX_MoEMethod@marlin", _SCALES, f"{_Q}:1847",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, quark_moe.py:1847 "
+                            "`get_fused_moe_quant_config`, :1849 `make_mxfp4_moe_kernel`",
+                            replaced=", after replacing the converted scales (:1837-1838)")),
+    ("GptOssMxfp4MoEMethod@marlin", _SCALES,
+     "vllm/model_executor/layers/quantization/mxfp4.py:379",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, mxfp4.py:379 "
+                            "`get_fused_moe_quant_config`, :383 `make_mxfp4_moe_kernel`",
+                            replaced=", after replacing the converted scales (:366-367)")),
+    ("CompressedTensorsW4A4Mxfp4MoEMethod@marlin", _SCALES,
+     _CT + "compressed_tensors_moe_w4a4_mxfp4.py:238",
+     _CONFIG_REBUILT.format(rebuild="compressed_tensors_moe_w4a4_mxfp4.py:238 "
+                            "`get_fused_moe_quant_config`, :241 `make_mxfp4_moe_kernel`",
+                            replaced=", after rebinding the swizzled CUTLASS scales as new "
+                            "`nn.Parameter`s (:206-211)")),
+    ("MoeWNA16Method@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scales)$",
+     "vllm/model_executor/layers/quantization/moe_wna16.py:415",
+     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, moe_wna16.py:415 "
+                            "`get_fused_moe_quant_config` (the layer's `w13_scales`/"
+                            "`w2_scales`, :404-406), :417 `make_wna16_moe_kernel`",
+                            replaced="")),
+    ("ModelOptMxFp8FusedMoE@marlin", _SCALES,
+     "vllm/model_executor/layers/quantization/modelopt.py:1449",
+     _CONFIG_REBUILT.format(rebuild="modelopt.py:1449 `get_fused_moe_quant_config`, :1452 "
+                            "`make_fp8_moe_kernel`",
+                            replaced=", after replacing the converted scales (:1446-1447)")),
+]
+
 
 def finding_source(kernel: str, path: str) -> tuple[str, str] | None:
     """The vLLM line read for a finding's owner path, or None (unchecked)."""
@@ -1472,7 +1808,9 @@ def finding_source(kernel: str, path: str) -> tuple[str, str] | None:
 # parameter, experts in order, w1 before w3) and records, during the reload, each load that
 # vLLM's own `can_load()` says will be dropped (column reload_dropped). Which tensors lose
 # their values depends on the order a trainer sends weights in. The stand-ins then read
-# uninitialized memory, so the flip test is not run for such a row.
+# uninitialized memory, so the flip test is not run for such a row. A load into a parameter
+# with no elements loses nothing and is not listed (MoeWNA16Method's zero-point placeholders,
+# load_moe).
 # What a real model does instead (analysis/repro/moe_reload_drops_loads.py, vLLM's own loader
 # and `reload_weights` from a sorted safetensors checkpoint): `RoutedExperts.load_weights`
 # looks the parameter up by name at call time (`getattr(self, param_name)`), which after the
@@ -1665,7 +2003,7 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
                          f"`{r['reload_dropped']}`: {RELOAD_DROP_SOURCE[1]}.")
         sourced = dict.fromkeys(
             src for o in r["stale_owners"].split(" | ")
-            if (src := finding_source(r["kernel"], o.split(":", 1)[1])) is not None)
+            if o and (src := finding_source(r["kernel"], o.split(":", 1)[1])) is not None)
         for src, what in sourced:
             lines.append(f"  - `{src}`: {what}.")
         lines.append(f"  - flip test: {r['flip']}")
@@ -1715,10 +2053,17 @@ def _cause(reason: str) -> str:
     m = re.search(r"No module named '([\w.]+)'", reason)
     if m:
         return f"needs the `{m.group(1)}` package (not installed for CPU)"
+    if "AMX probe: on a CPU with AMX vLLM's oracle picks CPUExperts" in reason:
+        return ("no MoE backend on this CPU; with AMX vLLM's oracle picks its CPU experts "
+                "(Note [audit AMX probe])")
+    if "AMX probe:" in reason:
+        return ("no MoE backend on this CPU, nor with AMX (Note [audit AMX probe]); its "
+                "reason says what would run it")
     for pat, cause in ((r"FlashInfer", "needs FlashInfer"),
                        (r"DeepGEMM", "needs DeepGEMM"),
                        (r"amd-quark", "needs amd-quark"),
-                       (r"not subscriptable|triton", "launches a Triton kernel (no Triton here)"),
+                       (r"not subscriptable|(?<!@)triton",
+                        "launches a Triton kernel (no Triton here)"),
                        (r"'_OpNamespace' '(\w+)' object has no attribute '(\w+)'",
                         "calls an op of another platform's extension with no stand-in yet"),
                        (r"not compiled with (\w+)", "needs a device tensor"),
@@ -1780,6 +2125,17 @@ CPU_DEPENDENT: dict[str, str] = {
     "UnquantizedFusedMoEMethod": "CPU experts: AMX kernels with AMX "
                                  "(fused_moe/experts/cpu_moe.py:318-330)",
 }
+# the methods whose MoE oracle offers a CPU experts class only with AMX (cpu_moe.py, Note
+# [audit AMX probe]): on an AMX CPU the row takes it, here it finds no backend
+CPU_DEPENDENT.update({name: f"with AMX the oracle picks {experts} (fused_moe/experts/cpu_moe.py)"
+                      for experts, names in (
+    ("CPUExpertsInt4", ("AutoAWQMoEMethod", "AutoGPTQMoEMethod", "MoeWNA16Method",
+                        "CompressedTensorsWNA16MoEMethod", "QuarkW4A16Int4MoEMethod")),
+    ("CPUExpertsInt8", ("CompressedTensorsW8A8Int8MoEMethod", "QuarkW8A8Int8MoEMethod",
+                        "Int8OnlineMoEMethod")),
+    ("CPUExpertsMxfp4", ("Mxfp4MoEMethod", "GptOssMxfp4MoEMethod", "Mxfp4OnlineMoEMethod",
+                         "CompressedTensorsW4A8Mxfp4MoEMethod", "QuarkOCP_MX_MoEMethod")),
+    ("CPUExpertsFp8", ("Fp8PerBlockOnlineMoEMethod",))) for name in names})
 # the rows of CPU_DEPENDENT whose outcome depends on the ops vLLM's build has: the AVX2 build
 # lacks them, the AVX-512 build (which AMX CPUs load too) has them
 BUILD_DEPENDENT = frozenset({"CPUWNA16LinearKernel", "CPUFp8BlockScaledMMKernel",
@@ -1965,6 +2321,18 @@ def last_error(log: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
+def note_forced_rows(outcomes: list[Outcome]) -> None:
+    """A method's row that did not run names the rows of the same method that ran on a
+    requested GPU backend (Note [audit MoE backends]): on a GPU with that backend vLLM runs it."""
+    ran = {}
+    for r in outcomes:
+        if r.ran and r.kernel.backend:
+            ran.setdefault(r.kernel.method, []).append(r.kernel.name)
+    for r in outcomes:
+        if not r.ran and not r.kernel.backend and r.kernel.method in ran:
+            r.reason += ("; on a GPU backend it runs: " + ", ".join(ran[r.kernel.method]))
+
+
 def _vllm_version() -> str:
     import vllm
 
@@ -2024,6 +2392,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{k.name:48s} {state:32s} {r.edges} "
               f"{[f[1] for f in r.findings]}" + (f" {r.reason}" if not r.ran else ""),
               flush=True)
+    note_forced_rows(outcomes)
     table = rows(outcomes)
     elapsed = time.perf_counter() - t0
     if not args.no_write:
