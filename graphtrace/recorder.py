@@ -520,6 +520,18 @@ class RecordingMode(TorchDispatchMode):
         self._graph = graph
         self.fast_writer = self.writer if self._native and self._emulated is None else None
 
+    def record_only(self, func, args, kwargs, out) -> int:
+        """The writer's record of one op, not kept for the emulated graph (a compiled region
+        keeps its own replay op: graphtrace.compiled)."""
+        graph = self._graph
+        if graph is None:
+            return self.writer.record(func, args, kwargs, out)
+        self.emulated = None
+        try:
+            return self.writer.record(func, args, kwargs, out)
+        finally:
+            self.emulated = graph
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         """Observe, never alter: without this, Dynamo skips (de-compiles) every compiled frame

@@ -26,7 +26,7 @@ from graphtrace.encoding import REPLAY_FRESH
 from graphtrace.errors import GraphtraceError
 from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
-from graphtrace.scalars import BakedScalars
+from graphtrace.scalars import BakedScalars, floats_in
 
 __all__ = ["GraphtraceError", "Trace", "EmulatedGraph", "trace", "capture", "active_trace"]
 
@@ -46,10 +46,11 @@ class _PyKeeper:
     Keeper (Note [native keep] in graphtrace/csrc/recorder.cpp), used without the native
     recorder. Note [Emulated graphs keep storages]."""
 
-    __slots__ = ("ops", "_aliases", "_seen", "_made", "_scratch")
+    __slots__ = ("ops", "floats", "_aliases", "_seen", "_made", "_scratch")
 
     def __init__(self):
         self.ops: list = []       # (func, args, kwargs, out, replay flags) per kept op
+        self.floats: dict = {}    # each float the kept ops take -> the first op taking it
         self._aliases: dict = {}  # view key -> alias, so one view read twice is one alias
         self._seen: set = set()   # storages pinned so far
         self._made: set = set()   # storages first seen as an op's output: made in the region
@@ -139,6 +140,16 @@ def _keep_walk(keeper, func, args, kwargs, out, replay_flags) -> None:
     def pin_output(t: torch.Tensor) -> torch.Tensor:
         return pin(t, True) if type(t) in _PLAIN else t
 
+    found: list = []
+    for a in args:
+        floats_in(a, found)
+    if kwargs:
+        for a in kwargs.values():
+            floats_in(a, found)
+    floats = keeper.floats
+    for v in found:
+        if v == v:  # NaN matches nothing
+            floats.setdefault(v, func)
     args = tuple([map_tensors(pin_input, a) for a in args])
     kwargs = {k: map_tensors(pin_input, v) for k, v in kwargs.items()} if kwargs else {}
     keeper.ops.append((func, args, kwargs, map_tensors(pin_output, out), replay_flags))
@@ -194,6 +205,11 @@ class EmulatedGraph:
                         _copy_into(out, result)
             finally:
                 keeper.reclaim()
+
+    def baked_floats(self) -> dict:
+        """Each float the kept ops take as an argument (graphtrace.scalars.floats_in) -> the
+        first op taking it: what the graph baked in (Note [baked scalars])."""
+        return dict(self._keeper.floats)
 
     def kept_ops(self) -> list:
         """The ops kept for replay: (func, args, kwargs, out, replay flags) each."""
@@ -616,7 +632,7 @@ class Trace:
     def _note_scalars(self, label: str, graph: "EmulatedGraph") -> None:
         """The floats this emulated graph baked in that watched attributes held (fail open)."""
         try:
-            self.baked_scalars.note(label, graph.kept_ops(), self.models)
+            self.baked_scalars.note_found(label, graph.baked_floats(), self.models)
         except Exception as exc:
             self.recorder.fail("baked scalars", exc)
 

@@ -297,8 +297,10 @@ class Keeper {
   PyObject* ops = nullptr;           // list of kept ops, (func, args, kwargs, out, flags)
   PyObject* slow = nullptr;          // tracing._keep_slow(keeper, func, args, kwargs, out, flags)
   PyObject* empty_kwargs = nullptr;  // shared by ops without keyword arguments
+  PyObject* floats = nullptr;        // dict: each float the kept ops take -> the first op
 
   ~Keeper() {
+    Py_XDECREF(floats);
     clear_aliases();
     for (auto& s : scratch_)
       for (auto& l : s.lent) Py_XDECREF(l.alias);
@@ -311,7 +313,8 @@ class Keeper {
   // appending anything when the walk meets what it does not handle.
   void keep(PyObject* func, PyObject* args, PyObject* kwargs, PyObject* out, int flags) {
     if (!PyTuple_CheckExact(args)) throw KeepFallback();
-    Ref a(map(args));
+    func_ = func;
+    Ref a(map(args, -1));
     PyObject* k;
     if (kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0) {
       k = check(PyDict_New());
@@ -319,7 +322,7 @@ class Keeper {
       Py_ssize_t pos = 0;
       PyObject *name, *v;
       while (PyDict_Next(kwargs, &pos, &name, &v)) {
-        Ref m(map(v));
+        Ref m(map(v, 0));
         if (PyDict_SetItem(k, name, m.p) < 0) throw PythonError();
       }
       Py_INCREF(k);
@@ -330,7 +333,7 @@ class Keeper {
     making_ = true;
     PyObject* o;
     try {
-      o = map(out);
+      o = map(out, kNoFloats);
     } catch (...) {
       making_ = false;
       throw;
@@ -464,9 +467,19 @@ class Keeper {
   }
 
   // `v` with every plain tensor pinned (tracing.map_tensors' shapes, less what goes to Python).
-  PyObject* map(PyObject* v) {
+  // Floats at `depth` 0 to 2 (an argument, in a list, in a nested list: scalars.floats_in)
+  // go into `floats` on the way; the args tuple itself is depth -1.
+  static constexpr int kNoFloats = 1 << 20;
+  PyObject* map(PyObject* v, int depth) {
     if (THPVariable_CheckExact(v)) return pin(v);
     if (THPVariable_Check(v)) return Py_NewRef(v);  // a subclass: kept whole, as _pin does
+    if (PyFloat_CheckExact(v)) {
+      const double x = PyFloat_AS_DOUBLE(v);
+      if (depth <= 2 && x == x && PyDict_SetDefault(floats, v, func_) == nullptr) {
+        throw PythonError();
+      }
+      return Py_NewRef(v);
+    }
     if (is_leaf(v)) return Py_NewRef(v);
     const bool is_tuple = PyTuple_CheckExact(v);
     if (!is_tuple && !PyList_CheckExact(v)) throw KeepFallback();
@@ -474,7 +487,7 @@ class Keeper {
     PyObject* mapped = check(is_tuple ? PyTuple_New(n) : PyList_New(n));
     Ref owned(mapped);
     for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* item = map(PySequence_Fast_GET_ITEM(v, i));
+      PyObject* item = map(PySequence_Fast_GET_ITEM(v, i), depth + 1);
       if (is_tuple) PyTuple_SET_ITEM(mapped, i, item);
       else PyList_SET_ITEM(mapped, i, item);
     }
@@ -489,6 +502,7 @@ class Keeper {
   }
 
   bool making_ = false;
+  PyObject* func_ = nullptr;  // the op being kept (borrowed, during keep)
   std::vector<int64_t> key_;  // (StorageImpl, dtype, offset, ndim, sizes..., strides...)
   ska::flat_hash_map<std::vector<int64_t>, PyObject*, KeyHash> aliases_;  // key -> alias (owned)
   ska::flat_hash_set<const void*> seen_, made_;  // storages pinned; of those, first as outputs
@@ -952,7 +966,8 @@ PyObject* Keeper_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
   k->slow = Py_NewRef(slow);
   k->ops = PyList_New(0);
   k->empty_kwargs = PyDict_New();
-  if (k->ops == nullptr || k->empty_kwargs == nullptr) {
+  k->floats = PyDict_New();
+  if (k->ops == nullptr || k->empty_kwargs == nullptr || k->floats == nullptr) {
     Py_DECREF(self);
     return nullptr;
   }
@@ -1038,7 +1053,13 @@ PyMethodDef keeper_methods[] = {
      "how many storages replay allocates afresh"},
     {nullptr, nullptr, 0, nullptr}};
 
+PyObject* Keeper_get_floats(KeeperObject* self, void*) {
+  return Py_NewRef(self->keeper->floats);
+}
+
 PyGetSetDef keeper_getset[] = {
+    {"floats", reinterpret_cast<getter>(Keeper_get_floats), nullptr,
+     "each float the kept ops take (scalars.floats_in) -> the first op taking it", nullptr},
     {"ops", reinterpret_cast<getter>(Keeper_get_ops), nullptr,
      "the kept ops: (func, args, kwargs, out, replay flags) each", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
