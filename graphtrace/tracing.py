@@ -10,6 +10,7 @@ is labelled by `capture(label, cuda_graph=g)` around it (see Note [CUDA graph la
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Iterable
@@ -95,8 +96,10 @@ class _PyKeeper:
         with torch.no_grad(), disable_current_modes():
             for cdata, pinned in groups.items():
                 storage = pinned[0].untyped_storage()
-                # our aliases and `storage` hold it; anything more is a holder outside the graph
-                if storage_use_count(cdata) > len(pinned) + 1:
+                # our aliases and `storage` hold it; anything more is a holder outside the
+                # graph, as is a holder of `storage` itself (the storage's one Python object:
+                # `storage`, getrefcount's argument and the storage's own reference to it)
+                if storage_use_count(cdata) > len(pinned) + 1 or sys.getrefcount(storage) > 3:
                     continue
                 lent = [(a, a.storage_offset(), a.shape, a.stride()) for a in pinned]
                 self._scratch.append((storage.nbytes(), storage.device, lent))
@@ -174,7 +177,7 @@ class EmulatedGraph:
         self.label = label
         self.capture: Capture | None = None
         keeper = getattr(native, "Keeper", None) if native is not None else None
-        self._keeper = keeper(_keep_slow) if keeper is not None else _PyKeeper()
+        self._keeper = keeper(_keep_slow, SCRATCH) if keeper is not None else _PyKeeper()
         self._ops: list = self._keeper.ops
 
     @property

@@ -298,12 +298,13 @@ class Keeper {
   PyObject* slow = nullptr;          // tracing._keep_slow(keeper, func, args, kwargs, out, flags)
   PyObject* empty_kwargs = nullptr;  // shared by ops without keyword arguments
   PyObject* floats = nullptr;        // dict: each float the kept ops take -> the first op
+  bool release = true;               // storages made in the region may become scratch
 
   ~Keeper() {
-    Py_XDECREF(floats);
     clear_aliases();
     for (auto& s : scratch_)
       for (auto& l : s.lent) Py_XDECREF(l.alias);
+    Py_XDECREF(floats);
     Py_XDECREF(ops);
     Py_XDECREF(slow);
     Py_XDECREF(empty_kwargs);
@@ -343,6 +344,7 @@ class Keeper {
     Ref f(PyLong_FromLong(flags));
     Ref op(PyTuple_Pack(5, func, a.p, kw.p, outs.p, f.p));
     if (PyList_Append(ops, op.p) < 0) throw PythonError();
+    if (release && pending_.size() >= last_pending_ + kBatch) release_dead();
   }
 
   // A plain alias of `v` (an exact Tensor or Parameter) pinned to its storage, offset, size
@@ -365,7 +367,11 @@ class Keeper {
     key_.insert(key_.end(), strides.begin(), strides.end());
     auto it = aliases_.find(key_);
     if (it != aliases_.end()) return Py_NewRef(it->second);
-    if (seen_.insert(impl).second && making_) made_.insert(impl);
+    if (seen_.insert(impl).second && making_) {
+      made_.emplace(impl, made_list_.size());
+      pending_.push_back(made_list_.size());
+      made_list_.push_back(Made{impl, {}, 0, false});
+    }
     at::Tensor alias;
     if (t.is_inference()) {  // a normal tensor on its storage (inference_mode would make one)
       c10::InferenceMode normal(false);
@@ -380,39 +386,19 @@ class Keeper {
     }
     PyObject* py = check(THPVariable_Wrap(std::move(alias)));
     aliases_.emplace(key_, py);
+    auto m = made_.find(impl);
+    if (m != made_.end()) made_list_[m->second].aliases.emplace_back(key_, py);
     return Py_NewRef(py);
   }
 
   void set_making(bool making) { making_ = making; }
 
   // End of capture: with `release`, the storages made in the region that only our aliases
-  // hold become scratch (emptied in place, lent per replay). The alias map goes either way.
-  void seal(bool release) {
-    if (release && !made_.empty()) {
-      ska::flat_hash_map<c10::StorageImpl*, std::vector<PyObject*>> groups;
-      for (auto& kv : aliases_) {
-        auto* impl = reinterpret_cast<c10::StorageImpl*>(kv.first[0]);
-        if (made_.count(impl)) groups[impl].push_back(kv.second);
-      }
-      for (auto& g : groups) {
-        c10::StorageImpl* impl = g.first;
-        // each alias's TensorImpl holds the storage once, and its Python object (an
-        // UntypedStorage, kept while C++ holds the storage) once; anything more is a holder
-        // outside the graph
-        const size_t wrapper = impl->pyobj_slot()->load_pyobj() != nullptr ? 1 : 0;
-        if (c10::raw::intrusive_ptr::use_count(impl) > g.second.size() + wrapper) continue;
-        Scratch s{impl->nbytes(), impl->device(), {}};
-        c10::Storage empty(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, s.device),
-                           nullptr, false);
-        for (PyObject* py : g.second) {
-          c10::TensorImpl* ti = THPVariable_Unpack(py).unsafeGetTensorImpl();
-          Lent l{Py_NewRef(py), ti->storage_offset(), ti->sizes().vec(), ti->strides().vec()};
-          s.lent.push_back(std::move(l));
-          ti->set_storage_keep_dtype(empty);
-          ti->set_sizes_contiguous({0});
-          ti->set_storage_offset(0);
-        }
-        scratch_.push_back(std::move(s));
+  // hold become scratch (those not found dead as the capture went). The alias map goes.
+  void seal(bool release_now) {
+    if (release_now) {
+      for (auto& m : made_list_) {
+        if (!m.done && unheld(m)) to_scratch(m);
       }
     }
     clear_aliases();
@@ -435,19 +421,11 @@ class Keeper {
   // After a replay: the scratch aliases emptied again (their storages freed).
   void reclaim() {
     for (auto& s : scratch_) {
-      c10::Storage empty(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, s.device),
-                         nullptr, false);
-      for (auto& l : s.lent) {
-        c10::TensorImpl* ti = THPVariable_Unpack(l.alias).unsafeGetTensorImpl();
-        ti->set_storage_keep_dtype(empty);
-        ti->set_sizes_contiguous({0});
-        ti->set_storage_offset(0);
-      }
+      for (auto& l : s.lent) empty_out(THPVariable_Unpack(l.alias).unsafeGetTensorImpl(), s.device);
     }
   }
 
   size_t n_scratch() const { return scratch_.size(); }
-  size_t n_aliases() const { return aliases_.size(); }
 
  private:
   struct Lent {
@@ -460,6 +438,77 @@ class Keeper {
     c10::Device device;
     std::vector<Lent> lent;
   };
+  struct Made {  // a storage first pinned as an op's output
+    c10::StorageImpl* impl;
+    std::vector<std::pair<std::vector<int64_t>, PyObject*>> aliases;  // key, alias (aliases_')
+    int checks;
+    bool done;  // scratch already
+  };
+  // A storage made in the region is looked at as the capture goes, after every kBatch new
+  // ones, at most kChecks times (what outlives that waits for seal): one that only the
+  // graph's aliases hold is unreachable by the program, so it is scratch already, and its
+  // memory goes back to the allocator while the capture runs, as it would without a graph.
+  static constexpr size_t kBatch = 32;
+  static constexpr int kChecks = 2;
+
+  // Only our aliases hold the storage: each alias's TensorImpl once, and its Python object
+  // (an UntypedStorage) once when nothing but the storage itself keeps that object.
+  bool unheld(const Made& m) const {
+    c10::StorageImpl* impl = m.impl;
+    PyObject* wrapper = impl->pyobj_slot()->load_pyobj();
+    const size_t own = m.aliases.size() + (wrapper != nullptr && Py_REFCNT(wrapper) == 1);
+    return c10::raw::intrusive_ptr::use_count(impl) <= own;
+  }
+
+  void release_dead() {
+    size_t w = 0;
+    for (size_t i : pending_) {
+      Made& m = made_list_[i];
+      if (m.done) continue;
+      if (unheld(m)) {
+        to_scratch(m);
+      } else if (++m.checks < kChecks) {
+        pending_[w++] = i;
+      }
+    }
+    pending_.resize(w);
+    last_pending_ = w;
+  }
+
+  const c10::Storage& empty_for(c10::Device device) {
+    for (auto& e : empties_)
+      if (e.first == device) return e.second;
+    empties_.emplace_back(device, c10::Storage(c10::Storage::use_byte_size_t(), 0,
+                                               c10::DataPtr(nullptr, device), nullptr, false));
+    return empties_.back().second;
+  }
+
+  void empty_out(c10::TensorImpl* ti, c10::Device device) {
+    ti->set_storage_keep_dtype(empty_for(device));
+    ti->set_sizes_contiguous({0});
+    ti->set_storage_offset(0);
+  }
+
+  // The storage's aliases emptied in place (their views kept in a Scratch); the storage is
+  // freed with the last of them. The aliases leave the alias map (the address may be reused).
+  void to_scratch(Made& m) {
+    c10::StorageImpl* impl = m.impl;
+    Scratch s{impl->nbytes(), impl->device(), {}};
+    s.lent.reserve(m.aliases.size());
+    for (auto& ka : m.aliases) {
+      c10::TensorImpl* ti = THPVariable_Unpack(ka.second).unsafeGetTensorImpl();
+      s.lent.push_back(Lent{ka.second, ti->storage_offset(), ti->sizes().vec(),
+                            ti->strides().vec()});  // the map's reference, moved here
+      aliases_.erase(ka.first);
+    }
+    seen_.erase(impl);
+    made_.erase(impl);
+    m.done = true;
+    m.aliases.clear();
+    m.aliases.shrink_to_fit();
+    for (auto& l : s.lent) empty_out(THPVariable_Unpack(l.alias).unsafeGetTensorImpl(), s.device);
+    scratch_.push_back(std::move(s));
+  }
 
   static bool is_leaf(PyObject* v) {
     return is_scalar(v) || PyComplex_CheckExact(v) || THPDtype_Check(v) || THPDevice_Check(v) ||
@@ -499,14 +548,22 @@ class Keeper {
     aliases_.clear();
     seen_.clear();
     made_.clear();
+    made_list_.clear();
+    pending_.clear();
+    last_pending_ = 0;
   }
 
   bool making_ = false;
   PyObject* func_ = nullptr;  // the op being kept (borrowed, during keep)
   std::vector<int64_t> key_;  // (StorageImpl, dtype, offset, ndim, sizes..., strides...)
   ska::flat_hash_map<std::vector<int64_t>, PyObject*, KeyHash> aliases_;  // key -> alias (owned)
-  ska::flat_hash_set<const void*> seen_, made_;  // storages pinned; of those, first as outputs
+  ska::flat_hash_set<const void*> seen_;          // storages pinned so far
+  ska::flat_hash_map<const void*, size_t> made_;  // of those, first as outputs -> made_list_
+  std::vector<Made> made_list_;
+  std::vector<size_t> pending_;  // made_list_ entries still to look at as the capture goes
+  size_t last_pending_ = 0;      // pending_'s size after the last look
   std::vector<Scratch> scratch_;
+  std::vector<std::pair<c10::Device, c10::Storage>> empties_;  // a 0-byte storage per device
 };
 
 struct KeeperObject {
@@ -951,8 +1008,10 @@ PyObject* Writer_set_keeper(PyWriterObject* self, PyObject* arg) {
 
 PyObject* Keeper_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
   PyObject* slow;
-  static const char* names[] = {"slow", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", const_cast<char**>(names), &slow)) {
+  int release = 1;
+  static const char* names[] = {"slow", "release", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p", const_cast<char**>(names), &slow,
+                                   &release)) {
     return nullptr;
   }
   if (!PyCallable_Check(slow)) {
@@ -964,6 +1023,7 @@ PyObject* Keeper_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
   auto* k = new Keeper();
   reinterpret_cast<KeeperObject*>(self)->keeper = k;
   k->slow = Py_NewRef(slow);
+  k->release = release;
   k->ops = PyList_New(0);
   k->empty_kwargs = PyDict_New();
   k->floats = PyDict_New();
