@@ -326,6 +326,7 @@ class Keeper {
         Ref m(map(v, 0));
         if (PyDict_SetItem(k, name, m.p) < 0) throw PythonError();
       }
+      PyObject_GC_UnTrack(k);
       Py_INCREF(k);
     } else {
       k = Py_NewRef(empty_kwargs);
@@ -343,10 +344,20 @@ class Keeper {
     Ref outs(o);
     Ref f(PyLong_FromLong(flags));
     Ref op(PyTuple_Pack(5, func, a.p, kw.p, outs.p, f.p));
+    PyObject_GC_UnTrack(op.p);  // Note [kept objects untracked]
     if (PyList_Append(ops, op.p) < 0) throw PythonError();
     if (release && pending_.size() >= last_pending_ + kBatch) release_dead();
   }
 
+  // Note [kept objects untracked]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // What the native walk makes for a kept op (the op tuple, its argument tuples, lists and
+  // keyword dict, each new alias) is taken off the cyclic garbage collector's lists: they
+  // hold only the op, scalars, our aliases (fresh tensors nothing else references) and the
+  // program's tensor subclasses, so they can be in no cycle, and reference counting frees
+  // them with the graph. A collection then never walks an emulated graph's kept objects:
+  // each capture's young collections, and the full one a guard build triggers (the 0.9 s of
+  // docs/performance.md), cost what they cost without emulated graphs.
   // A plain alias of `v` (an exact Tensor or Parameter) pinned to its storage, offset, size
   // and stride now; `v` itself where an alias cannot carry what it is. New reference.
   PyObject* pin(PyObject* v) {
@@ -385,6 +396,7 @@ class Keeper {
                                                       /*allow_tensor_metadata_change=*/true));
     }
     PyObject* py = check(THPVariable_Wrap(std::move(alias)));
+    PyObject_GC_UnTrack(py);
     aliases_.emplace(key_, py);
     auto m = made_.find(impl);
     if (m != made_.end()) made_list_[m->second].aliases.emplace_back(key_, py);
@@ -540,6 +552,7 @@ class Keeper {
       if (is_tuple) PyTuple_SET_ITEM(mapped, i, item);
       else PyList_SET_ITEM(mapped, i, item);
     }
+    PyObject_GC_UnTrack(mapped);
     return Py_NewRef(mapped);
   }
 
