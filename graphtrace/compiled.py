@@ -505,7 +505,7 @@ class CompiledPatch:
         mutated = region.mutated_inputs()
         if mutated:  # the plan's write rows, after the constants (one per name: make_plan)
             values += tuple(args[i] for i in mutated)
-        flags = mode.writer.record(region, values, None, out)
+        flags = mode.record_only(region, values, None, out)
         if emulated is not None:
             with disable_current_modes():  # keep() makes aliases: ops no mode may record
                 emulated.keep(_Replay(graph, len(args)), values, {}, out, flags | REPLAY_FRESH)

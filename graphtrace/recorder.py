@@ -500,6 +500,7 @@ class RecordingMode(TorchDispatchMode):
         self._record = self.writer.record
         self._native = recorder.native is not None
         self.fast_writer = None
+        self._emulated = None  # the graph after_op keeps ops for (in Python)
         self.emulated = emulated  # an EmulatedGraph that keeps (op, args, outputs) for replay
         if self._native:  # Note [native dispatch] in graphtrace/csrc/recorder.cpp
             self.__torch_dispatch__ = MethodType(recorder.native.dispatch, self)
@@ -507,13 +508,29 @@ class RecordingMode(TorchDispatchMode):
     @property
     def emulated(self):
         """The EmulatedGraph this mode also keeps ops for, or None (records only)."""
-        return self._emulated
+        return self._graph
 
     @emulated.setter
     def emulated(self, graph) -> None:
-        self._emulated = graph
-        # the native dispatch records by itself only when there is nothing to keep
-        self.fast_writer = self.writer if self._native and graph is None else None
+        keeper = getattr(graph, "native_keeper", None) if graph is not None else None
+        if self._native:  # the native Writer keeps ops into a native keeper itself
+            self.writer.set_keeper(keeper)
+        # the native dispatch records by itself unless a graph must keep ops in Python
+        self._emulated = graph if keeper is None or not self._native else None
+        self._graph = graph
+        self.fast_writer = self.writer if self._native and self._emulated is None else None
+
+    def record_only(self, func, args, kwargs, out) -> int:
+        """The writer's record of one op, not kept for the emulated graph (a compiled region
+        keeps its own replay op: graphtrace.compiled)."""
+        graph = self._graph
+        if graph is None:
+            return self.writer.record(func, args, kwargs, out)
+        self.emulated = None
+        try:
+            return self.writer.record(func, args, kwargs, out)
+        finally:
+            self.emulated = graph
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -548,6 +565,8 @@ class RecordingMode(TorchDispatchMode):
         """Land buffered rows in the Capture (the native writer buffers until now)."""
         self.__dict__.pop("__torch_dispatch__", None)  # the bound method refers to the mode
         try:
+            if self._native:
+                self.writer.set_keeper(None)  # the graph's keeper is sealed next
             self.writer.flush()
         except Exception as exc:
             self.recorder.fail("flushing the capture's records", exc)

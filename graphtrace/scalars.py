@@ -47,7 +47,7 @@ class BakedScalars:
 
     def note(self, label: str, ops: Iterable, models: Mapping[str, nn.Module]) -> None:
         """Match the floats of one emulated graph's kept ops (func, args, kwargs, ...)."""
-        found: dict[float, str] = {}
+        found: dict = {}
         for func, args, kwargs, *_ in ops:
             vals: list = []
             for a in args:
@@ -55,13 +55,22 @@ class BakedScalars:
             for a in kwargs.values():
                 floats_in(a, vals)
             for v in vals:
-                if v == v and v not in found:  # NaN matches nothing
-                    try:
-                        found[v] = op_name(func)
-                    except Exception:
-                        found[v] = str(func)
-        if not found:
+                if v == v:  # NaN matches nothing
+                    found.setdefault(v, func)
+        self.note_found(label, found, models)
+
+    def note_found(self, label: str, floats: Mapping[float, object],
+                   models: Mapping[str, nn.Module]) -> None:
+        """`note` of the floats an emulated graph found as it kept its ops (float -> the
+        first op taking it: EmulatedGraph.baked_floats)."""
+        if not floats:
             return
+        found: dict[float, str] = {}
+        for v, func in floats.items():
+            try:
+                found[v] = op_name(func)
+            except Exception:
+                found[v] = str(func)
         holders: dict[float, list] = {}
         for name, model in models.items():
             for path, value in scalar_owners(model):

@@ -10,13 +10,14 @@ is labelled by `capture(label, cuda_graph=g)` around it (see Note [CUDA graph la
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 
-from graphtrace._compat import SCRATCH, disable_current_modes, storage_use_count, tree_map_only
+from graphtrace._compat import SCRATCH, disable_current_modes, storage_use_count
 from graphtrace._schema import map_tensors
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
@@ -26,7 +27,7 @@ from graphtrace.encoding import REPLAY_FRESH
 from graphtrace.errors import GraphtraceError
 from graphtrace.owners import OwnerSnapshot
 from graphtrace.recorder import Capture, Recorder, RecordingMode
-from graphtrace.scalars import BakedScalars
+from graphtrace.scalars import BakedScalars, floats_in
 
 __all__ = ["GraphtraceError", "Trace", "EmulatedGraph", "trace", "capture", "active_trace"]
 
@@ -42,75 +43,25 @@ def active_trace() -> "Trace | None":
 
 
 
-class _Scratch:
-    """A view of a storage the graph made and nothing outside it holds: replay allocates the
-    storage afresh (Note [Emulated graphs keep storages])."""
+class _PyKeeper:
+    """The kept ops and aliases of an emulated graph, in Python: the reference for the native
+    Keeper (Note [native keep] in graphtrace/csrc/recorder.cpp), used without the native
+    recorder. Note [Emulated graphs keep storages]."""
 
-    __slots__ = ("storage", "dtype", "shape", "stride", "offset")
+    __slots__ = ("ops", "floats", "_aliases", "_seen", "_made", "_scratch")
 
-    def __init__(self, storage: int, alias: torch.Tensor):
-        self.storage = storage  # index into the graph's scratch storages
-        self.dtype, self.shape = alias.dtype, alias.shape
-        self.stride, self.offset = alias.stride(), alias.storage_offset()
-
-
-class EmulatedGraph:
-    """A replayable record of a capture region with CUDA graph address semantics.
-
-    Replay re-runs the recorded ops on the storages they saw at capture time and copies
-    fresh results into the outputs the capture returned. See Note [Emulated graphs keep
-    storages]. Like a real graph's capture artifacts, it keeps the storages it read from
-    outside and its outputs alive (drop the graph to free them), not its intermediates.
-    """
-
-    __slots__ = ("label", "capture", "_ops", "_aliases", "_seen", "_made", "_making",
-                 "_scratch", "__weakref__")
-
-    def __init__(self, label: str):
-        self.label = label
-        self.capture: Capture | None = None
-        self._ops: list = []
+    def __init__(self):
+        self.ops: list = []       # (func, args, kwargs, out, replay flags) per kept op
+        self.floats: dict = {}    # each float the kept ops take -> the first op taking it
         self._aliases: dict = {}  # view key -> alias, so one view read twice is one alias
         self._seen: set = set()   # storages pinned so far
         self._made: set = set()   # storages first seen as an op's output: made in the region
-        self._making = False      # pinning an op's outputs now
-        self._scratch: list = []  # (nbytes, device) of each storage replay allocates afresh
+        # (nbytes, device, [(alias, offset, shape, stride), ...]) per scratch storage
+        self._scratch: list = []
 
-    def keep(self, func, args, kwargs, out, replay_flags: int) -> None:
-        """Keep one recorded op for replay (`replay_flags` as the writer returned them)."""
-        if not replay_flags:  # 0: a pure view, which a graph bakes in and never re-runs
-            return
-        if torch.is_inference_mode_enabled():  # aliases must be normal tensors: one exit per op
-            with torch.inference_mode(False):
-                self._keep(func, args, kwargs, out, replay_flags)
-        else:
-            self._keep(func, args, kwargs, out, replay_flags)
-
-    def _keep(self, func, args, kwargs, out, replay_flags: int) -> None:
-        pin = self._pin_value
-        args = tuple([pin(a) for a in args])
-        if kwargs:
-            kwargs = {k: pin(v) for k, v in kwargs.items()}
-        else:
-            kwargs = {}
-        self._making = True
-        try:
-            out = pin(out)
-        finally:
-            self._making = False
-        self._ops.append((func, args, kwargs, out, replay_flags))
-
-    def _pin_value(self, value):
-        """`value` with each tensor in it pinned (the tensor walker: graphtrace._schema)."""
-        return map_tensors(self._pin, value)
-
-    def _pin(self, t: torch.Tensor) -> torch.Tensor:
-        """A plain alias of the storage, offset, size and stride `t` has now (`t` itself where
-        an alias cannot carry what it is: a subclass's parts)."""
-        return self._alias(t) if type(t) in (torch.Tensor, torch.nn.Parameter) else t
-
-    def _alias(self, t: torch.Tensor) -> torch.Tensor:
-        """`_pin` of a plain tensor or parameter."""
+    def pin(self, t: torch.Tensor, making: bool) -> torch.Tensor:
+        """A plain alias of the storage, offset, size and stride a plain tensor or parameter
+        `t` has now (`t` itself where an alias cannot carry what it is)."""
         if (t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
                 or t.is_nested):
             return t  # what an alias cannot carry (a quantizer, a lazy flag, nested parts)
@@ -124,7 +75,7 @@ class EmulatedGraph:
         if alias is None:
             if cdata not in self._seen:
                 self._seen.add(cdata)
-                if self._making:
+                if making:
                     self._made.add(cdata)
             if t.is_inference():  # its detach() would be one too: not writable outside
                 alias = torch.empty(0, dtype=t.dtype, device=t.device).set_(
@@ -134,53 +85,135 @@ class EmulatedGraph:
             self._aliases[key] = alias
         return alias
 
+    def seal(self, release: bool) -> None:
+        made, aliases = self._made, self._aliases
+        self._made, self._seen, self._aliases = set(), set(), {}
+        if not release or not made:
+            return
+        groups: dict[int, list] = {}  # storage made in the region -> its aliases
+        for key, alias in aliases.items():
+            if key[0] in made:
+                groups.setdefault(key[0], []).append(alias)
+        with torch.no_grad(), disable_current_modes():
+            for cdata, pinned in groups.items():
+                storage = pinned[0].untyped_storage()
+                # our aliases and `storage` hold it; anything more is a holder outside the
+                # graph, as is a holder of `storage` itself (the storage's one Python object:
+                # `storage`, getrefcount's argument and the storage's own reference to it)
+                if storage_use_count(cdata) > len(pinned) + 1 or sys.getrefcount(storage) > 3:
+                    continue
+                lent = [(a, a.storage_offset(), a.shape, a.stride()) for a in pinned]
+                self._scratch.append((storage.nbytes(), storage.device, lent))
+                for alias in pinned:
+                    alias.set_()
+
+    def lend(self) -> None:
+        for nbytes, device, lent in self._scratch:
+            fresh = torch.UntypedStorage(nbytes, device=device)
+            for alias, offset, shape, stride in lent:
+                alias.set_(fresh, offset, shape, stride)
+
+    def reclaim(self) -> None:
+        for _, _, lent in self._scratch:
+            for alias, *_ in lent:
+                alias.set_()
+
+    def scratch(self) -> int:
+        return len(self._scratch)
+
+
+def _keep_slow(keeper, func, args, kwargs, out, replay_flags) -> None:
+    """Keep one recorded op by the tensor walker (graphtrace._schema.map_tensors), pinning
+    through `keeper`: the Python keeper's path, and the native one's for arguments its own
+    walk does not cover (Note [native keep])."""
+    if not replay_flags:  # 0: a pure view, which a graph bakes in and never re-runs
+        return
+    if torch.is_inference_mode_enabled():  # aliases must be normal tensors: one exit per op
+        with torch.inference_mode(False):
+            _keep_walk(keeper, func, args, kwargs, out, replay_flags)
+    else:
+        _keep_walk(keeper, func, args, kwargs, out, replay_flags)
+
+
+def _keep_walk(keeper, func, args, kwargs, out, replay_flags) -> None:
+    pin = keeper.pin
+
+    def pin_input(t: torch.Tensor) -> torch.Tensor:
+        return pin(t, False) if type(t) in _PLAIN else t  # a subclass's parts: kept whole
+
+    def pin_output(t: torch.Tensor) -> torch.Tensor:
+        return pin(t, True) if type(t) in _PLAIN else t
+
+    found: list = []
+    for a in args:
+        floats_in(a, found)
+    if kwargs:
+        for a in kwargs.values():
+            floats_in(a, found)
+    floats = keeper.floats
+    for v in found:
+        if v == v:  # NaN matches nothing
+            floats.setdefault(v, func)
+    args = tuple([map_tensors(pin_input, a) for a in args])
+    kwargs = {k: map_tensors(pin_input, v) for k, v in kwargs.items()} if kwargs else {}
+    keeper.ops.append((func, args, kwargs, map_tensors(pin_output, out), replay_flags))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class EmulatedGraph:
+    """A replayable record of a capture region with CUDA graph address semantics.
+
+    Replay re-runs the recorded ops on the storages they saw at capture time and copies
+    fresh results into the outputs the capture returned. See Note [Emulated graphs keep
+    storages]. Like a real graph's capture artifacts, it keeps the storages it read from
+    outside and its outputs alive (drop the graph to free them), not its intermediates.
+    `native` (graphtrace.native's module, as a trace's recorder has it) keeps ops in C++.
+    """
+
+    __slots__ = ("label", "capture", "_keeper", "_ops", "__weakref__")
+
+    def __init__(self, label: str, native=None):
+        self.label = label
+        self.capture: Capture | None = None
+        keeper = getattr(native, "Keeper", None) if native is not None else None
+        self._keeper = keeper(_keep_slow, SCRATCH) if keeper is not None else _PyKeeper()
+        self._ops: list = self._keeper.ops
+
+    @property
+    def native_keeper(self):
+        """The native Keeper a capture's native Writer keeps ops into, else None."""
+        return None if isinstance(self._keeper, _PyKeeper) else self._keeper
+
+    def keep(self, func, args, kwargs, out, replay_flags: int) -> None:
+        """Keep one recorded op for replay (`replay_flags` as the writer returned them)."""
+        _keep_slow(self._keeper, func, args, kwargs, out, replay_flags)
+
     def seal(self) -> None:
         """At the end of the capture: let go of the storages the region made that nothing
-        outside the graph holds (its intermediates); replay allocates them afresh. Note
+        outside the graph holds (its intermediates); replay lends them afresh. Note
         [Emulated graphs keep storages]."""
-        made, self._made, self._seen = self._made, set(), set()
-        if not made or not SCRATCH:
-            return
-        aliases: dict[int, list] = {}  # storage made in the region -> its aliases
-        for key, alias in self._aliases.items():
-            if key[0] in made:
-                aliases.setdefault(key[0], []).append((key, alias))
-        scratch: dict[int, _Scratch] = {}  # id(alias) -> the scratch view replacing it
-        for cdata, pinned in aliases.items():
-            storage = pinned[0][1].untyped_storage()
-            # our aliases and `storage` hold it; anything more is a holder outside the graph
-            if storage_use_count(cdata) > len(pinned) + 1:
-                continue
-            index = len(self._scratch)
-            self._scratch.append((storage.nbytes(), storage.device))
-            for key, alias in pinned:
-                scratch[id(alias)] = _Scratch(index, alias)
-                del self._aliases[key]
-        if scratch:
-            def swap(t: torch.Tensor):
-                return scratch.get(id(t), t)
-            self._ops = [(func, map_tensors(swap, args),
-                          {k: map_tensors(swap, v) for k, v in kwargs.items()} if kwargs else kwargs,
-                          map_tensors(swap, out), flags)
-                         for func, args, kwargs, out, flags in self._ops]
+        self._keeper.seal(SCRATCH)
 
     def replay(self) -> None:
+        """Run the kept ops again. One replay at a time per graph (its scratch aliases are
+        pointed at fresh storages for the replay), as a CUDA graph's pool is one."""
         with torch.no_grad(), disable_current_modes():
-            fresh = [torch.UntypedStorage(nbytes, device=device)
-                     for nbytes, device in self._scratch]
+            keeper = self._keeper
+            keeper.lend()
+            try:
+                for func, args, kwargs, out, replay_flags in self._ops:
+                    result = func(*args, **kwargs)
+                    if replay_flags & REPLAY_FRESH:
+                        _copy_into(out, result)
+            finally:
+                keeper.reclaim()
 
-            def view(s: _Scratch) -> torch.Tensor:
-                return torch.empty(0, dtype=s.dtype, device=fresh[s.storage].device).set_(
-                    fresh[s.storage], s.offset, s.shape, s.stride)
-            for func, args, kwargs, out, replay_flags in self._ops:
-                if fresh:
-                    args = tree_map_only(_Scratch, view, args)
-                    if kwargs:
-                        kwargs = tree_map_only(_Scratch, view, kwargs)
-                    out = tree_map_only(_Scratch, view, out)
-                result = func(*args, **kwargs)
-                if replay_flags & REPLAY_FRESH:
-                    _copy_into(out, result)
+    def baked_floats(self) -> dict:
+        """Each float the kept ops take as an argument (graphtrace.scalars.floats_in) -> the
+        first op taking it: what the graph baked in (Note [baked scalars])."""
+        return dict(self._keeper.floats)
 
     def kept_ops(self) -> list:
         """The ops kept for replay: (func, args, kwargs, out, replay flags) each."""
@@ -222,12 +255,17 @@ def _copy_into(dst, src) -> None:
 # A graph keeps what a CUDA graph's pool would, not every intermediate: at the region's end
 # `seal` looks at each storage first pinned as an op's output (made in the region). When
 # nothing but the graph's own aliases holds it (the storage's use count), it is scratch: its
-# aliases become `_Scratch` views (storage index, dtype, size, stride, offset) and the storage
-# is freed; each replay allocates the scratch storages afresh and runs the ops on views of
-# them, as a graph's pool lends its intermediates memory for the replay. A storage made in the
-# region that something else holds (the region's outputs, a cache the model kept) stays pinned,
-# and replay copies fresh results into it, as before. Without storage use counts (a torch
-# that lacks `_storage_Use_Count`: graphtrace._compat.SCRATCH) nothing is released.
+# aliases are emptied in place (size 0 on a 0-byte storage; their storage offset, size and
+# stride kept beside them) and the storage is freed. Each replay lends the scratch aliases
+# fresh storages at their views and empties them again after it, as a graph's pool lends its
+# intermediates memory for the replay; the kept ops themselves never change, and one graph
+# replays one at a time. A storage made in the region that something else holds (the
+# region's outputs, a cache the model kept) stays pinned, and replay copies fresh results
+# into it, as before. The alias map goes at seal. Without storage use counts (a torch that
+# lacks `_storage_Use_Count`: graphtrace._compat.SCRATCH) nothing is released.
+# The keeping itself is a keeper's: `_PyKeeper` above in Python, and with the native
+# recorder its Keeper (Note [native keep] in graphtrace/csrc/recorder.cpp), which the
+# capture's native Writer keeps each op into right after recording it.
 class _Region:
     """One open capture on one thread: the mode pushed, its records, maybe a replayable graph."""
 
@@ -237,7 +275,7 @@ class _Region:
         self.trace = trace
         self.first_storage = len(trace.recorder.storages)
         self.capture = trace.recorder.new_capture(label, kind)
-        self.graph = EmulatedGraph(self.capture.label) if emulate else None
+        self.graph = EmulatedGraph(self.capture.label, trace.recorder.native) if emulate else None
         if self.graph is not None:
             self.graph.capture = self.capture
         self.mode = RecordingMode(trace.recorder, self.capture, self.graph)
@@ -645,7 +683,7 @@ class Trace:
     def _note_scalars(self, label: str, graph: "EmulatedGraph") -> None:
         """The floats this emulated graph baked in that watched attributes held (fail open)."""
         try:
-            self.baked_scalars.note(label, graph.kept_ops(), self.models)
+            self.baked_scalars.note_found(label, graph.baked_floats(), self.models)
         except Exception as exc:
             self.recorder.fail("baked scalars", exc)
 

@@ -18,10 +18,19 @@
 
 #include <Python.h>
 
+#include <c10/core/Allocator.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/flat_hash_map.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Layout.h>
+#include <torch/csrc/MemoryFormat.h>
+#include <torch/csrc/Size.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -260,6 +269,323 @@ struct StoragesObject {
 
 PyTypeObject StoragesType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// --------------------------------------------------------------------------- Keeper
+
+struct KeepFallback {};  // this op's arguments hold what the native walk does not: Python walks
+
+// Note [native keep]
+// ~~~~~~~~~~~~~~~~~~
+// An emulated graph's per-op keep (Note [Emulated graphs keep storages] in
+// graphtrace/tracing.py) in C++: the same aliases, ops and scratch as the Python keeper there
+// (`_PyKeeper`, the reference), without a Python frame per op or per tensor. A Keeper belongs
+// to one EmulatedGraph; the capture's Writer keeps each recorded op into it right after its
+// rows (Writer.set_keeper), so the native dispatch runs no Python per op with emulate=True
+// either. The walk covers tensors, scalars, dtypes/devices/layouts/memory formats, torch.Size
+// and plain tuples and lists; anything else (dicts inside arguments, namedtuples, registered
+// containers) makes the op go to the Python walker (`tracing._keep_slow`), which pins through
+// this keeper's `pin`, so one view is one alias either way. An alias is
+// `shallow_copy_and_detach` with t's version counter (what `t.detach()` makes: a new
+// TensorImpl on t's storage and view), or for an inference tensor a normal TensorImpl on its
+// storage made outside inference mode (what `empty(0).set_(...)` makes).
+// seal() decides scratch as the Python keeper does (a storage made in the region that only
+// the graph's aliases hold, by its use count) and empties those aliases in place: a 0-byte
+// storage and size 0, their view kept here. lend() points them at fresh storages for a
+// replay, reclaim() empties them again, so the kept ops never change and a replay maps
+// nothing. The alias map and the seen/made sets are dropped at seal: nothing keeps ops then.
+class Keeper {
+ public:
+  PyObject* ops = nullptr;           // list of kept ops, (func, args, kwargs, out, flags)
+  PyObject* slow = nullptr;          // tracing._keep_slow(keeper, func, args, kwargs, out, flags)
+  PyObject* empty_kwargs = nullptr;  // shared by ops without keyword arguments
+  PyObject* floats = nullptr;        // dict: each float the kept ops take -> the first op
+  bool release = true;               // storages made in the region may become scratch
+
+  ~Keeper() {
+    clear_aliases();
+    for (auto& s : scratch_)
+      for (auto& l : s.lent) Py_XDECREF(l.alias);
+    Py_XDECREF(floats);
+    Py_XDECREF(ops);
+    Py_XDECREF(slow);
+    Py_XDECREF(empty_kwargs);
+  }
+
+  // Keep one recorded op (flags: its replay flags, not 0). Throws KeepFallback before
+  // appending anything when the walk meets what it does not handle.
+  void keep(PyObject* func, PyObject* args, PyObject* kwargs, PyObject* out, int flags) {
+    if (!PyTuple_CheckExact(args)) throw KeepFallback();
+    func_ = func;
+    Ref a(map(args, -1));
+    PyObject* k;
+    if (kwargs != Py_None && PyDict_GET_SIZE(kwargs) > 0) {
+      k = check(PyDict_New());
+      Ref owned(k);
+      Py_ssize_t pos = 0;
+      PyObject *name, *v;
+      while (PyDict_Next(kwargs, &pos, &name, &v)) {
+        Ref m(map(v, 0));
+        if (PyDict_SetItem(k, name, m.p) < 0) throw PythonError();
+      }
+      PyObject_GC_UnTrack(k);
+      Py_INCREF(k);
+    } else {
+      k = Py_NewRef(empty_kwargs);
+    }
+    Ref kw(k);
+    making_ = true;
+    PyObject* o;
+    try {
+      o = map(out, kNoFloats);
+    } catch (...) {
+      making_ = false;
+      throw;
+    }
+    making_ = false;
+    Ref outs(o);
+    Ref f(PyLong_FromLong(flags));
+    Ref op(PyTuple_Pack(5, func, a.p, kw.p, outs.p, f.p));
+    PyObject_GC_UnTrack(op.p);  // Note [kept objects untracked]
+    if (PyList_Append(ops, op.p) < 0) throw PythonError();
+    if (release && pending_.size() >= last_pending_ + kBatch) release_dead();
+  }
+
+  // Note [kept objects untracked]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // What the native walk makes for a kept op (the op tuple, its argument tuples, lists and
+  // keyword dict, each new alias) is taken off the cyclic garbage collector's lists: they
+  // hold only the op, scalars, our aliases (fresh tensors nothing else references) and the
+  // program's tensor subclasses, so they can be in no cycle, and reference counting frees
+  // them with the graph. A collection then never walks an emulated graph's kept objects:
+  // each capture's young collections, and the full one a guard build triggers (the 0.9 s of
+  // docs/performance.md), cost what they cost without emulated graphs.
+  // A plain alias of `v` (an exact Tensor or Parameter) pinned to its storage, offset, size
+  // and stride now; `v` itself where an alias cannot carry what it is. New reference.
+  PyObject* pin(PyObject* v) {
+    const at::Tensor& t = THPVariable_Unpack(v);
+    if (t.layout() != c10::kStrided || t.is_quantized() || t.is_conj() || t.is_neg() ||
+        t.is_nested() || !t.has_storage()) {
+      return Py_NewRef(v);
+    }
+    c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+    auto sizes = t.sizes();
+    auto strides = t.strides();
+    key_.clear();
+    key_.push_back(reinterpret_cast<int64_t>(impl));
+    key_.push_back(static_cast<int64_t>(t.scalar_type()));
+    key_.push_back(t.storage_offset());
+    key_.push_back(static_cast<int64_t>(sizes.size()));
+    key_.insert(key_.end(), sizes.begin(), sizes.end());
+    key_.insert(key_.end(), strides.begin(), strides.end());
+    auto it = aliases_.find(key_);
+    if (it != aliases_.end()) return Py_NewRef(it->second);
+    if (seen_.insert(impl).second && making_) {
+      made_.emplace(impl, made_list_.size());
+      pending_.push_back(made_list_.size());
+      made_list_.push_back(Made{impl, {}, 0, false});
+    }
+    at::Tensor alias;
+    if (t.is_inference()) {  // a normal tensor on its storage (inference_mode would make one)
+      c10::InferenceMode normal(false);
+      auto made = c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(),
+                                                       t.dtype());
+      made->set_sizes_and_strides(sizes, strides, t.storage_offset());
+      alias = at::Tensor(std::move(made));
+    } else {  // what t.detach() makes
+      c10::TensorImpl* src = t.unsafeGetTensorImpl();
+      alias = at::Tensor(src->shallow_copy_and_detach(src->version_counter(),
+                                                      /*allow_tensor_metadata_change=*/true));
+    }
+    PyObject* py = check(THPVariable_Wrap(std::move(alias)));
+    PyObject_GC_UnTrack(py);
+    aliases_.emplace(key_, py);
+    auto m = made_.find(impl);
+    if (m != made_.end()) made_list_[m->second].aliases.emplace_back(key_, py);
+    return Py_NewRef(py);
+  }
+
+  void set_making(bool making) { making_ = making; }
+
+  // End of capture: with `release`, the storages made in the region that only our aliases
+  // hold become scratch (those not found dead as the capture went). The alias map goes.
+  void seal(bool release_now) {
+    if (release_now) {
+      for (auto& m : made_list_) {
+        if (!m.done && unheld(m)) to_scratch(m);
+      }
+    }
+    clear_aliases();
+  }
+
+  // Before a replay: each scratch storage afresh, its aliases on it at their views.
+  void lend() {
+    for (auto& s : scratch_) {
+      c10::DeviceGuard guard(s.device);
+      c10::Storage fresh(c10::Storage::use_byte_size_t(), s.nbytes,
+                         c10::GetAllocator(s.device.type()), /*resizable=*/true);
+      for (auto& l : s.lent) {
+        c10::TensorImpl* ti = THPVariable_Unpack(l.alias).unsafeGetTensorImpl();
+        ti->set_storage_keep_dtype(fresh);
+        ti->set_sizes_and_strides(l.sizes, l.strides, l.offset);
+      }
+    }
+  }
+
+  // After a replay: the scratch aliases emptied again (their storages freed).
+  void reclaim() {
+    for (auto& s : scratch_) {
+      for (auto& l : s.lent) empty_out(THPVariable_Unpack(l.alias).unsafeGetTensorImpl(), s.device);
+    }
+  }
+
+  size_t n_scratch() const { return scratch_.size(); }
+
+ private:
+  struct Lent {
+    PyObject* alias;  // owned
+    int64_t offset;
+    std::vector<int64_t> sizes, strides;
+  };
+  struct Scratch {
+    size_t nbytes;
+    c10::Device device;
+    std::vector<Lent> lent;
+  };
+  struct Made {  // a storage first pinned as an op's output
+    c10::StorageImpl* impl;
+    std::vector<std::pair<std::vector<int64_t>, PyObject*>> aliases;  // key, alias (aliases_')
+    int checks;
+    bool done;  // scratch already
+  };
+  // A storage made in the region is looked at as the capture goes, after every kBatch new
+  // ones, at most kChecks times (what outlives that waits for seal): one that only the
+  // graph's aliases hold is unreachable by the program, so it is scratch already, and its
+  // memory goes back to the allocator while the capture runs, as it would without a graph.
+  static constexpr size_t kBatch = 32;
+  static constexpr int kChecks = 2;
+
+  // Only our aliases hold the storage: each alias's TensorImpl once, and its Python object
+  // (an UntypedStorage) once when nothing but the storage itself keeps that object.
+  bool unheld(const Made& m) const {
+    c10::StorageImpl* impl = m.impl;
+    PyObject* wrapper = impl->pyobj_slot()->load_pyobj();
+    const size_t own = m.aliases.size() + (wrapper != nullptr && Py_REFCNT(wrapper) == 1);
+    return c10::raw::intrusive_ptr::use_count(impl) <= own;
+  }
+
+  void release_dead() {
+    size_t w = 0;
+    for (size_t i : pending_) {
+      Made& m = made_list_[i];
+      if (m.done) continue;
+      if (unheld(m)) {
+        to_scratch(m);
+      } else if (++m.checks < kChecks) {
+        pending_[w++] = i;
+      }
+    }
+    pending_.resize(w);
+    last_pending_ = w;
+  }
+
+  const c10::Storage& empty_for(c10::Device device) {
+    for (auto& e : empties_)
+      if (e.first == device) return e.second;
+    empties_.emplace_back(device, c10::Storage(c10::Storage::use_byte_size_t(), 0,
+                                               c10::DataPtr(nullptr, device), nullptr, false));
+    return empties_.back().second;
+  }
+
+  void empty_out(c10::TensorImpl* ti, c10::Device device) {
+    ti->set_storage_keep_dtype(empty_for(device));
+    ti->set_sizes_contiguous({0});
+    ti->set_storage_offset(0);
+  }
+
+  // The storage's aliases emptied in place (their views kept in a Scratch); the storage is
+  // freed with the last of them. The aliases leave the alias map (the address may be reused).
+  void to_scratch(Made& m) {
+    c10::StorageImpl* impl = m.impl;
+    Scratch s{impl->nbytes(), impl->device(), {}};
+    s.lent.reserve(m.aliases.size());
+    for (auto& ka : m.aliases) {
+      c10::TensorImpl* ti = THPVariable_Unpack(ka.second).unsafeGetTensorImpl();
+      s.lent.push_back(Lent{ka.second, ti->storage_offset(), ti->sizes().vec(),
+                            ti->strides().vec()});  // the map's reference, moved here
+      aliases_.erase(ka.first);
+    }
+    seen_.erase(impl);
+    made_.erase(impl);
+    m.done = true;
+    m.aliases.clear();
+    m.aliases.shrink_to_fit();
+    for (auto& l : s.lent) empty_out(THPVariable_Unpack(l.alias).unsafeGetTensorImpl(), s.device);
+    scratch_.push_back(std::move(s));
+  }
+
+  static bool is_leaf(PyObject* v) {
+    return is_scalar(v) || PyComplex_CheckExact(v) || THPDtype_Check(v) || THPDevice_Check(v) ||
+        THPLayout_Check(v) || THPMemoryFormat_Check(v) || Py_TYPE(v) == &THPSizeType;
+  }
+
+  // `v` with every plain tensor pinned (tracing.map_tensors' shapes, less what goes to Python).
+  // Floats at `depth` 0 to 2 (an argument, in a list, in a nested list: scalars.floats_in)
+  // go into `floats` on the way; the args tuple itself is depth -1.
+  static constexpr int kNoFloats = 1 << 20;
+  PyObject* map(PyObject* v, int depth) {
+    if (THPVariable_CheckExact(v)) return pin(v);
+    if (THPVariable_Check(v)) return Py_NewRef(v);  // a subclass: kept whole, as _pin does
+    if (PyFloat_CheckExact(v)) {
+      const double x = PyFloat_AS_DOUBLE(v);
+      if (depth <= 2 && x == x && PyDict_SetDefault(floats, v, func_) == nullptr) {
+        throw PythonError();
+      }
+      return Py_NewRef(v);
+    }
+    if (is_leaf(v)) return Py_NewRef(v);
+    const bool is_tuple = PyTuple_CheckExact(v);
+    if (!is_tuple && !PyList_CheckExact(v)) throw KeepFallback();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+    PyObject* mapped = check(is_tuple ? PyTuple_New(n) : PyList_New(n));
+    Ref owned(mapped);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = map(PySequence_Fast_GET_ITEM(v, i), depth + 1);
+      if (is_tuple) PyTuple_SET_ITEM(mapped, i, item);
+      else PyList_SET_ITEM(mapped, i, item);
+    }
+    PyObject_GC_UnTrack(mapped);
+    return Py_NewRef(mapped);
+  }
+
+  void clear_aliases() {
+    for (auto& kv : aliases_) Py_DECREF(kv.second);
+    aliases_.clear();
+    seen_.clear();
+    made_.clear();
+    made_list_.clear();
+    pending_.clear();
+    last_pending_ = 0;
+  }
+
+  bool making_ = false;
+  PyObject* func_ = nullptr;  // the op being kept (borrowed, during keep)
+  std::vector<int64_t> key_;  // (StorageImpl, dtype, offset, ndim, sizes..., strides...)
+  ska::flat_hash_map<std::vector<int64_t>, PyObject*, KeyHash> aliases_;  // key -> alias (owned)
+  ska::flat_hash_set<const void*> seen_;          // storages pinned so far
+  ska::flat_hash_map<const void*, size_t> made_;  // of those, first as outputs -> made_list_
+  std::vector<Made> made_list_;
+  std::vector<size_t> pending_;  // made_list_ entries still to look at as the capture goes
+  size_t last_pending_ = 0;      // pending_'s size after the last look
+  std::vector<Scratch> scratch_;
+  std::vector<std::pair<c10::Device, c10::Storage>> empties_;  // a 0-byte storage per device
+};
+
+struct KeeperObject {
+  PyObject_HEAD
+  Keeper* keeper;
+};
+
+PyTypeObject KeeperType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
 class Writer {
  public:
   // Borrowed on entry, owned from here on.
@@ -273,8 +599,11 @@ class Writer {
   PyObject* stack = nullptr;        // the capturing thread's module stack (a list of FQN ids)
   PyObject* fallback = nullptr;     // PyWriter.fallback
   PyObject* size_type = nullptr;    // torch.Size
+  PyObject* keeper_obj = nullptr;   // a Keeper (owned) while the capture keeps an emulated graph
+  Keeper* keeper = nullptr;
 
   ~Writer() {
+    Py_XDECREF(keeper_obj);
     for (auto& kv : plans_) {
       Py_DECREF(kv.first);
       Py_XDECREF(kv.second.by_keyword);
@@ -617,6 +946,29 @@ Writer* writer_of(PyWriterObject* self) {
   return self->writer;
 }
 
+// Keep a recorded op into the writer's Keeper (Note [native keep]); `flags` is what the
+// record returned. False with a Python error set.
+bool keep_op(Writer* w, PyObject* const* args, PyObject* flags) {
+  const long f = PyLong_AsLong(flags);
+  if (f == -1 && PyErr_Occurred()) return false;
+  if (f == 0) return true;  // a pure view: a graph bakes it in and never re-runs it
+  try {
+    w->keeper->keep(args[0], args[1], args[2], args[3], static_cast<int>(f));
+    return true;
+  } catch (const PythonError&) {
+    return false;
+  } catch (const KeepFallback&) {
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return false;
+  }
+  PyObject* call[6] = {w->keeper_obj, args[0], args[1], args[2], args[3], flags};
+  PyObject* r = PyObject_Vectorcall(w->keeper->slow, call, 6, nullptr);
+  if (r == nullptr) return false;
+  Py_DECREF(r);
+  return true;
+}
+
 PyObject* Writer_record(PyWriterObject* self, PyObject* const* args, Py_ssize_t nargs) {
   Writer* w = writer_of(self);
   if (w == nullptr) return nullptr;
@@ -625,23 +977,165 @@ PyObject* Writer_record(PyWriterObject* self, PyObject* const* args, Py_ssize_t 
     return nullptr;
   }
   const size_t n_ops = w->n_ops(), n_rows = w->n_rows();
+  PyObject* flags = nullptr;
   try {
-    return PyLong_FromLong(w->record(args[0], args[1], args[2], args[3]));
+    flags = check(PyLong_FromLong(w->record(args[0], args[1], args[2], args[3])));
   } catch (const PythonError&) {
     w->rollback(n_ops, n_rows);
     return nullptr;
   } catch (const Fallback&) {
   } catch (const std::exception&) {  // c10::Error: symbolic shapes, no storage, ...
   }
-  // The Python writer handles this op (and reports what it cannot): rows stay in order.
-  w->rollback(n_ops, n_rows);
-  try {
-    w->flush();
-  } catch (const PythonError&) {
+  if (flags == nullptr) {
+    // The Python writer handles this op (and reports what it cannot): rows stay in order.
+    w->rollback(n_ops, n_rows);
+    try {
+      w->flush();
+    } catch (const PythonError&) {
+      return nullptr;
+    }
+    flags = PyObject_Vectorcall(w->fallback, args, 4, nullptr);
+    if (flags == nullptr) return nullptr;
+  }
+  if (w->keeper != nullptr && !keep_op(w, args, flags)) {  // rows stay: the op ran
+    Py_DECREF(flags);
     return nullptr;
   }
-  return PyObject_Vectorcall(w->fallback, args, 4, nullptr);
+  return flags;
 }
+
+PyObject* Writer_set_keeper(PyWriterObject* self, PyObject* arg) {
+  Writer* w = writer_of(self);
+  if (w == nullptr) return nullptr;
+  if (arg != Py_None && Py_TYPE(arg) != &KeeperType) {
+    PyErr_SetString(PyExc_TypeError, "set_keeper(a native Keeper or None)");
+    return nullptr;
+  }
+  Py_XDECREF(w->keeper_obj);
+  w->keeper_obj = arg == Py_None ? nullptr : Py_NewRef(arg);
+  w->keeper = arg == Py_None ? nullptr : reinterpret_cast<KeeperObject*>(arg)->keeper;
+  Py_RETURN_NONE;
+}
+
+// --------------------------------------------------------------------------- Keeper type
+
+PyObject* Keeper_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
+  PyObject* slow;
+  int release = 1;
+  static const char* names[] = {"slow", "release", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p", const_cast<char**>(names), &slow,
+                                   &release)) {
+    return nullptr;
+  }
+  if (!PyCallable_Check(slow)) {
+    PyErr_SetString(PyExc_TypeError, "Keeper(slow): slow must be callable");
+    return nullptr;
+  }
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  auto* k = new Keeper();
+  reinterpret_cast<KeeperObject*>(self)->keeper = k;
+  k->slow = Py_NewRef(slow);
+  k->release = release;
+  k->ops = PyList_New(0);
+  k->empty_kwargs = PyDict_New();
+  k->floats = PyDict_New();
+  if (k->ops == nullptr || k->empty_kwargs == nullptr || k->floats == nullptr) {
+    Py_DECREF(self);
+    return nullptr;
+  }
+  return self;
+}
+
+void Keeper_dealloc(KeeperObject* self) {
+  delete self->keeper;
+  Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+PyObject* Keeper_pin(KeeperObject* self, PyObject* const* a, Py_ssize_t n) {
+  if (n != 2 || !THPVariable_CheckExact(a[0])) {
+    PyErr_SetString(PyExc_TypeError, "pin(tensor, making): a plain Tensor or Parameter");
+    return nullptr;
+  }
+  const int making = PyObject_IsTrue(a[1]);
+  if (making < 0) return nullptr;
+  Keeper* k = self->keeper;
+  k->set_making(making);
+  try {
+    PyObject* r = k->pin(a[0]);
+    k->set_making(false);
+    return r;
+  } catch (const PythonError&) {
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  k->set_making(false);
+  return nullptr;
+}
+
+PyObject* Keeper_seal(KeeperObject* self, PyObject* arg) {
+  const int release = PyObject_IsTrue(arg);
+  if (release < 0) return nullptr;
+  try {
+    self->keeper->seal(release);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* Keeper_lend(KeeperObject* self, PyObject*) {
+  try {
+    self->keeper->lend();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* Keeper_reclaim(KeeperObject* self, PyObject*) {
+  try {
+    self->keeper->reclaim();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* Keeper_scratch(KeeperObject* self, PyObject*) {
+  return PyLong_FromSize_t(self->keeper->n_scratch());
+}
+
+PyObject* Keeper_get_ops(KeeperObject* self, void*) {
+  return Py_NewRef(self->keeper->ops);
+}
+
+PyMethodDef keeper_methods[] = {
+    {"pin", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(Keeper_pin)),
+     METH_FASTCALL, "pin(tensor, making) -> its alias (Note [native keep])"},
+    {"seal", reinterpret_cast<PyCFunction>(Keeper_seal), METH_O,
+     "seal(release): end of capture; with release, unheld storages made in it become scratch"},
+    {"lend", reinterpret_cast<PyCFunction>(Keeper_lend), METH_NOARGS,
+     "before a replay: fresh storages under the scratch aliases"},
+    {"reclaim", reinterpret_cast<PyCFunction>(Keeper_reclaim), METH_NOARGS,
+     "after a replay: the scratch aliases emptied again"},
+    {"scratch", reinterpret_cast<PyCFunction>(Keeper_scratch), METH_NOARGS,
+     "how many storages replay allocates afresh"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyObject* Keeper_get_floats(KeeperObject* self, void*) {
+  return Py_NewRef(self->keeper->floats);
+}
+
+PyGetSetDef keeper_getset[] = {
+    {"floats", reinterpret_cast<getter>(Keeper_get_floats), nullptr,
+     "each float the kept ops take (scalars.floats_in) -> the first op taking it", nullptr},
+    {"ops", reinterpret_cast<getter>(Keeper_get_ops), nullptr,
+     "the kept ops: (func, args, kwargs, out, replay flags) each", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 // The class whose exact instances native_dispatch calls through `_op` (configure()); null: none.
 PyObject* op_overload_type = nullptr;
@@ -893,6 +1387,8 @@ PyMethodDef writer_methods[] = {
      METH_FASTCALL, "record(func, args, kwargs, out) -> replay flags (1: wrote, 2: fresh output)"},
     {"flush", reinterpret_cast<PyCFunction>(Writer_flush), METH_NOARGS,
      "move buffered rows into the capture's arrays"},
+    {"set_keeper", reinterpret_cast<PyCFunction>(Writer_set_keeper), METH_O,
+     "set_keeper(keeper or None): keep each recorded op into an emulated graph's Keeper"},
     {nullptr, nullptr, 0, nullptr}};
 
 
@@ -1092,12 +1588,19 @@ PyMODINIT_FUNC GT_CAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
                   Storages_new, reinterpret_cast<destructor>(Storages_dealloc),
                   storages_methods))
     return nullptr;
+  KeeperType.tp_getset = keeper_getset;
+  if (!ready_type(KeeperType, "graphtrace.native.Keeper", sizeof(KeeperObject),
+                  "An emulated graph's kept ops and aliases (Note [native keep]).", Keeper_new,
+                  reinterpret_cast<destructor>(Keeper_dealloc), keeper_methods))
+    return nullptr;
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
   Py_INCREF(&WriterType);
   Py_INCREF(&StoragesType);
+  Py_INCREF(&KeeperType);
   if (PyModule_AddObject(m, "Writer", reinterpret_cast<PyObject*>(&WriterType)) < 0 ||
       PyModule_AddObject(m, "Storages", reinterpret_cast<PyObject*>(&StoragesType)) < 0 ||
+      PyModule_AddObject(m, "Keeper", reinterpret_cast<PyObject*>(&KeeperType)) < 0 ||
       // the record encoding, under graphtrace/encoding.py's names (encoding.NATIVE_CONSTANTS)
       PyModule_AddIntConstant(m, "READ", kRead) < 0 ||
       PyModule_AddIntConstant(m, "WRITE", kWrite) < 0 ||
