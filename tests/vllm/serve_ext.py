@@ -206,10 +206,29 @@ def verl_sync(llm, folder: str) -> int:
     return llm.collective_rpc("update_weights_from_ipc", kwargs={"folder": folder})[0]
 
 
+def inplace_sync(llm, folder: str) -> int:
+    """A client's own sync in one process, through no hooked entry point: each loadable tensor
+    written in place into the worker model's parameter (``p.copy_``, under no_grad), then its
+    own weight processing derives the holder again (`_derive`: a new tensor under "rebind").
+    Only the parameters' version counters see it (Note [in-place writes] in
+    graphtrace/vllm/serve.py)."""
+    worker = llm.llm_engine.model_executor.driver_worker
+    params = dict(worker.model_runner.model.named_parameters())
+    n = 0
+    with torch.no_grad():
+        for name, tensor in _checkpoint(folder).items():
+            if name in params:
+                params[name].copy_(tensor)
+                n += 1
+    _derive(_layer(worker))
+    return n
+
+
 def reload_sync(llm, folder: str) -> int:
     """vLLM's own ``reload_weights`` (a whole update: checked when it returns)."""
     llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
     return 1
 
 
-SYNCS = {"trl": trl_sync, "openrlhf": openrlhf_sync, "verl": verl_sync, "reload": reload_sync}
+SYNCS = {"trl": trl_sync, "openrlhf": openrlhf_sync, "verl": verl_sync, "inplace": inplace_sync,
+         "reload": reload_sync}
