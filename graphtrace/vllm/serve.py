@@ -54,7 +54,8 @@ function, a direct ``p.copy_(new)`` on the worker's model). Each in-place op bum
 tensor's version counter (autograd's; writes through ``p.data`` do not: ``.data`` has a
 counter of its own). So before every step, a ServeGuard that is not dirty compares the sum of
 its watched parameters' version counters (every parameter of the trace's models, held weakly;
-a freed one counts as a change) with the sum taken after its last check: a difference marks
+a freed one counts as a change) with the sum taken when the model was loaded or after its
+last check (or, for a guard made later, at its first step): a difference marks
 the engine dirty ("in-place write") and the check runs before that step. The sum is taken
 again after each check, so a hooked update that also bumps counters is checked once. The sum
 is taken in C++ (``versions_sum`` of graphtrace/csrc/recorder.cpp) when the trace records
