@@ -277,7 +277,7 @@ class ServeGuard:
                     watched.append(weakref.ref(p))
                     total += version
             self._watched, self._versions = watched, total
-            native = getattr(vt.trace.recorder, "native", None) if vt is not None else None
+            native = getattr(vt.trace, "native", None) if vt is not None else None
             self._sum = getattr(native, "versions_sum", None)
         except Exception:
             self._watched = []
