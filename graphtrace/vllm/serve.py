@@ -57,7 +57,11 @@ its watched parameters' version counters (every parameter of the trace's models,
 a freed one counts as a change) with the sum taken when the model was loaded or after its
 last check (or, for a guard made later, at its first step): a difference marks
 the engine dirty ("in-place write") and the check runs before that step. The sum is taken
-again after each check, so a hooked update that also bumps counters is checked once. The sum
+again after each check, so a hooked update that also bumps counters is checked once. The
+parameters are walked (``model.parameters()``: milliseconds on an 80-layer model) when the
+model is loaded and again only when a watched one was freed (an update that rebinds them,
+as vLLM's reload does); a parameter rebound while the old one stays alive elsewhere is not
+watched until then (its owners moving is the guard's own check). The sum
 is taken in C++ (``versions_sum`` of graphtrace/csrc/recorder.cpp) when the trace records
 natively, in Python otherwise. The test runs where the guard's worker is: in the engine core's
 pre-step test when the worker shares its process (one process; the default single-worker
@@ -238,7 +242,7 @@ class ServeGuard:
             if action != "raise" or not bad:  # all ranks agree: they stay dirty together
                 self.dirty = False
                 self.updates = []
-        self.watch_versions()  # writes from now on are the next update's
+        self._rebase_versions()  # writes from now on are the next update's
         self.refusal = None
         try:
             if action == "warn":
@@ -290,20 +294,33 @@ class ServeGuard:
         if watched is None:  # the first step: the baseline
             self.watch_versions()
             return False
+        if self._total(watched) == self._versions:
+            return False
+        self.mark("in-place write")
+        self._rebase_versions()  # one mark per write, even while no graph is captured
+        return True
+
+    def _total(self, watched: list) -> int:
+        """The sum of the watched parameters' version counters; -1 when one was freed."""
         total = self._sum(watched) if self._sum is not None else None
         if total is None:
             total = 0
             for ref in watched:
                 p = ref()
                 if p is None:
-                    total = -1
-                    break
+                    return -1
                 total += p._version
-        if total == self._versions:
-            return False
-        self.mark("in-place write")
-        self.watch_versions()  # one mark per write, even while no graph is captured
-        return True
+        return total
+
+    def _rebase_versions(self) -> None:
+        """A new baseline: the sum again over the same parameters (microseconds), or a walk of
+        the models' parameters (milliseconds on a big model) when one of them was freed."""
+        watched = self._watched
+        total = self._total(watched) if watched else -1
+        if total < 0:
+            self.watch_versions()
+        else:
+            self._versions = total
 
     def refusal_info(self) -> dict | None:
         """The standing refusal as plain data (it crosses vLLM's msgpack RPC): message,
