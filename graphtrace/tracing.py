@@ -792,6 +792,11 @@ class Trace:
         self.recorder.fail(where, exc)
 
     @property
+    def native(self):
+        """The native module (graphtrace.native) this trace records with, or None."""
+        return self.recorder.native
+
+    @property
     def saw_compiled(self) -> bool:
         """Whether a compiled region (torch.compile) was called inside a capture."""
         return bool(self.compiled_regions.seen)

@@ -92,10 +92,13 @@ def test_bench_sync_quick(tmp_path):
     out = _run("bench_sync.py", "--out", str(out_file))
     header = next(line for line in out.splitlines() if line.startswith("| model"))
     for col in ("sync, no hook (ms)", "per update: hooks + one check (ms)", "old per-call cost (ms)",
-                "checks per update", "stale update refused"):
+                "checks per update", "stale update refused", "in-place write checked"):
         assert col in header, col
+    columns = [c.strip() for c in header.split("|")]
     rows = [line.split("|") for line in out.splitlines() if line.startswith(("| tiny", "| big"))]
     assert len(rows) == 2
-    for row in rows:  # one check per update, and the rebinding update is caught
-        assert row[-4].strip() == "1" and row[-2].strip() == "yes", row
+    for row in rows:  # one check per update, an in-place write checked, the rebinding caught
+        cell = dict(zip(columns, (c.strip() for c in row)))
+        assert cell["checks per update"] == "1", row
+        assert cell["in-place write checked"] == "yes" and cell["stale update refused"] == "yes"
     assert out_file.read_text().startswith("# check before serve")

@@ -132,3 +132,67 @@ def test_in_flight_batches_are_drained_before_the_check(guarded):
 def test_a_bad_action_is_refused():
     with pytest.raises(ValueError, match="not one of raise, warn, recapture"):
         ServeGuard(Engine(None), "ignore")
+
+
+def test_an_in_place_write_is_checked_before_the_next_step(guarded):
+    """Note [in-place writes]: no hooked entry point runs; the version counters see it."""
+    model, sg, _, _ = guarded
+    assert before_step(Core()) is None and sg.checks == 0  # the baseline: nothing written
+    with torch.no_grad():
+        model.weight.copy_(model.weight + 1)  # in place: not itself stale
+    assert not sg.dirty  # marked at the step, not at the write
+    assert before_step(Core()) is None
+    assert sg.checks == 1 and sg.last["ok"] and sg.last["updates"] == ["in-place write"]
+    assert before_step(Core()) is None and sg.checks == 1  # one check per write
+    # a hooked update that also bumps the counters is checked once, not again by version
+    with torch.no_grad():
+        model.load_weights([("weight", model.weight + 1)])
+        model.weight.add_(1)
+    assert before_step(Core()) is None and sg.checks == 2
+
+
+def test_a_holder_rebound_with_in_place_writes_is_refused(guarded):
+    """A client's own function: in-place writes and its own re-derivation of the holder."""
+    model, sg, _, _ = guarded
+    before_step(Core())
+    with torch.no_grad():
+        model.weight.mul_(2)
+    model.scale = functools.partial(torch.mul, other=torch.ones(4))
+    refused = before_step(Core(requests=False))  # no request waits: nothing refused yet
+    assert refused is None and sg.dirty and sg.checks == 0
+    with pytest.raises(gt.StaleGraphError, match=r"scale\.keywords\['other'\]"):
+        sg.check("before_forward")
+    info = sg.refusal_info()  # what the client in another process gets (plain data)
+    assert "scale.keywords['other']" in info["message"]
+    assert info["columns"][:2] == ["graph_id", "graph"]
+    owners = info["columns"].index("owners")
+    assert [row[owners] for row in info["rows"]] == ["scale.keywords['other']"]
+
+
+def test_a_parameter_rebound_and_freed_counts_as_a_write(guarded):
+    model, sg, _, _ = guarded
+    before_step(Core())
+    model.weight = nn.Parameter(torch.ones(4, 4), requires_grad=False)  # the old one is freed
+    before_step(Core(requests=False))
+    assert sg.dirty and sg.updates == ["in-place write"]
+    assert sg.refusal_info() is None  # nothing refused yet
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_in_place_writes_are_seen_with_and_without_the_native_sum(native):
+    model = Kernel()
+    with torch.no_grad(), gt.trace(model, native=native) as t:
+        with gt.capture("decode"):
+            model(torch.ones(2, 4))
+    engine = Engine(t)  # the guard holds its trace weakly
+    sg = ServeGuard(engine, "raise")
+    try:
+        assert not sg.written_in_place()  # the baseline
+        assert sg.status()["watched"] == 1
+        assert not sg.written_in_place()
+        with torch.no_grad():
+            model.weight.add_(1)
+        assert sg.written_in_place() and sg.dirty
+        assert not sg.written_in_place()  # once per write
+    finally:
+        sg.close()

@@ -1357,6 +1357,32 @@ PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return undecided;
 }
 
+// The sum of the version counters of the tensors a list of weak references reaches
+// (graphtrace.vllm.serve.ServeGuard.written_in_place: Note [in-place writes] in
+// graphtrace/vllm/serve.py): -1 when one is gone, None (Python decides) when one reaches
+// something else than a tensor or an inference tensor (it has no version counter).
+PyObject* versions_sum(PyObject*, PyObject* refs) {
+  if (!PyList_Check(refs)) {
+    PyErr_SetString(PyExc_TypeError, "versions_sum(refs): a list of weak references");
+    return nullptr;
+  }
+  int64_t total = 0;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refs); ++i) {
+    PyObject* ref = PyList_GET_ITEM(refs, i);
+    if (!PyWeakref_CheckRef(ref)) {
+      PyErr_SetString(PyExc_TypeError, "versions_sum(refs): a list of weak references");
+      return nullptr;
+    }
+    PyObject* obj = PyWeakref_GET_OBJECT(ref);  // borrowed; no Python code runs below
+    if (obj == Py_None) return PyLong_FromLong(-1);
+    if (!THPVariable_Check(obj)) Py_RETURN_NONE;
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (t.is_inference()) Py_RETURN_NONE;
+    total += static_cast<int64_t>(t._version());
+  }
+  return PyLong_FromLongLong(total);
+}
+
 PyMethodDef module_methods[] = {
     {"configure", reinterpret_cast<PyCFunction>(configure), METH_O,
      "configure(cls): the class whose exact instances dispatch() calls through `_op` (None: none)"},
@@ -1365,6 +1391,9 @@ PyMethodDef module_methods[] = {
      "paths_moved(model, module_type, parameter_type, nodes, leaves, expected) -> True, or the "
      "undecided "
      "paths' positions (graphtrace.owners.PathSet.moved)"},
+    {"versions_sum", reinterpret_cast<PyCFunction>(versions_sum), METH_O,
+     "versions_sum(refs) -> the sum of the version counters of the tensors the weak "
+     "references reach, -1 if one is gone, None if one is not a tensor with a counter"},
     {"dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(native_dispatch)),
      METH_FASTCALL,
      "dispatch(mode, func, types, args, kwargs=None): RecordingMode.__torch_dispatch__ in C "

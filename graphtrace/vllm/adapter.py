@@ -347,6 +347,7 @@ class VllmTrace:
             model = hooks.worker_model(worker)
             if model is not None:
                 hooks.wrap_model_updates(model)
+            self.serve_guard.watch_versions()  # Note [in-place writes]: the loaded weights
 
     # -- models ------------------------------------------------------------------------------
     def watch_worker(self, worker) -> "VllmTrace":

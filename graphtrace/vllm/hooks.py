@@ -260,7 +260,7 @@ def _wrap_serve(cls, method: str, role: str) -> None:
     else:
         def wrapper(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            serve.after_client_step(self)
+            serve.after_client_step(self, result)
             return result
     functools.update_wrapper(wrapper, original)
     wrapper.__graphtrace_wrapped__ = True

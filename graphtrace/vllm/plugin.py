@@ -79,6 +79,7 @@ _written: dict[str, str] = {}
 _counter = 0
 
 __all__ = ["register", "enabled", "guard_mode", "guard_action", "rpc_guard_status", "rpc_check",
+           "rpc_refusal",
            "serve_guard", "session",
            "modules_setting", "write_report", "rpc_write_report", "rpc_capture", "rpc_capture_dummy", "rpc_status", "WORKER_METHODS"]
 
@@ -219,6 +220,13 @@ def rpc_check(worker=None, trigger: str = "graphtrace_check") -> dict:
     return guard.check(trigger)
 
 
+def rpc_refusal(worker=None) -> dict | None:
+    """The standing refusal of this worker's guard (`ServeGuard.refusal_info`), or None: what
+    a client with the engine core in another process raises (Note [check before serve])."""
+    guard = serve_guard()
+    return guard.refusal_info() if guard is not None else None
+
+
 def _after_warmup(worker) -> None:
     value = os.environ.get(ENV_EMULATE, "")
     if _session is None or value in ("", "0"):
@@ -352,6 +360,7 @@ WORKER_METHODS = {
     "graphtrace_status": rpc_status,
     "graphtrace_guard_status": rpc_guard_status,
     "graphtrace_check": rpc_check,
+    "graphtrace_refusal": rpc_refusal,
 }
 
 

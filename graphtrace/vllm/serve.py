@@ -39,6 +39,36 @@ capture-time owners first, if graphs were captured since) and the check runs onc
    every ``collective_rpc`` it forwards (the only way a client reaches a worker there) and
    asks the workers (``graphtrace_check``, a no-op where clean) before the next step; the
    refused requests finish with ``finish_reason="error"`` and the engine core logs why.
+4. The client in another process: the plugin is loaded there too. Its wrapped
+   ``LLMEngine.step``, when a step's outputs finish a request with an error, asks the workers
+   through the normal RPC path (``collective_rpc("graphtrace_refusal")``, read-only: it marks
+   nothing) for the standing refusal; once the client has no unfinished request left (the
+   engine core refuses every step until a correct update, so the rest follow), ``llm.generate``
+   raises that `StaleGraphError`, with the problems (holder paths) as a DataFrame, as in one
+   process. An error that is not graphtrace's (no refusal stands) is left to vLLM.
+
+Note [in-place writes]
+~~~~~~~~~~~~~~~~~~~~~~
+A client may write the weights in place without any of the hooked entry points (its own
+function, a direct ``p.copy_(new)`` on the worker's model). Each in-place op bumps the
+tensor's version counter (autograd's; writes through ``p.data`` do not: ``.data`` has a
+counter of its own). So before every step, a ServeGuard that is not dirty compares the sum of
+its watched parameters' version counters (every parameter of the trace's models, held weakly;
+a freed one counts as a change) with the sum taken when the model was loaded or after its
+last check (or, for a guard made later, at its first step): a difference marks
+the engine dirty ("in-place write") and the check runs before that step. The sum is taken
+again after each check, so a hooked update that also bumps counters is checked once. The
+parameters are walked (``model.parameters()``: milliseconds on an 80-layer model) when the
+model is loaded and again only when a watched one was freed (an update that rebinds them,
+as vLLM's reload does); a parameter rebound while the old one stays alive elsewhere is not
+watched until then (its owners moving is the guard's own check). The sum
+is taken in C++ (``versions_sum`` of graphtrace/csrc/recorder.cpp) when the trace records
+natively, in Python otherwise. The test runs where the guard's worker is: in the engine core's
+pre-step test when the worker shares its process (one process; the default single-worker
+executor with the engine core in its own process); workers in processes of their own
+(tensor parallelism) rely on a ``collective_rpc`` marking the update pending.
+An in-place write is not itself stale (the graph reads the same storage); what it catches is
+the rebinding that a client's own weight processing may do along with it.
 
 The dirty flag is cleared only by a passing check (``raise``), or once the problems were
 logged (``warn``) or re-captured away (``recapture``). So a refused engine refuses every
@@ -109,6 +139,11 @@ class ServeGuard:
         self.updates: list[str] = []  # the entry points that mutated weights since the last pass
         self.last: dict | None = None
         self.history: list[dict] = []
+        self.refusal = None     # the StaleGraphError of the last check, while it stands
+        # Note [in-place writes]: the watched parameters (weakly) and their version counters' sum
+        self._watched: list | None = None
+        self._versions = 0
+        self._sum = None  # the native versions_sum, when the trace records natively
         with _lock:
             _guards.add(self)
 
@@ -207,19 +242,97 @@ class ServeGuard:
             if action != "raise" or not bad:  # all ranks agree: they stay dirty together
                 self.dirty = False
                 self.updates = []
-        if action == "warn":
-            if len(problems):
-                logger.warning("graphtrace guard (rank %s, %s): %s", self.rank(), what,
-                               describe(problems))
-        elif not several:
-            if len(problems):
-                raise StaleGraphError(f"graphtrace guard (rank {self.rank()}, {what}): "
-                                      f"{describe(problems)}", problems)
-        else:
-            _raise_for_all_ranks(ranks, problems, what, self.rank())
+        self._rebase_versions()  # writes from now on are the next update's
+        self.refusal = None
+        try:
+            if action == "warn":
+                if len(problems):
+                    logger.warning("graphtrace guard (rank %s, %s): %s", self.rank(), what,
+                                   describe(problems))
+            elif not several:
+                if len(problems):
+                    raise StaleGraphError(f"graphtrace guard (rank {self.rank()}, {what}): "
+                                          f"{describe(problems)}", problems)
+            else:
+                _raise_for_all_ranks(ranks, problems, what, self.rank())
+        except StaleGraphError as exc:
+            self.refusal = exc  # what a client in another process asks for (refusal_info)
+            raise
         if failure is not None and _strict():
             raise failure[1].with_traceback(failure[2])
         return entry
+
+    # -- in-place writes (Note [in-place writes]) ---------------------------------------------
+    def watch_versions(self) -> None:
+        """Take the watched parameters (those of the trace's models, weakly) and the sum of
+        their version counters: the baseline `written_in_place` compares with."""
+        try:
+            vt = self.vt
+            watched, total, seen = [], 0, set()
+            for model in (vt.trace.models.values() if vt is not None else ()):
+                for p in model.parameters():
+                    if id(p) in seen:
+                        continue
+                    seen.add(id(p))
+                    try:
+                        version = p._version  # inference tensors have no version counter
+                    except RuntimeError:
+                        continue
+                    watched.append(weakref.ref(p))
+                    total += version
+            self._watched, self._versions = watched, total
+            native = getattr(vt.trace, "native", None) if vt is not None else None
+            self._sum = getattr(native, "versions_sum", None)
+        except Exception:
+            self._watched = []
+            self._failed("taking the parameters' version counters")
+
+    def written_in_place(self) -> bool:
+        """Was a watched parameter written in place (its version counter moved) or freed
+        since `watch_versions`? Then the engine is marked dirty (once per such write)."""
+        watched = self._watched
+        if watched is None:  # the first step: the baseline
+            self.watch_versions()
+            return False
+        if self._total(watched) == self._versions:
+            return False
+        self.mark("in-place write")
+        self._rebase_versions()  # one mark per write, even while no graph is captured
+        return True
+
+    def _total(self, watched: list) -> int:
+        """The sum of the watched parameters' version counters; -1 when one was freed."""
+        total = self._sum(watched) if self._sum is not None else None
+        if total is None:
+            total = 0
+            for ref in watched:
+                p = ref()
+                if p is None:
+                    return -1
+                total += p._version
+        return total
+
+    def _rebase_versions(self) -> None:
+        """A new baseline: the sum again over the same parameters (microseconds), or a walk of
+        the models' parameters (milliseconds on a big model) when one of them was freed."""
+        watched = self._watched
+        total = self._total(watched) if watched else -1
+        if total < 0:
+            self.watch_versions()
+        else:
+            self._versions = total
+
+    def refusal_info(self) -> dict | None:
+        """The standing refusal as plain data (it crosses vLLM's msgpack RPC): message,
+        problems' rows and columns; None when the last check refused nothing."""
+        exc = self.refusal
+        if exc is None or not self.dirty:
+            return None
+        import json
+
+        problems = exc.problems
+        return {"message": str(exc), "columns": list(problems.columns),
+                "rows": json.loads(problems.to_json(orient="values", default_handler=str))}
 
     def _what(self, trigger: str) -> str:
         updates = ", ".join(self.updates) or "no update"
@@ -303,7 +416,7 @@ class ServeGuard:
         return {"pid": os.getpid(), "action": self.action(), "dirty": self.dirty,
                 "updates": list(self.updates), "checks": self.checks, "errors": self.errors,
                 "storages": len(self.guard) if self.guard is not None else 0,
-                "last": self.last, "folder": str(self.folder() or "")}
+                "watched": len(self._watched or ()), "last": self.last, "folder": str(self.folder() or "")}
 
     # -- hook listeners (graphtrace.vllm.hooks events) ---------------------------------------
     def before_update(self, obj, method: str) -> None:
@@ -319,6 +432,7 @@ class ServeGuard:
 _remote = {"on": False}  # the plugin's guard mode in a process without workers (engine core)
 # collective_rpc methods that change no weights (graphtrace's own queries)
 _READ_ONLY = frozenset({"graphtrace_check", "graphtrace_status", "graphtrace_guard_status",
+                        "graphtrace_refusal",
                         "graphtrace_write_report", "graphtrace_capture",
                         "graphtrace_capture_dummy"})
 
@@ -337,7 +451,7 @@ def mark_remote_update(core, method) -> None:
 def before_step(core):
     """Before ``EngineCore.step`` schedules anything: None to go on, or the step's result
     (outputs finishing every unfinished request with an error) to refuse it."""
-    local = [g for g in _guards if g.dirty] if _guards else ()
+    local = [g for g in _guards if g.dirty or _written(g)] if _guards else ()
     pending = core.__dict__.get("_graphtrace_pending", False)
     if not local and not pending:
         return None
@@ -375,6 +489,16 @@ def before_step(core):
     return outputs, False
 
 
+def _written(guard: ServeGuard) -> bool:
+    try:
+        return guard.written_in_place()
+    except Exception:
+        if _strict():
+            raise
+        guard._failed("comparing version counters")
+        return False
+
+
 DRAIN = object()  # before_step's answer while batches are in flight
 
 
@@ -408,16 +532,57 @@ def _refuse(core) -> dict:
             for client, ids in by_client.items()}
 
 
-def after_client_step(llm_engine) -> None:
-    """In-process client (``LLMEngine.step``): raise the refusal of the step just processed,
-    after its error outputs closed the client's requests."""
+def after_client_step(llm_engine, outputs) -> None:
+    """The client's ``LLMEngine.step``, after it processed the step's ``outputs``: raise the
+    refusal of the step (Note [check before serve], 4.). In process, the engine core's; with
+    the engine core in another process, the workers' (asked when a step finished requests
+    with an error), raised once the client has no unfinished request left."""
     client = getattr(llm_engine, "engine_core", None)
     core = getattr(client, "engine_core", None)
-    if core is None or not hasattr(core, "__dict__"):
+    if core is not None and hasattr(core, "__dict__"):  # the engine core in this process
+        refused = core.__dict__.pop("_graphtrace_refused", None)
+        if refused is not None:
+            raise refused
         return
-    refused = core.__dict__.pop("_graphtrace_refused", None)
-    if refused is not None:
-        raise refused
+    if not _remote["on"]:
+        return
+    state = llm_engine.__dict__
+    if "_graphtrace_refused" not in state:
+        if not any(map(_errored, outputs or ())):
+            return
+        refused = _ask_refusal(llm_engine)
+        if refused is None:
+            return
+        state["_graphtrace_refused"] = refused
+    if not llm_engine.has_unfinished_requests():  # every request closed: the engine is clean
+        raise state.pop("_graphtrace_refused")
+
+
+def _errored(output) -> bool:
+    completions = getattr(output, "outputs", None)
+    return bool(getattr(output, "finished", False)) and isinstance(completions, list) and any(
+        getattr(c, "finish_reason", None) == "error" for c in completions)
+
+
+def _ask_refusal(llm_engine):
+    """The workers' standing refusal (``collective_rpc("graphtrace_refusal")``, the normal
+    RPC path) as one `StaleGraphError`, or None (the error was not graphtrace's)."""
+    import pandas as pd
+
+    from graphtrace.guard import StaleGraphError
+
+    try:
+        answers = [a for a in llm_engine.collective_rpc("graphtrace_refusal") if a]
+    except Exception:
+        if _strict():
+            raise
+        logger.exception("graphtrace: asking the workers why a step failed (ignored)")
+        return None
+    if not answers:
+        return None
+    frames = [pd.DataFrame(a["rows"], columns=a["columns"]) for a in answers]
+    problems = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+    return StaleGraphError("\n".join(a["message"] for a in answers), problems)
 
 
 # -- several ranks (Note [one rank raises] in graphtrace/vllm/plugin.py) -----------------------

@@ -15,13 +15,14 @@ remove_weight=True)``), so a bare ``load_weights`` of a ``*_proj.weight`` fails 
 syncs below send the tensors a CPU engine can take (norms, embeddings, lm_head). ``graphtrace_test_mode("copy")`` (the correct kernel) writes the
 new values into the tensor the graphs captured; ``"rebind"`` (the bug) binds a new tensor.
 
-The sequences, as the frameworks run them (read from their sources; see docs/vllm.md, "RL
-frameworks: check before serve"):
+TRL's own code runs; the other frameworks' sequences are replayed as they run them (read from
+their sources; see docs/vllm.md, "RL frameworks: check before serve"):
 
-* TRL 1.16.0 colocate (``trl/generation/vllm_generation.py``, ``VLLMGeneration.sync_weights``,
-  ``mode == "colocate"``): per parameter
+* TRL 1.16.0 colocate, its real code (installed in the vLLM venv):
+  ``trl/generation/vllm_generation.py``, ``VLLMGeneration.sync_weights`` with ``mode ==
+  "colocate"``: per parameter of the trainer's model
   ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(
-  [(name, param)])``, then ``llm.reset_prefix_cache()``: `trl_sync`.
+  [(name, param)])``, then ``llm.reset_prefix_cache()``: `trl_sync` (`trl_generation`).
 * OpenRLHF 0.11.2 (``openrlhf/trainer/ray/vllm_worker_wrap.py``, ``WorkerWrap.update_weight``): per
   parameter ``collective_rpc("update_weight", ...)``, each loading one tensor with
   ``self.model_runner.model.load_weights(weights=[(name, weight)])``: `update_weight`.
@@ -144,15 +145,52 @@ class ServeTestExtension:
         return len(buckets)
 
 
+def trainer_model(folder: str) -> torch.nn.Module:
+    """The trainer's Hugging Face model with the weights of ``folder``, as TRL holds it
+    (``transformers.LlamaForCausalLM``), its ``*_proj`` linear weights left out: a CPU
+    engine cannot take them by ``load_weights`` (above), and TRL pushes every parameter of
+    ``named_parameters()``."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for name, module in model.named_modules():
+        if name.endswith("_proj"):
+            del module.weight  # unregistered: named_parameters() no longer yields it
+    return model
+
+
+def trl_generation(llm, folder: str):
+    """TRL 1.16.0's own ``VLLMGeneration`` (``trl/generation/vllm_generation.py``), colocate
+    mode, owning ``llm``. Its ``__init__`` would build the ``LLM`` itself (``_init_vllm``: TRL's
+    GPU settings, ``distributed_executor_backend="external_launcher"``, no worker extension
+    for the injected holder); the object is made without it, holding what ``sync_weights``
+    reads: ``model``, ``accelerator`` (a real ``accelerate.Accelerator`` on CPU), ``_dist``
+    (TRL's ``DistributedBackend``), ``mode``, ``enable_sleep_mode``, ``llm``."""
+    from accelerate import Accelerator
+    from trl.distributed import DistributedBackend
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    gen = llm.__dict__.get("_graphtrace_test_trl")
+    if gen is None:
+        gen = VLLMGeneration.__new__(VLLMGeneration)
+        gen.accelerator = Accelerator(cpu=True)
+        gen._dist = DistributedBackend(gen.accelerator)
+        gen.mode = "colocate"
+        gen.enable_sleep_mode = False
+        gen.llm = llm
+        llm.__dict__["_graphtrace_test_trl"] = gen
+    gen.model = trainer_model(folder)  # a training step changed the trainer's weights
+    return gen
+
+
 def trl_sync(llm, folder: str) -> int:
-    """TRL colocate: the client calls the worker model's ``load_weights`` once per tensor."""
-    model = llm.llm_engine.model_executor.driver_worker.model_runner.model  # TRL's very path
-    n = 0
-    for name, tensor in _checkpoint(folder).items():
-        model.load_weights([(name, tensor)])
-        n += 1
-    llm.reset_prefix_cache()
-    return n
+    """TRL's real colocate sync: ``VLLMGeneration.sync_weights()`` (its
+    ``_iter_named_params``, one ``load_weights([(name, param)])`` per parameter on
+    ``llm.llm_engine.model_executor.driver_worker.model_runner.model``, then
+    ``llm.reset_prefix_cache()``)."""
+    gen = trl_generation(llm, folder)
+    gen.sync_weights()
+    return sum(1 for _ in gen.model.named_parameters())
 
 
 def openrlhf_sync(llm, folder: str) -> int:
@@ -168,10 +206,29 @@ def verl_sync(llm, folder: str) -> int:
     return llm.collective_rpc("update_weights_from_ipc", kwargs={"folder": folder})[0]
 
 
+def inplace_sync(llm, folder: str) -> int:
+    """A client's own sync in one process, through no hooked entry point: each loadable tensor
+    written in place into the worker model's parameter (``p.copy_``, under no_grad), then its
+    own weight processing derives the holder again (`_derive`: a new tensor under "rebind").
+    Only the parameters' version counters see it (Note [in-place writes] in
+    graphtrace/vllm/serve.py)."""
+    worker = llm.llm_engine.model_executor.driver_worker
+    params = dict(worker.model_runner.model.named_parameters())
+    n = 0
+    with torch.no_grad():
+        for name, tensor in _checkpoint(folder).items():
+            if name in params:
+                params[name].copy_(tensor)
+                n += 1
+    _derive(_layer(worker))
+    return n
+
+
 def reload_sync(llm, folder: str) -> int:
     """vLLM's own ``reload_weights`` (a whole update: checked when it returns)."""
     llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
     return 1
 
 
-SYNCS = {"trl": trl_sync, "openrlhf": openrlhf_sync, "verl": verl_sync, "reload": reload_sync}
+SYNCS = {"trl": trl_sync, "openrlhf": openrlhf_sync, "verl": verl_sync, "inplace": inplace_sync,
+         "reload": reload_sync}

@@ -36,7 +36,7 @@ def main() -> None:
     def gen():
         outs = llm.generate([{"prompt_token_ids": p} for p in tiny.PROMPTS], sp, use_tqdm=False)
         reasons = {o.outputs[0].finish_reason for o in outs}
-        if "error" in reasons:  # a refused step, seen by a client in another process
+        if "error" in reasons:  # a refused step the client did not raise (the old client side)
             raise RuntimeError(f"finish_reason error: {sorted(map(str, reasons))}")
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -49,7 +49,9 @@ def main() -> None:
         try:
             return {"ok": True, "value": fn(*args)}
         except Exception as exc:
+            problems = getattr(exc, "problems", None)
             return {"ok": False, "type": type(exc).__name__, "message": str(exc)[:3000],
+                    "owners": sorted(set(problems["owners"])) if problems is not None else None,
                     "context": type(exc.__context__).__name__ if exc.__context__ else None,
                     "traceback": traceback.format_exc()[-2000:]}
 
