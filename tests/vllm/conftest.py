@@ -8,7 +8,10 @@ Run: .venv-vllm/bin/python -m pytest tests/vllm -q
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -87,3 +90,23 @@ def tiny_gptq_dir(tmp_path_factory):
     from graphtrace.vllm import tiny
 
     return tiny.make_tiny_gptq(tmp_path_factory.mktemp("tiny-gptq"), seed=0)
+
+
+def _run_result_script(script: str, *args, env: dict, timeout: int) -> dict:
+    """Run `tests/vllm/<script>` in a fresh Python with `env`; return the JSON of its last
+    `GRAPHTRACE_RESULT <json>` line, failing with the tails of its output when it exits
+    non-zero or prints none (an engine's own log is what explains a failure there)."""
+    proc = subprocess.run([sys.executable, str(HERE / script), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GRAPHTRACE_RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"{script}: rc={proc.returncode}\nstdout tail:\n{proc.stdout[-3000:]}\n"
+        f"stderr tail:\n{proc.stderr[-8000:]}")
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+@pytest.fixture(scope="session")
+def run_result_script():
+    """`run_result_script(script, *args, env=..., timeout=...)`: an engine script run in a
+    process of its own (tests/vllm/*_run.py), its GRAPHTRACE_RESULT line parsed."""
+    return _run_result_script

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +31,8 @@ def changed_llama(tiny_llama_dir, tmp_path_factory):
     return tiny.write_changed_checkpoint(tiny_llama_dir, tmp_path_factory.mktemp("changed"))
 
 
-def _run(model_dir, changed, tmp_path: Path, mode: str, paths: str, timeout: int = 600):
+def _run(run_result_script, model_dir, changed, tmp_path: Path, mode: str, paths: str,
+         timeout: int = 600):
     from graphtrace.vllm import tiny
 
     env = dict(os.environ)
@@ -45,14 +44,8 @@ def _run(model_dir, changed, tmp_path: Path, mode: str, paths: str, timeout: int
         env["GRAPHTRACE_VLLM"] = "guard"
     else:
         env.pop("GRAPHTRACE_VLLM", None)
-    proc = subprocess.run([sys.executable, str(HERE / "serve_run.py"), str(model_dir),
-                           str(changed), mode, paths], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GRAPHTRACE_RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"rc={proc.returncode}\nstdout tail:\n{proc.stdout[-3000:]}\n"
-        f"stderr tail:\n{proc.stderr[-8000:]}")
-    return json.loads(lines[-1].split(" ", 1)[1])
+    return run_result_script("serve_run.py", model_dir, changed, mode, paths, env=env,
+                             timeout=timeout)
 
 
 def _assert_client_path(r: dict, path: str, in_process: bool) -> None:
@@ -114,9 +107,11 @@ def _need_trl() -> None:
 
 
 @pytest.mark.parametrize("mode", ["trace_llm", "plugin"])
-def test_client_paths_in_one_process(tiny_llama_dir, changed_llama, tmp_path, mode):
+def test_client_paths_in_one_process(tiny_llama_dir, changed_llama, tmp_path, mode,
+                                     run_result_script):
     _need_trl()
-    result = _run(tiny_llama_dir, changed_llama, tmp_path, mode, ",".join(CLIENT_PATHS) + ",reload")
+    result = _run(run_result_script, tiny_llama_dir, changed_llama, tmp_path, mode,
+                  ",".join(CLIENT_PATHS) + ",reload")
     assert result["holder"] == HOLDER
     for path in CLIENT_PATHS:
         _assert_client_path(result["paths"][path], path, in_process=True)
@@ -140,11 +135,13 @@ def test_client_paths_in_one_process(tiny_llama_dir, changed_llama, tmp_path, mo
         assert any(c["trigger"] == "graphtrace_check" for c in checks)
 
 
-def test_client_paths_engine_core_in_another_process(tiny_llama_dir, changed_llama, tmp_path):
+def test_client_paths_engine_core_in_another_process(tiny_llama_dir, changed_llama, tmp_path,
+                                                     run_result_script):
     """Multiprocessing on (the TRL and in-place paths need the worker in the client's
     process): a refused step's requests finish with an error in the engine core, and the
     client's ``llm.generate`` raises the workers' `StaleGraphError`, naming the holder."""
-    result = _run(tiny_llama_dir, changed_llama, tmp_path, "plugin_mp", "openrlhf,verl")
+    result = _run(run_result_script, tiny_llama_dir, changed_llama, tmp_path, "plugin_mp",
+                  "openrlhf,verl")
     for path in ("openrlhf", "verl"):
         r = result["paths"][path]
         _assert_client_path(r, path, in_process=False)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +30,7 @@ def changed_gptq(tiny_gptq_dir, tmp_path_factory):
     return tiny.write_changed_checkpoint(tiny_gptq_dir, tmp_path_factory.mktemp("gptq-changed"))
 
 
-def _run(model_dir, changed, out: Path, cache: Path, *, tp: int, backend: str,
+def _run(run_result_script, model_dir, changed, out: Path, cache: Path, *, tp: int, backend: str,
          one_process: bool = False, timeout: int = 480):
     from graphtrace.vllm import tiny
 
@@ -47,14 +45,8 @@ def _run(model_dir, changed, out: Path, cache: Path, *, tp: int, backend: str,
         # bind each rank to its own core by hand
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1))
                                                     for i in range(tp))
-    proc = subprocess.run([sys.executable, str(HERE / "guard_run.py"), str(model_dir),
-                           str(changed), str(tp), backend], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GRAPHTRACE_RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"rc={proc.returncode}\nstdout tail:\n{proc.stdout[-3000:]}\n"
-        f"stderr tail:\n{proc.stderr[-8000:]}")
-    return json.loads(lines[-1].split(" ", 1)[1])
+    return run_result_script("guard_run.py", model_dir, changed, tp, backend, env=env,
+                             timeout=timeout)
 
 
 def _checks(out: Path, rank: int) -> list[dict]:
@@ -116,9 +108,9 @@ def _assert_reports(result: dict, ranks: int) -> None:
         assert set(rep.stale["owners"].astype(str)) == {HOLDER}
 
 
-def test_guard_in_one_process(tiny_gptq_dir, changed_gptq, tmp_path):
+def test_guard_in_one_process(tiny_gptq_dir, changed_gptq, tmp_path, run_result_script):
     out = tmp_path / "out"
-    result = _run(tiny_gptq_dir, changed_gptq, out, tmp_path / "cache", tp=1,
+    result = _run(run_result_script, tiny_gptq_dir, changed_gptq, out, tmp_path / "cache", tp=1,
                   backend="default", one_process=True)
     assert {s["pid"] for s in result["status_bad"]} == {result["main_pid"]}
     _assert_guarded_run(result, out, ranks=1)
@@ -137,9 +129,10 @@ def test_guard_in_one_process(tiny_gptq_dir, changed_gptq, tmp_path):
     assert result["rpc_status"][0]["graphs"][-1] == "dummy_decode"
 
 
-def test_guard_two_ranks_multiprocessing(tiny_gptq_dir, changed_gptq, tmp_path):
+def test_guard_two_ranks_multiprocessing(tiny_gptq_dir, changed_gptq, tmp_path, run_result_script):
     out = tmp_path / "out"
-    result = _run(tiny_gptq_dir, changed_gptq, out, tmp_path / "cache", tp=2, backend="mp")
+    result = _run(run_result_script, tiny_gptq_dir, changed_gptq, out, tmp_path / "cache", tp=2,
+                  backend="mp")
     assert len({s["pid"] for s in result["status_bad"]}) == 2
     assert result["main_pid"] not in {s["pid"] for s in result["status_bad"]}
     _assert_guarded_run(result, out, ranks=2)
@@ -152,7 +145,7 @@ def test_guard_two_ranks_multiprocessing(tiny_gptq_dir, changed_gptq, tmp_path):
 RAY_UNSUPPORTED = "current platform cpu does not support ray"
 
 
-def test_guard_two_ranks_ray(tiny_gptq_dir, changed_gptq, tmp_path):
+def test_guard_two_ranks_ray(tiny_gptq_dir, changed_gptq, tmp_path, run_result_script):
     """distributed_executor_backend="ray" with a local cluster the run starts and stops.
 
     vLLM 0.32's CPU platform has no Ray device key (``CpuPlatform.ray_device_key == ""``):
@@ -164,7 +157,8 @@ def test_guard_two_ranks_ray(tiny_gptq_dir, changed_gptq, tmp_path):
     pytest.importorskip("ray", reason="Ray is not installed (make .venv-vllm installs it)")
     out = tmp_path / "out"
     try:
-        result = _run(tiny_gptq_dir, changed_gptq, out, tmp_path / "cache", tp=2, backend="ray")
+        result = _run(run_result_script, tiny_gptq_dir, changed_gptq, out, tmp_path / "cache",
+                      tp=2, backend="ray")
     except AssertionError as exc:
         if RAY_UNSUPPORTED in str(exc):
             pytest.skip(f"vLLM 0.32 on CPU: ValueError: {RAY_UNSUPPORTED}. "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -62,7 +61,7 @@ def test_a_sigterm_wakes_the_engine_core_loop():
 
 
 @pytest.fixture(scope="module")
-def plugin_run(tiny_llama_dir, tmp_path_factory):
+def plugin_run(tiny_llama_dir, tmp_path_factory, run_result_script):
     from graphtrace.vllm import tiny
 
     changed = tiny.write_changed_checkpoint(tiny_llama_dir, tmp_path_factory.mktemp("changed"))
@@ -70,13 +69,8 @@ def plugin_run(tiny_llama_dir, tmp_path_factory):
     env = dict(os.environ)
     env.update(tiny.engine_env(str(tmp_path_factory.mktemp("vllm-cache")), multiprocessing=True))
     env.update(GRAPHTRACE_VLLM="1", GRAPHTRACE_VLLM_DIR=str(out), GRAPHTRACE_STRICT="1")
-    proc = subprocess.run([sys.executable, str(HERE / "plugin_run.py"), str(tiny_llama_dir),
-                           str(changed), str(out)], env=env, capture_output=True, text=True,
-                          timeout=420)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GRAPHTRACE_RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"rc={proc.returncode}\nstdout tail:\n{proc.stdout[-3000:]}\nstderr tail:\n{proc.stderr[-6000:]}")
-    return json.loads(lines[-1].split(" ", 1)[1]), out
+    return run_result_script("plugin_run.py", tiny_llama_dir, changed, out, env=env,
+                             timeout=420), out
 
 
 def test_worker_process_traces_and_writes_reports(plugin_run):
