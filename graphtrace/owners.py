@@ -645,16 +645,20 @@ class PathSet:
             append(got)
         return [o if isinstance(o, _REACHED) else None for o in map(objs.__getitem__, self._leaves)]
 
-    def moved(self, model: nn.Module, expected: Sequence[int], native=None) -> bool:
+    def moved(self, model: nn.Module, expected: Sequence[int], native=None,
+              versions: Sequence[int | None] | None = None) -> bool:
         """Does any path now reach a storage other than `expected` (the StorageImpl address
-        each reached before), or none? With the native module (`graphtrace.native`), the
-        common steps (registries, `__dict__`, getattr, dict keys, list indices) are followed
-        in C++, and the paths it leaves undecided here."""
+        each reached before), or none? With `versions` (per path a version counter, or None),
+        a tensor whose version counter differs counts as moved too. With the native module
+        (`graphtrace.native`), the common steps (registries, `__dict__`, getattr, dict keys,
+        list indices) are followed in C++, and the paths it leaves undecided here."""
         undecided: Sequence[int] = range(len(self.paths))
         if native is not None:
+            extra = () if versions is None else (
+                versions if type(versions) is list else list(versions),)
             got = native.paths_moved(model, nn.Module, nn.Parameter, self._native_nodes,
                                      self._leaves, expected if type(expected) is list
-                                     else list(expected))
+                                     else list(expected), *extra)
             if got is True:
                 return True
             undecided = got
@@ -668,6 +672,9 @@ class PathSet:
         for i, tensor in zip(undecided, tensors):
             try:
                 if tensor is None or storage_of(tensor)._cdata != expected[i]:
+                    return True
+                if versions is not None and versions[i] is not None \
+                        and tensor._version != versions[i]:
                     return True
             except Exception:
                 return True
