@@ -405,6 +405,30 @@ def test_moved_agrees_with_resolving_every_path(mutation):
             lib.paths_moved(model, nn.Module, nn.Parameter, [], [0], [])
 
 
+def test_a_grown_path_set_answers_as_one_made_at_once():
+    """PathSet.add (the owner snapshot grows its set as captures match new paths, instead of
+    parsing every path again): resolve and moved answer as for a set made from all the
+    paths, in the order added, repeats kept; `in` tells which paths it holds."""
+    from graphtrace import native
+
+    lib = native.load(required=False)
+    model = Model()
+    paths = [p for p, _, _ in owners(model)]
+    grown = PathSet(paths[:2])
+    grown.add(paths[2:])
+    grown.add(paths[:1])  # a repeat: one more answer, as the list says
+    whole = PathSet(paths + paths[:1])
+    assert grown.paths == whole.paths and len(grown) == len(paths) + 1
+    assert paths[-1] in grown and "no.such.path" not in grown
+    assert [id(t) for t in grown.resolve(model)] == [id(t) for t in whole.resolve(model)]
+    before = [resolve_path(model, p).untyped_storage()._cdata for p in grown.paths]
+    for lib_or_none in (None, lib) if lib is not None else (None,):
+        assert not grown.moved(model, before, lib_or_none)
+    model.block.linear.weight = nn.Parameter(torch.zeros(4, 4))
+    for lib_or_none in (None, lib) if lib is not None else (None,):
+        assert grown.moved(model, before, lib_or_none) and whole.moved(model, before, lib_or_none)
+
+
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_moved_with_versions_also_compares_version_counters(mutation):
     """PathSet.moved(..., versions=): a path reaching the same storage through a tensor whose
