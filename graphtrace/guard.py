@@ -86,6 +86,9 @@ _PROCESS = f"{os.getpid()}:{id(object()):x}:{_dt.datetime.now().timestamp()}"
 # old storage's liveness is unknown, so a moved owner reads `stale` (never `dangling`).
 
 
+_NO_CLEAN_PASS = object()  # Note [guard freshness fast path]: no clean pass yet
+
+
 class StaleGraphError(GraphtraceError):
     """A weight update left captured graphs reading storages their owners no longer hold.
 
@@ -150,6 +153,11 @@ class Guard:
         self._lineage = weakref.ref(lineage) if lineage is not None else None
         self._fresh_paths: dict | None = None  # model -> (paths, PathSet), made on first use
         self._fresh_impacts: dict[int, str] = {}  # the last check's unrefreshed -> impact
+        # Note [guard freshness fast path]: the lineage clock of the last freshness pass that
+        # found nothing (_NO_CLEAN_PASS: none yet), and per model the sources' PathSet with
+        # their StorageImpls and version counters (None: to be made; False: cannot be)
+        self._fresh_clean: object = _NO_CLEAN_PASS
+        self._fresh_sources: dict | bool | None = None
         self._owner_views: list[View | None] = [
             (s.get("owner_views") or {}).get((m, p)) for s in storages for m, p, _ in s["owners"]]
         # per model: its owner paths resolved together, and the owner rows they answer
@@ -222,6 +230,7 @@ class Guard:
                     versions[(m, p)] = tensor._version if isinstance(tensor, torch.Tensor) \
                         else None
             self._derived[i] = d._replace(sources=tuple(sources), owner_versions=versions)
+        self._fresh_sources = None  # the fast path's baselines, made again (Note above)
 
     def _live_models(self) -> dict[str, torch.nn.Module]:
         live = {}
@@ -320,10 +329,75 @@ class Guard:
     # `unrefreshed`. Only where every source still has its storage (a rebound source keeps
     # its baseline); a guard read from JSON rebaselines its version counters alike.
 
+    # Note [guard freshness fast path]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Freshness asks of every derived storage whether a source changed since it was last
+    # written; in Python that is a walk of every source path per check (3x an identity-only
+    # check on bench_guard's 80 layers). When the last freshness pass found nothing, the
+    # answer can only change if a source's path now reaches another storage or a tensor with
+    # another version counter than its baseline (what freshness_of compares), or lineage
+    # recorded a write since (its clock moved: a rewrite of a derived storage or a source).
+    # So a check first asks the native `paths_moved` over the sources' paths, with their
+    # StorageImpls and version counters, and compares lineage's clock with that pass's; only
+    # when something differs (or cannot be decided: no native module, a source known by
+    # address only, two baselines for one path, a derived storage already stale at its
+    # capture) does the full pass run. A rebaseline makes the source baselines afresh.
+
+    def _sources_unchanged(self, models: Mapping[str, torch.nn.Module]) -> bool:
+        """Note [guard freshness fast path]: True when the last freshness pass found nothing
+        and provably nothing it compares changed since."""
+        native = self._native
+        if native is None or self._fresh_clean is _NO_CLEAN_PASS:
+            return False
+        lineage = self._lineage() if self._lineage is not None else None
+        if (lineage.clock if lineage is not None else None) != self._fresh_clean:
+            return False
+        sources = self._fresh_sources
+        if sources is None:
+            sources = self._fresh_sources = self._source_baselines()
+        if sources is False:
+            return False
+        try:
+            return not any(name not in models
+                           or paths.moved(models[name], expected, native, versions)
+                           for name, (paths, expected, versions) in sources.items())
+        except Exception:  # the full pass decides
+            return False
+
+    def _source_baselines(self) -> dict | bool:
+        """Per model: (PathSet of the sources' paths, their StorageImpls, their versions),
+        or False when a source cannot be compared that way."""
+        want: dict[tuple[str, str], tuple[int, int]] = {}
+        for d in self._derived.values():
+            if d.stale:
+                return False
+            for src in d.sources:
+                if src.ref is None or src.version is None:
+                    return False
+                key, base = (src.model, src.path), (src.ref.cdata, src.version)
+                if want.setdefault(key, base) != base:
+                    return False
+        by_model: dict[str, list[str]] = {}
+        for m, p in sorted(want):
+            by_model.setdefault(m, []).append(p)
+        return {m: (PathSet(ps), [want[(m, p)][0] for p in ps], [want[(m, p)][1] for p in ps])
+                for m, ps in by_model.items()}
+
     def _unrefreshed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> set[int]:
         """The derived storages whose owners all hold them (or that have none) and whose
         sources changed since they were last written (the verdict engine's freshness_of:
         version counters and storage identity only)."""
+        if self._sources_unchanged(models):  # Note [guard freshness fast path]
+            self._fresh_impacts = {}
+            return set()
+        out = self._unrefreshed_pass(models, bad)
+        lineage = self._lineage() if self._lineage is not None else None
+        self._fresh_clean = _NO_CLEAN_PASS if out else (
+            lineage.clock if lineage is not None else None)
+        return out
+
+    def _unrefreshed_pass(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> set[int]:
+        """The full freshness pass of `_unrefreshed`: every derived storage, in Python."""
         if self._fresh_paths is None:  # the sources' paths, resolved together
             by_model: dict[str, set] = {}
             for d in self._derived.values():
@@ -398,6 +472,7 @@ class Guard:
             t = resolve(m, p)
             versions[(m, p)] = t._version if isinstance(t, torch.Tensor) else v
         self._derived[i] = d._replace(sources=tuple(sources), owner_versions=versions)
+        self._fresh_sources = None  # the fast path's baselines, made again (Note above)
 
     def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list,
                   tensors: list, unrefreshed: set[int] = frozenset(),

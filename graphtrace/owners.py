@@ -594,29 +594,41 @@ class PathSet:
     `resolve_path` gives for each path, for less than half the steps on a model's
     parameter names (`layers.3.mlp.up_proj.weight` and `.bias` share five steps)."""
 
-    __slots__ = ("paths", "_nodes", "_leaves", "_registry", "_native_nodes")
+    __slots__ = ("paths", "_nodes", "_leaves", "_registry", "_native_nodes", "_index", "_known")
 
-    def __init__(self, paths: Iterable[str]):
-        self.paths = list(paths)
-        nodes: list[tuple[int, bool, object]] = []  # (parent node or -1, is_key, step)
-        index: dict[tuple, int] = {}
-        leaves = []
-        for path in self.paths:
+    def __init__(self, paths: Iterable[str] = ()):
+        self.paths: list[str] = []
+        self._nodes: list[tuple[int, bool, object]] = []  # (parent node or -1, is_key, step)
+        self._index: dict[tuple, int] = {}
+        self._leaves: list[int] = []
+        # per node: the nn.Module registry (`_parameters`, ...) its step was last found in
+        self._registry: list[str | None] = []
+        # the nodes as native `paths_moved` reads them
+        self._native_nodes: list[tuple[int, object, bool]] = []
+        self._known: set[str] = set()
+        self.add(paths)
+
+    def add(self, paths: Iterable[str]) -> None:
+        """Append paths after the others, in order, repeats kept (a shared prefix reuses
+        the nodes already made): a set that grows is not parsed again."""
+        nodes, index, known = self._nodes, self._index, self._known
+        for path in paths:
             parent = -1
             for is_key, step in _parse(path):
                 key = (parent, is_key, type(step), step)  # [1] and [True] are two steps
                 node = index.get(key)
-                if node is None:
+                if node is None:  # a parent always comes before its children
                     node = index[key] = len(nodes)
                     nodes.append((parent, is_key, step))
+                    self._registry.append(None)
+                    self._native_nodes.append((parent, step, is_key))
                 parent = node
-            leaves.append(parent)
-        self._nodes = nodes  # a parent always comes before its children
-        self._leaves = leaves
-        # per node: the nn.Module registry (`_parameters`, ...) its step was last found in
-        self._registry: list[str | None] = [None] * len(nodes)
-        # the nodes as native `paths_moved` reads them
-        self._native_nodes = [(parent, step, is_key) for parent, is_key, step in nodes]
+            self._leaves.append(parent)
+            self.paths.append(path)
+            known.add(path)
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._known
 
     def resolve(self, model: nn.Module) -> list[torch.Tensor | None]:
         """`[resolve_path(model, p) for p in self.paths]`."""
@@ -645,16 +657,20 @@ class PathSet:
             append(got)
         return [o if isinstance(o, _REACHED) else None for o in map(objs.__getitem__, self._leaves)]
 
-    def moved(self, model: nn.Module, expected: Sequence[int], native=None) -> bool:
+    def moved(self, model: nn.Module, expected: Sequence[int], native=None,
+              versions: Sequence[int | None] | None = None) -> bool:
         """Does any path now reach a storage other than `expected` (the StorageImpl address
-        each reached before), or none? With the native module (`graphtrace.native`), the
-        common steps (registries, `__dict__`, getattr, dict keys, list indices) are followed
-        in C++, and the paths it leaves undecided here."""
+        each reached before), or none? With `versions` (per path a version counter, or None),
+        a tensor whose version counter differs counts as moved too. With the native module
+        (`graphtrace.native`), the common steps (registries, `__dict__`, getattr, dict keys,
+        list indices) are followed in C++, and the paths it leaves undecided here."""
         undecided: Sequence[int] = range(len(self.paths))
         if native is not None:
+            extra = () if versions is None else (
+                versions if type(versions) is list else list(versions),)
             got = native.paths_moved(model, nn.Module, nn.Parameter, self._native_nodes,
                                      self._leaves, expected if type(expected) is list
-                                     else list(expected))
+                                     else list(expected), *extra)
             if got is True:
                 return True
             undecided = got
@@ -668,6 +684,9 @@ class PathSet:
         for i, tensor in zip(undecided, tensors):
             try:
                 if tensor is None or storage_of(tensor)._cdata != expected[i]:
+                    return True
+                if versions is not None and versions[i] is not None \
+                        and tensor._version != versions[i]:
                     return True
             except Exception:
                 return True
@@ -793,15 +812,22 @@ class OwnerSnapshot:
     def _matched_paths(self, name: str) -> list:
         """[the paths of `name`'s cached walk matched to captured storages, their PathSet, the
         storage each reached at walk time, how many paths were matched then], kept with the
-        walk until more paths are matched (building a PathSet costs as much as resolving
-        it; the matched paths only grow); made when the walk is."""
+        walk and grown when more paths are matched (building a PathSet costs as much as
+        resolving it; the matched paths only grow, and a capture that reads new storages,
+        such as a per-batch-size cache, matches new ones); made when the walk is."""
         walk = self._walks[name]
         matched = self._matched.get(name, ())
         check = walk[3]
         if check[0] is None or check[3] != len(matched):
             expected = walk[2]  # path -> the storage it reached at walk time
-            paths = sorted(path for path in matched if path in expected)
-            check[:] = [paths, PathSet(paths), [expected[path] for path in paths], len(matched)]
+            if check[0] is None:
+                path_set = PathSet()
+                check[:] = [path_set.paths, path_set, [], 0]
+            path_set = check[1]  # grown, not made again: captures that match new paths
+            new = sorted(p for p in matched if p in expected and p not in path_set)
+            path_set.add(new)
+            check[2].extend(expected[p] for p in new)
+            check[3] = len(matched)
         return check
 
     def _walk(self, name: str, model: nn.Module, cut: list) -> dict[int, list]:

@@ -383,3 +383,42 @@ def test_the_guard_finds_a_second_update_without_recompute_after_a_clean_one():
     assert set(problems["verdict"]) == {"unrefreshed"}, problems
     assert set(problems["derived_from"]) == {"layers.0.A_log", "layers.1.A_log"}
     del g
+
+
+def test_clean_checks_skip_the_freshness_pass_until_a_source_changes(monkeypatch):
+    """Note [guard freshness fast path] in graphtrace/guard.py: after a clean check, a check
+    asks C++ whether a source path reaches another storage or version counter (and whether
+    lineage recorded since) before walking every derived storage in Python; a source changed
+    in place, a rebound source and a write lineage records are still found."""
+    from graphtrace import guard as guard_module
+    from graphtrace import native
+
+    if native.load() is None:
+        pytest.skip("the native module does not build here")
+    model = _model()
+    t, keep = _capture(model)
+    guard = t.guard()
+    assert guard.check().empty
+    full_passes = []
+    real = guard_module.freshness_of
+
+    def counted(*args, **kwargs):
+        full_passes.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(guard_module, "freshness_of", counted)
+    assert guard.check().empty and guard.check().empty
+    assert not full_passes, "a clean check after a clean one walked every derived storage"
+    model.refit(model.checkpoint(1))  # in place, no recompute: versions move
+    assert set(guard.check()["verdict"]) == {"unrefreshed"}
+    assert full_passes
+    # rebound: a new tensor with the same values at the source's path
+    model = _model()
+    t, keep = _capture(model)
+    guard = t.guard()
+    assert guard.check().empty and guard.check().empty
+    layer = model.layers[0]
+    layer.A_log = nn.Parameter(layer.A_log.detach().clone() + 1)
+    problems = guard.check()
+    assert set(problems["verdict"]) == {"unrefreshed"}
+    assert set(problems["derived_from"]) == {"layers.0.A_log"}
+    del keep

@@ -405,6 +405,64 @@ def test_moved_agrees_with_resolving_every_path(mutation):
             lib.paths_moved(model, nn.Module, nn.Parameter, [], [0], [])
 
 
+def test_a_grown_path_set_answers_as_one_made_at_once():
+    """PathSet.add (the owner snapshot grows its set as captures match new paths, instead of
+    parsing every path again): resolve and moved answer as for a set made from all the
+    paths, in the order added, repeats kept; `in` tells which paths it holds."""
+    from graphtrace import native
+
+    lib = native.load(required=False)
+    model = Model()
+    paths = [p for p, _, _ in owners(model)]
+    grown = PathSet(paths[:2])
+    grown.add(paths[2:])
+    grown.add(paths[:1])  # a repeat: one more answer, as the list says
+    whole = PathSet(paths + paths[:1])
+    assert grown.paths == whole.paths and len(grown) == len(paths) + 1
+    assert paths[-1] in grown and "no.such.path" not in grown
+    assert [id(t) for t in grown.resolve(model)] == [id(t) for t in whole.resolve(model)]
+    before = [resolve_path(model, p).untyped_storage()._cdata for p in grown.paths]
+    for lib_or_none in (None, lib) if lib is not None else (None,):
+        assert not grown.moved(model, before, lib_or_none)
+    model.block.linear.weight = nn.Parameter(torch.zeros(4, 4))
+    for lib_or_none in (None, lib) if lib is not None else (None,):
+        assert grown.moved(model, before, lib_or_none) and whole.moved(model, before, lib_or_none)
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_moved_with_versions_also_compares_version_counters(mutation):
+    """PathSet.moved(..., versions=): a path reaching the same storage through a tensor whose
+    version counter differs counts as moved too (the guard's freshness fast path), the same
+    with and without native; None in `versions` leaves that path's counter uncompared."""
+    from graphtrace import native
+
+    lib = native.load(required=False)
+    model = Model()
+    model.block.t = dict(model.block.t)
+    paths = [p for p, _, _ in owners(model)]
+    before = [resolve_path(model, p).untyped_storage()._cdata for p in paths]
+    versions = [resolve_path(model, p)._version for p in paths]
+    MUTATIONS[mutation](model)
+    now = [resolve_path(model, p) for p in paths]
+    want = any(t is None or t.untyped_storage()._cdata != c or t._version != v
+               for t, c, v in zip(now, before, versions))
+    # `.data.copy_` writes through a tensor with a counter of its own: no version moves
+    assert want == (mutation not in ("nothing", "copy_ in place",
+                                     "same tensor, now a plain attribute"))
+    libs = (None, lib) if lib is not None else (None,)
+    for lib_or_none in libs:
+        assert PathSet(paths).moved(model, before, lib_or_none, versions) == want
+    if not want:  # an in-place write through the parameter itself moves its counter only
+        with torch.no_grad():
+            model.block.linear.weight.add_(1)
+        for lib_or_none in libs:
+            assert PathSet(paths).moved(model, before, lib_or_none, versions)
+            assert not PathSet(paths).moved(model, before, lib_or_none, [None] * len(paths))
+    if lib is not None:
+        with pytest.raises(TypeError, match="paths_moved"):
+            lib.paths_moved(model, nn.Module, nn.Parameter, [], [], [], [0])
+
+
 # --------------------------------------------------------------------------- opaque handles
 
 def _prepacked(seed: int) -> torch.ScriptObject:

@@ -1248,13 +1248,20 @@ PyObject* native_dispatch(PyObject*, PyObject* const* a, Py_ssize_t n) {
 // address each reached. Returns True when a decided leaf now reaches another storage (or
 // none), else the list of undecided path positions.
 PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 6 || !PyType_Check(a[1]) || !PyType_Check(a[2]) || !PyList_Check(a[3]) ||
+  // an optional 7th argument `versions`: per leaf the version counter the tensor it reaches
+  // must have (None: not compared); a different one counts as moved (graphtrace/guard.py,
+  // Note [guard freshness fast path])
+  if ((n != 6 && n != 7) || !PyType_Check(a[1]) || !PyType_Check(a[2]) || !PyList_Check(a[3]) ||
       !PyList_Check(a[4]) || !PyList_Check(a[5]) ||
-      PyList_GET_SIZE(a[4]) != PyList_GET_SIZE(a[5])) {
+      PyList_GET_SIZE(a[4]) != PyList_GET_SIZE(a[5]) ||
+      (n == 7 && a[6] != Py_None &&
+       (!PyList_Check(a[6]) || PyList_GET_SIZE(a[6]) != PyList_GET_SIZE(a[4])))) {
     PyErr_SetString(PyExc_TypeError,
-                    "paths_moved(model, module_type, parameter_type, nodes, leaves, expected)");
+                    "paths_moved(model, module_type, parameter_type, nodes, leaves, expected"
+                    "[, versions])");
     return nullptr;
   }
+  PyObject* versions = n == 7 && a[6] != Py_None ? a[6] : nullptr;
   static PyObject* registries[3] = {PyUnicode_InternFromString("_parameters"),
                                     PyUnicode_InternFromString("_buffers"),
                                     PyUnicode_InternFromString("_modules")};
@@ -1353,6 +1360,28 @@ PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
       Py_DECREF(undecided);
       Py_RETURN_TRUE;
     }
+    PyObject* version = versions == nullptr ? Py_None : PyList_GET_ITEM(versions, j);
+    if (version != Py_None) {
+      if (t.is_inference()) {  // no version counter: Python decides
+        PyObject* index = PyLong_FromSsize_t(j);
+        if (index == nullptr || PyList_Append(undecided, index) < 0) {
+          Py_XDECREF(index);
+          Py_DECREF(undecided);
+          return nullptr;
+        }
+        Py_DECREF(index);
+        continue;
+      }
+      const long long v = PyLong_AsLongLong(version);
+      if (v == -1 && PyErr_Occurred()) {
+        Py_DECREF(undecided);
+        return nullptr;
+      }
+      if (static_cast<long long>(t._version()) != v) {
+        Py_DECREF(undecided);
+        Py_RETURN_TRUE;
+      }
+    }
   }
   return undecided;
 }
@@ -1388,8 +1417,8 @@ PyMethodDef module_methods[] = {
      "configure(cls): the class whose exact instances dispatch() calls through `_op` (None: none)"},
     {"paths_moved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(paths_moved)),
      METH_FASTCALL,
-     "paths_moved(model, module_type, parameter_type, nodes, leaves, expected) -> True, or the "
-     "undecided "
+     "paths_moved(model, module_type, parameter_type, nodes, leaves, expected[, versions]) -> "
+     "True, or the undecided "
      "paths' positions (graphtrace.owners.PathSet.moved)"},
     {"versions_sum", reinterpret_cast<PyCFunction>(versions_sum), METH_O,
      "versions_sum(refs) -> the sum of the version counters of the tensors the weak "
