@@ -190,7 +190,7 @@ def freshness_ratio(args, captures) -> int:
         medians[lineage] = median_ms(guard.check, args.check_repeat)
         del graphs, guard, t
     ratio = medians[True] / medians[False]
-    print("\n".join([
+    text = "\n".join([
         "# graphtrace guard.check(): freshness against identity only, Llama-70B-shaped model",
         f"# python {platform.python_version()}, torch {torch.__version__}, "
         f"{platform.machine()}, threads {torch.get_num_threads()}, load average at start "
@@ -204,7 +204,10 @@ def freshness_ratio(args, captures) -> int:
         f"| identity + freshness (lineage on, x{args.check_repeat}) | {medians[True]:.2f} |",
         "",
         f"ratio freshness / identity only: {ratio:.2f}  (issue 24's goal: at most 2)",
-    ]))
+    ])
+    print(text)
+    if args.out:
+        write_results(Path(args.out), text + "\n")
     return 0 if (args.quick or ratio <= 2.0) else 1
 
 
