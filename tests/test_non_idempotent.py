@@ -119,3 +119,32 @@ def test_the_rocm_atom_case_doubles_the_scale_per_sync_and_counts_the_syncs():
     rows = f[f["holder"] == "layers.0.weight_scale"]
     assert sorted(rows["n"].astype(int)) == [1, SYNCS]  # the first process step, the syncs
     assert rows["site"].str.contains("rocm_atom_2028_scale_normalise.py").all()
+
+
+def test_the_rocm_atom_finding_with_a_compiled_forward():
+    """ROCm ATOM #2028 with the captured forward `torch.compile`d (issue 24 asks for both): the
+    process step runs eagerly either way, so the finding and the doubled scale are the same."""
+    from graphtrace.demo.cases.rocm_atom_2028_scale_normalise import SYNCS, AtomModel, K
+
+    torch.manual_seed(0)
+    model = AtomModel(fixed=False).eval()
+    forward = torch.compile(model, backend="inductor")
+    x = torch.randn(2, K)
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        model.load(model.checkpoint(0))
+        first = [layer.weight_scale.clone() for layer in model.layers]
+        with gt.capture("bs2") as g:
+            forward(x)
+        for _ in range(SYNCS):
+            model.load_weights(model.checkpoint(1, weights_only=True))
+            model.process_weights_after_loading()
+    assert t.saw_compiled
+    for before, layer in zip(first, model.layers):
+        assert torch.equal(layer.weight_scale, before * 2 ** SYNCS)
+    f = t.findings()
+    f = f[f["kind"] == "non-idempotent step"]
+    assert set(f["holder"]) == {f"layers.{i}.weight_scale" for i in range(len(model.layers))}, f
+    # one row per call site: the first load's process step, then the syncs' (SYNCS times)
+    counts = f.assign(n=f["n"].astype(int)).groupby("holder")["n"].sum()
+    assert set(counts) == {1 + SYNCS}, f
+    del g
