@@ -775,7 +775,7 @@ class Lineage:
         [dangling sources]): one dict per (handle, freed source), `kind` `dangling source`
         (the source's path now reaches a live tensor) or `released source` (it reaches
         nothing)."""
-        from graphtrace.owners import resolve_path, walk_owners
+        from graphtrace.owners import resolve_path
 
         live = {a: h for a, h in self.handles.items()
                 if a in self.nodes and not weak_ref_expired(self.nodes[a][0])}
@@ -784,21 +784,7 @@ class Lineage:
         freed = {a: f for a, f in freed.items() if f}
         if not freed:
             return rows
-        holders: dict[int, list[str]] = {}
-        for name, model in models.items():
-            import warnings
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                for path, _kind, t in walk_owners(model):
-                    try:
-                        from graphtrace.opaque import storage_of
-
-                        a = storage_of(t)._cdata
-                    except Exception:
-                        continue
-                    if a in freed:
-                        holders.setdefault(a, []).append((f"{name}:" if name else "") + path)
+        holders = self._holders(set(freed), models)
         for a, sources in sorted(freed.items()):
             h = live[a]
             for model, path, kind, _ref in sources:
