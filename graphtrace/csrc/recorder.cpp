@@ -1073,36 +1073,30 @@ PyObject* Keeper_pin(KeeperObject* self, PyObject* const* a, Py_ssize_t n) {
   return nullptr;
 }
 
+// Run a Keeper method that returns nothing: a C++ exception becomes a RuntimeError
+template <typename F>
+PyObject* keeper_call(F&& call) {
+  try {
+    call();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* Keeper_seal(KeeperObject* self, PyObject* arg) {
   const int release = PyObject_IsTrue(arg);
   if (release < 0) return nullptr;
-  try {
-    self->keeper->seal(release);
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  return keeper_call([&] { self->keeper->seal(release); });
 }
 
 PyObject* Keeper_lend(KeeperObject* self, PyObject*) {
-  try {
-    self->keeper->lend();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  return keeper_call([&] { self->keeper->lend(); });
 }
 
 PyObject* Keeper_reclaim(KeeperObject* self, PyObject*) {
-  try {
-    self->keeper->reclaim();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
+  return keeper_call([&] { self->keeper->reclaim(); });
 }
 
 PyObject* Keeper_scratch(KeeperObject* self, PyObject*) {
