@@ -736,6 +736,18 @@ def _one_cpu_extension() -> None:
 # way (their AMX paths would SIGILL). A row that still cannot run says why
 # (MOE_FORCED_WHY_NOT); a method's row without a forced backend names the forced rows of the
 # method that ran (note_forced_rows).
+# CPU experts class (fused_moe/experts/cpu_moe.py) -> the methods whose oracle picks it on a CPU
+# with AMX (Note [audit AMX probe]); each also runs as a row `Class@cpu` (Note [audit CPU experts])
+MOE_CPU_EXPERTS: dict[str, tuple[str, ...]] = {
+    "CPUExpertsInt4": ("AutoAWQMoEMethod", "AutoGPTQMoEMethod", "MoeWNA16Method",
+                       "CompressedTensorsWNA16MoEMethod", "QuarkW4A16Int4MoEMethod"),
+    "CPUExpertsInt8": ("CompressedTensorsW8A8Int8MoEMethod", "QuarkW8A8Int8MoEMethod",
+                       "Int8OnlineMoEMethod"),
+    "CPUExpertsMxfp4": ("Mxfp4MoEMethod", "GptOssMxfp4MoEMethod", "Mxfp4OnlineMoEMethod",
+                        "CompressedTensorsW4A8Mxfp4MoEMethod", "QuarkOCP_MX_MoEMethod"),
+    "CPUExpertsFp8": ("Fp8PerBlockOnlineMoEMethod",),
+}
+
 MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("CompressedTensorsW8A8Fp8MoEMethod", "cutlass"),        # vLLM #41670
     ("Fp8MoEMethod", "flashinfer_cutlass"),                  # vLLM #50521
@@ -803,6 +815,8 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     ("Mxfp4OnlineMoEMethod", "marlin"),
     ("CompressedTensorsW4A8Mxfp4MoEMethod", "marlin"),
     ("CompressedTensorsWNA16MoEMethod", "emulation"),
+    # vLLM's CPU experts without their AMX condition (Note [audit CPU experts])
+    *((name, "cpu") for names in MOE_CPU_EXPERTS.values() for name in names),
 ]
 
 # forced-backend rows that still do not run, and why, read in vLLM's source (appended to the
@@ -824,6 +838,33 @@ MOE_FORCED_WHY_NOT: dict[str, str] = {
         "the row stops at apply with \"dq_uint8_mxfp4_to_half is only implemented in CUDA "
         "devices!\". A GPU with amd-quark would run it; the package is not installed here"),
 }
+
+# the @cpu rows that do not run: vLLM's own code fails on the path an AMX CPU takes (Note
+# [audit CPU experts]); read in the source, the same with AMX
+_INT4_CPU_TYPE = (
+    "a bug on CPUs with AMX: the WNA16 oracle offers CPUExpertsInt4 to every int4 config "
+    "(its scheme check is only `kInt4Static`, fused_moe/experts/cpu_moe.py), so the AMX "
+    "probe's construction picks it, but the CPU weight processing accepts only AutoAWQ, "
+    "AutoGPTQ and compressed-tensors configs (`_process_weights_cpu`, fused_moe/oracle/"
+    "int_wna16.py:1005-1028) and raises TypeError when the weights are processed; the row {row} runs")
+MOE_FORCED_WHY_NOT.update({
+    "MoeWNA16Method@cpu": _INT4_CPU_TYPE.format(row="MoeWNA16Method@triton"),
+    "QuarkW4A16Int4MoEMethod@cpu": _INT4_CPU_TYPE.format(row="QuarkW4A16Int4MoEMethod@triton"),
+    "QuarkW8A8Int8MoEMethod@cpu": (
+        "a bug on CPUs with AMX: process_weights_after_loading builds the int8 kernel "
+        "(quark/quark_moe.py:1309 `get_fused_moe_quant_config`, :1315 `make_int8_moe_kernel`) "
+        "but never calls the experts' `process_weights_after_loading`, which for CPUExpertsInt8 "
+        "VNNI-packs the weights (`convert_weight_packed`, fused_moe/experts/cpu_moe.py:"
+        "1080-1085); compressed-tensors and online int8 call it (compressed_tensors_moe_w8a8_"
+        "int8.py:232, online/int8.py:122, and those rows run here). The unpacked weight "
+        "reaches `fused_experts_cpu` (_custom_ops.py:3371), which rejects it at the first "
+        "forward (K 128 where the packed layout has 132: 128 plus the int32 compensation)"),
+    "QuarkOCP_MX_MoEMethod@cpu": (
+        "a bug on vLLM's CPU platform: process_weights_after_loading calls "
+        "`torch.accelerator.empty_cache()` (quark/quark_moe.py:1844), which raises with no "
+        "accelerator (the forced-device row QuarkOCP_MX_MoEMethod@marlin runs because the "
+        "harness makes that call do nothing there, Note [audit MoE backends])"),
+})
 
 # methods with no row that runs, neither here nor on a forced backend, and what would change
 # that, read in vLLM's source (appended to the reason of the method's row)
@@ -906,6 +947,63 @@ def forced_moe_device(backend: str = ""):
                 delattr(platform, attr)
             else:
                 setattr(platform, attr, old)
+
+
+# Note [audit CPU experts]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# vLLM's quantized CPU MoE experts (CPUExpertsInt4, CPUExpertsInt8, CPUExpertsMxfp4,
+# CPUExpertsFp8; fused_moe/experts/cpu_moe.py) answer `_supports_current_device()` with
+# `is_cpu() and x86 and torch.cpu._is_amx_tile_supported()` (cpu_moe.py:456-460, :624-628,
+# :840-844, :999-1003), so on this CPU no oracle offers them (Note [audit AMX probe]). Their
+# kernels are the sgl-kernels MoE of vLLM's AVX-512 build (`fused_experts_cpu`, with
+# `convert_weight_packed`, `convert_scale_packed` and `convert_weight_packed_scale_zp` for the
+# weights), which choose their inner GEMM per block of rows themselves: `at::native::cpublas::
+# brgemm` (oneDNN, AMX) when `can_use_brgemm<T>(M)` holds, the AVX-512 `tinygemm_kernel`s
+# (vec.h, avx512-bf16 / avx512-vnni intrinsics) otherwise (csrc/cpu/sgl-kernels/moe*.cpp and
+# gemm.h in the vllm-project/vllm repository; the wheel ships no C++). A row `Class@cpu` runs
+# the method with the shipped device check of those four classes widened to "x86 CPU": the
+# check runs as shipped (so the row asks vLLM's AMX question and records the answer,
+# Outcome.amx_asked) and where it says no, the row answers yes when the platform is an x86 CPU.
+# Nothing else changes: no backend is requested (the oracle's own priority list picks the CPU
+# experts), no platform question is faked, and the real native ops run (no stand-in). Which
+# native path ran: the audit's MoE layer routes 4 tokens to top-2 of 4 experts, so no expert
+# gets more than 4 rows and `can_use_brgemm` (M > 4 for bfloat16, int8 and FP8) is false: the
+# AVX-512 tinygemm kernels. Checked on the AVX-512 CPU the committed results were made on: with
+# ONEDNN_VERBOSE=all the rows CompressedTensorsW8A8Int8MoEMethod@cpu, AutoGPTQMoEMethod@cpu,
+# Mxfp4MoEMethod@cpu and Fp8PerBlockOnlineMoEMethod@cpu printed no oneDNN line (the same torch
+# prints them for a bfloat16 matmul), and no row raised SIGILL. The output values are not
+# compared with a reference here; the flip tests show which storage each side reads. Not
+# widened: X86CPUUnquantizedExperts (its `isa="amx"` kernel is AMX code, cpu_moe.py:318-330)
+# and CPUExpertsFp8W8A8 (`cpu_has_amx_fp8()`, :1679-1681). On a CPU with AMX the rows take
+# the same classes without the widening (the answer to the AMX question is recorded) and the
+# kernels may take their AMX path (CPU_DEPENDENT); the AVX2 build has none of these ops.
+# Four methods the oracle gives the CPU experts on an AMX CPU do not run with them at all
+# (MOE_FORCED_WHY_NOT): their failures are in vLLM's Python, the same with AMX.
+CPU_EXPERTS_WIDENED = ("CPUExpertsInt4", "CPUExpertsInt8", "CPUExpertsMxfp4", "CPUExpertsFp8")
+
+
+@contextlib.contextmanager
+def cpu_experts_without_amx():
+    """Note [audit CPU experts]: the quantized CPU experts' device check, widened to any x86
+    CPU; restored on exit."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    saved = []
+    for name in CPU_EXPERTS_WIDENED:
+        cls = getattr(cpu_moe, name)
+        shipped = cls.__dict__["_supports_current_device"]
+
+        def widened(shipped=shipped.__func__) -> bool:
+            return shipped() or (current_platform.is_cpu() and
+                                 current_platform.get_cpu_architecture() == CpuArchEnum.X86)
+        saved.append((cls, shipped))
+        cls._supports_current_device = staticmethod(widened)
+    try:
+        yield
+    finally:
+        for cls, shipped in saved:
+            cls._supports_current_device = shipped
 
 
 def _as_cuda(platform, check):
@@ -1103,10 +1201,11 @@ def audit_moe(k: KernelInfo) -> Outcome:
         object.__setattr__(config, "model_config", SimpleNamespace(
             dtype=dt, quantization=None, is_deepseek_mla=False, hf_config=None,
             max_model_len=128, quantization_config=None))   # read by oracle/mxfp4.py:475
-        if k.backend:
+        if k.backend and k.backend != "cpu":
             config.kernel_config.moe_backend = k.backend
-        with set_current_vllm_config(config), set_default_torch_dtype(dt), \
-                (forced_moe_device(k.backend) if k.backend else contextlib.nullcontext()):
+        device = (cpu_experts_without_amx() if k.backend == "cpu" else
+                  forced_moe_device(k.backend) if k.backend else contextlib.nullcontext())
+        with set_current_vllm_config(config), set_default_torch_dtype(dt), device:
             quant_config = moe_quant_config(k)
             object.__setattr__(config, "quant_config", quant_config)
             res.stage = "create_weights"
@@ -1779,6 +1878,43 @@ FINDING_PATTERNS += [
                             replaced=", after replacing the converted scales (:1446-1447)")),
 ]
 
+# The @cpu rows (Note [audit CPU experts]): the same process_weights_after_loading lines as
+# the method's other rows (the CPU experts change only the conversion before them:
+# convert_to_wna16_moe_kernel_format -> int_wna16.py `_process_weights_cpu`, the int8 and
+# FP8 conversions, oracle/mxfp4.py for MXFP4); the INT4 rows also replace their zero points
+for _row, _base in (("AutoAWQMoEMethod@cpu", "AutoAWQMoEMethod@marlin"),
+                    ("CompressedTensorsW8A8Int8MoEMethod@cpu",
+                     "CompressedTensorsW8A8Int8MoEMethod@triton"),
+                    ("Int8OnlineMoEMethod@cpu", "Int8OnlineMoEMethod@triton"),
+                    ("Mxfp4MoEMethod@cpu", "Mxfp4MoEMethod@marlin"),
+                    ("CompressedTensorsW4A8Mxfp4MoEMethod@cpu", "Mxfp4MoEMethod@marlin"),
+                    ("GptOssMxfp4MoEMethod@cpu", "GptOssMxfp4MoEMethod@marlin"),
+                    ("Mxfp4OnlineMoEMethod@cpu", "Mxfp4OnlineMoEMethod@marlin"),
+                    ("Fp8PerBlockOnlineMoEMethod@cpu", "Fp8PerBlockOnlineMoEMethod@marlin")):
+    FINDING_PATTERNS += [(_row, pat, src, what) for name, pat, src, what in FINDING_PATTERNS
+                         if name == _base]
+FINDING_PATTERNS += [
+    ("AutoGPTQMoEMethod@cpu", r"(quant_config\._w[12]\.(scale|zp)|w(13|2)_(scales|qzeros))$",
+     "vllm/model_executor/layers/quantization/auto_gptq.py:693",
+     _TENSORS_REBUILT.format(
+         what="scales (auto_gptq.py:676-677) and zero points (`replace_or_register`, "
+              ":682-683; `_process_weights_cpu` makes them for a symmetric checkpoint, "
+              "fused_moe/oracle/int_wna16.py:1053 -> experts/cpu_moe.py "
+              "`prepare_int4_moe_layer_for_cpu`)",
+         rebuild="auto_gptq.py:693 `get_fused_moe_quant_config`, :694 "
+                 "`make_wna16_moe_kernel`")),
+    ("CompressedTensorsWNA16MoEMethod@cpu",
+     r"(quant_config\._w[12]\.(scale|zp)|w(13|2)_weight_(scale|zero_point))$",
+     "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+     "compressed_tensors_moe_wna16.py:363",
+     _TENSORS_REBUILT.format(
+         what="weight scales (compressed_tensors_moe_wna16.py:445-446) and zero points "
+              "(:461-462; made by `_process_weights_cpu` for a symmetric checkpoint, "
+              "fused_moe/oracle/int_wna16.py:1053)",
+         rebuild="compressed_tensors_moe_wna16.py:481 -> :363 `get_fused_moe_quant_config`, "
+                 ":366 `make_wna16_moe_kernel`")),
+]
+
 
 def finding_source(kernel: str, path: str) -> tuple[str, str] | None:
     """The vLLM line read for a finding's owner path, or None (unchecked)."""
@@ -2053,6 +2189,9 @@ def _cause(reason: str) -> str:
     m = re.search(r"No module named '([\w.]+)'", reason)
     if m:
         return f"needs the `{m.group(1)}` package (not installed for CPU)"
+    if "a bug on CPUs with AMX" in reason or "a bug on vLLM's CPU platform" in reason:
+        return ("vLLM's code fails with its CPU experts, on the path an AMX CPU takes (Note "
+                "[audit CPU experts]); its reason gives the lines")
     if "AMX probe: on a CPU with AMX vLLM's oracle picks CPUExperts" in reason:
         return ("no MoE backend on this CPU; with AMX vLLM's oracle picks its CPU experts "
                 "(Note [audit AMX probe])")
@@ -2128,19 +2267,19 @@ CPU_DEPENDENT: dict[str, str] = {
 # the methods whose MoE oracle offers a CPU experts class only with AMX (cpu_moe.py, Note
 # [audit AMX probe]): on an AMX CPU the row takes it, here it finds no backend
 CPU_DEPENDENT.update({name: f"with AMX the oracle picks {experts} (fused_moe/experts/cpu_moe.py)"
-                      for experts, names in (
-    ("CPUExpertsInt4", ("AutoAWQMoEMethod", "AutoGPTQMoEMethod", "MoeWNA16Method",
-                        "CompressedTensorsWNA16MoEMethod", "QuarkW4A16Int4MoEMethod")),
-    ("CPUExpertsInt8", ("CompressedTensorsW8A8Int8MoEMethod", "QuarkW8A8Int8MoEMethod",
-                        "Int8OnlineMoEMethod")),
-    ("CPUExpertsMxfp4", ("Mxfp4MoEMethod", "GptOssMxfp4MoEMethod", "Mxfp4OnlineMoEMethod",
-                         "CompressedTensorsW4A8Mxfp4MoEMethod", "QuarkOCP_MX_MoEMethod")),
-    ("CPUExpertsFp8", ("Fp8PerBlockOnlineMoEMethod",))) for name in names})
+                      for experts, names in MOE_CPU_EXPERTS.items() for name in names})
+# the @cpu rows (Note [audit CPU experts]): the sgl-kernels MoE ops of the AVX-512 build, whose
+# inner GEMM is AMX brgemm or AVX-512 by the CPU and the rows per block
+CPU_DEPENDENT.update({f"{name}@cpu": f"{experts} (sgl-kernels `fused_experts_cpu`): AMX or "
+                      "AVX-512 GEMMs by the CPU; not in the AVX2 build"
+                      for experts, names in MOE_CPU_EXPERTS.items() for name in names})
 # the rows of CPU_DEPENDENT whose outcome depends on the ops vLLM's build has: the AVX2 build
 # lacks them, the AVX-512 build (which AMX CPUs load too) has them
 BUILD_DEPENDENT = frozenset({"CPUWNA16LinearKernel", "CPUFp8BlockScaledMMKernel",
                              "CPUFp8PerTensorScaledMMLinearKernel",
-                             "CPUFP8W8A8ScaledMMLinearKernel", "CPUFp8W8A8BlockScaledMMKernel"})
+                             "CPUFP8W8A8ScaledMMLinearKernel", "CPUFp8W8A8BlockScaledMMKernel",
+                             *(f"{name}@cpu" for names in MOE_CPU_EXPERTS.values()
+                               for name in names)})
 
 
 def _build(kind: str) -> str:
@@ -2324,11 +2463,15 @@ def last_error(log: str) -> str:
 def note_forced_rows(outcomes: list[Outcome]) -> None:
     """A method's row that did not run names the rows of the same method that ran on a
     requested GPU backend (Note [audit MoE backends]): on a GPU with that backend vLLM runs it."""
-    ran = {}
+    ran, cpu = {}, {}
     for r in outcomes:
         if r.ran and r.kernel.backend:
-            ran.setdefault(r.kernel.method, []).append(r.kernel.name)
+            (cpu if r.kernel.backend == "cpu" else ran).setdefault(
+                r.kernel.method, []).append(r.kernel.name)
     for r in outcomes:
+        if not r.ran and not r.kernel.backend and r.kernel.method in cpu:
+            r.reason += ("; vLLM's CPU experts run it on this CPU when offered without AMX "
+                         "(Note [audit CPU experts]): " + ", ".join(cpu[r.kernel.method]))
         if not r.ran and not r.kernel.backend and r.kernel.method in ran:
             r.reason += ("; on a GPU backend it runs: " + ", ".join(ran[r.kernel.method]))
 
