@@ -606,6 +606,16 @@ MOE_CONFIGS: dict[str, tuple[str, dict | None]] = {
     # (experts/flashinfer_cutlass_moe.py:_supports_quant_scheme)
     "Fp8MoEMethod@flashinfer_cutlass": ("fp8", {"quant_method": "fp8",
                                                 "activation_scheme": "static"}),
+    # AutoRound (Intel Neural Compressor) MX exports: the fields INCConfig.from_config and
+    # `_validate_raw_config` read (quantization/inc/inc.py:223-256, :274-309)
+    "INCMxfp8MoEMethod": ("inc", {"quant_method": "auto-round", "bits": 8, "group_size": 32,
+                                  "data_type": "mx_fp", "sym": True, "act_bits": 8,
+                                  "act_data_type": "mx_fp", "act_group_size": 32,
+                                  "act_sym": True, "act_dynamic": True}),
+    "INCMxfp4MoEMethod": ("inc", {"quant_method": "auto-round", "bits": 4, "group_size": 32,
+                                  "data_type": "mx_fp", "sym": True, "act_bits": 4,
+                                  "act_data_type": "mx_fp", "act_group_size": 32,
+                                  "act_sym": True, "act_dynamic": True}),
     "Fp8PerTensorOnlineMoEMethod": ("online", None),
     "Fp8PerBlockOnlineMoEMethod": ("online", None),
     "Fp8PtpcOnlineMoEMethod": ("online", None),
@@ -622,10 +632,6 @@ MOE_NOT_DRIVEN: dict[str, str] = {
         "attached (fused_moe/fused_moe_modular_method.py, made by "
         "FusedMoEMethodBase.maybe_init_modular_kernel); it is driven by the methods above"),
     "HummingMoEMethod": "needs the `humming` package (quantization/humming.py)",
-    "INCMxfp4MoEMethod": "Intel Neural Compressor scheme: needs an INC layer config "
-                         "(quantization/inc/); no driver yet",
-    "INCMxfp8MoEMethod": "Intel Neural Compressor scheme: needs an INC layer config "
-                         "(quantization/inc/); no driver yet",
     "ModelOptBlockQuantMoEMethod": "GGUF-style codebook (iq2_xs) checkpoint layout; no "
                                    "driver yet",
 }
@@ -777,6 +783,9 @@ MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
     # wherever that class supports the device (compressed_tensors_moe_w4a4_mxfp4.py:63-79),
     # so under the forced device this row runs the CUTLASS MXFP4 experts (its scheme column)
     ("CompressedTensorsW4A4Mxfp4MoEMethod", "marlin"),
+    # AutoRound (INC) W4A4 MXFP4 picks likewise (quantization/inc/schemes/inc_mxfp4_moe.py:69:
+    # CUTLASS W4A4 where CutlassExpertsMxfp4 supports the device, else Marlin W4A16)
+    ("INCMxfp4MoEMethod", "marlin"),
     ("Mxfp4MoEMethod", "emulation"),
     # NVFP4 (oracle/nvfp4.py map_nvfp4_backend: "emulation", "marlin")
     ("ModelOptNvFp4FusedMoE", "emulation"),
@@ -872,7 +881,9 @@ MOE_BASE_WHY_NOT: dict[str, str] = {
     "CompressedTensorsW4A8Int8MoEMethod": (
         "vLLM lists one W4A8 INT8 backend, on CPU only (fused_moe/oracle/w4a8_int8.py:39-41), "
         "and its experts take only an Arm CPU (experts/cpu_int4_moe.py:60-64): an Arm CPU "
-        "would change it, not AMX or a GPU"),
+        "would change it, not AMX or a GPU; their native op says so too (tried while "
+        "writing the @cpu rows, with that check answered Arm: `_C::dynamic_4bit_int_moe` "
+        "raised \"dynamic 4-bit int MoE path requires AArch64\" at apply, cpu_int4_moe.py:260)"),
     "CompressedTensorsW4A8Fp8MoEMethod": (
         "its experts are CUTLASS and Humming (fused_moe/oracle/w4a8.py), so it needs a GPU "
         "(Humming also the `humming` package), and the method asserts hidden and intermediate "
@@ -997,13 +1008,13 @@ def cpu_experts_without_amx():
         def widened(shipped=shipped.__func__) -> bool:
             return shipped() or (current_platform.is_cpu() and
                                  current_platform.get_cpu_architecture() == CpuArchEnum.X86)
-        saved.append((cls, shipped))
+        saved.append((cls, "_supports_current_device", shipped))
         cls._supports_current_device = staticmethod(widened)
     try:
         yield
     finally:
-        for cls, shipped in saved:
-            cls._supports_current_device = shipped
+        for cls, attr, shipped in saved:
+            setattr(cls, attr, shipped)
 
 
 def _as_cuda(platform, check):
@@ -1413,6 +1424,7 @@ NO_FLIP = {
         "follows the schema, so the stand-ins after it hash uninitialized memory (seen: every "
         "perturbation changed both eager and replay) and a flip proves nothing here"),
 }
+NO_FLIP["INCMxfp4MoEMethod@marlin"] = NO_FLIP["CompressedTensorsW4A4Mxfp4MoEMethod@marlin"]
 
 
 def flip_test(kernel: str, sc, stale) -> str:
@@ -1914,6 +1926,28 @@ FINDING_PATTERNS += [
          rebuild="compressed_tensors_moe_wna16.py:481 -> :363 `get_fused_moe_quant_config`, "
                  ":366 `make_wna16_moe_kernel`")),
 ]
+
+FINDING_PATTERNS.append((
+    "INCMxfp4MoEMethod@marlin", _SCALES, "vllm/model_executor/layers/quantization/inc/schemes/"
+    "inc_mxfp4_moe.py:218",
+    _CONFIG_REBUILT.format(rebuild="inc_mxfp4_moe.py:218 `get_fused_moe_quant_config`, :221 "
+                           "`make_mxfp4_moe_kernel`",
+                           replaced=", after rebinding the swizzled CUTLASS scales as new "
+                           "`nn.Parameter`s (:202-207)")))
+FINDING_PATTERNS.append((
+    "INCMxfp8MoEMethod", r"(fused_experts\.w[12]_scale_val|w(13|2)_weight_scale)$",
+    "vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40",
+    "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` "
+    "(and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts "
+    "object is rebuilt by every process_weights_after_loading (quantization/inc/schemes/"
+    "inc_mxfp8_moe.py:144-147 replace the weights and scales, :149 a fresh "
+    "`get_fused_moe_quant_config`, :151 `self.moe_kernel = make_fp8_moe_kernel(...)`), so "
+    "during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of "
+    "that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then "
+    "copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The "
+    "captured graph reads the layer parameter (refreshed, same values), eager reads the "
+    "kernel's orphaned copy: diverged, as for compressed-tensors MXFP8 (the pattern of vLLM "
+    "#41670)"))
 
 
 def finding_source(kernel: str, path: str) -> tuple[str, str] | None:

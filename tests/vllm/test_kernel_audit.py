@@ -57,7 +57,10 @@ REPRESENTATIVES = ("CPUInt8ScaledMMLinearKernel", "CutlassInt8ScaledMMLinearKern
                    # layout, and a method whose oracle finds no backend on this CPU
                    "CompressedTensorsW8A8Int8MoEMethod@triton", "GptOssMxfp4MoEMethod@marlin",
                    "QuarkOCP_MX_MoEMethod@marlin", "MoeWNA16Method@triton",
-                   "CompressedTensorsW8A8Int8MoEMethod")
+                   "CompressedTensorsW8A8Int8MoEMethod",
+                   # vLLM's CPU experts offered without AMX (Note [audit CPU experts]): one
+                   # that runs its native kernel, one whose vLLM code fails on that path
+                   "CompressedTensorsW8A8Int8MoEMethod@cpu", "QuarkW8A8Int8MoEMethod@cpu")
 
 
 def _run(*args: str, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
@@ -398,3 +401,50 @@ def test_row_without_a_backend_says_what_amx_would_pick(rerun, comparable):
     committed = _rows(COMMITTED)["CompressedTensorsW8A8Int8MoEMethod"]
     assert "on a GPU backend it runs: CompressedTensorsW8A8Int8MoEMethod@triton" in \
         committed["reason"]
+
+
+def test_cpu_experts_rows_run_vllms_native_moe_kernels(rerun, comparable):
+    """Offered without AMX (Note [audit CPU experts]), the INT8 oracle picks CPUExpertsInt8 and
+    the row runs vLLM's real `fused_experts_cpu` (no stand-in): its rebuilt quant config's
+    scales diverge (the #41670 pattern), sourced and flip-tested. Quark's INT8 method takes
+    the same experts but never VNNI-packs the weights (quark_moe.py:1309-1317 builds the
+    kernel without the experts' process_weights_after_loading), so vLLM's own kernel rejects
+    them at the first forward: that row says so."""
+    _needs_same_cpu(comparable, "CompressedTensorsW8A8Int8MoEMethod@cpu",
+                    "QuarkW8A8Int8MoEMethod@cpu")
+    row = rerun["CompressedTensorsW8A8Int8MoEMethod@cpu"]
+    assert row["ran"] == "yes" and row["scheme"].endswith("-> CPUExpertsInt8")
+    assert row["standins"] == ""
+    assert int(row["diverged"]) == 2
+    assert "diverged:moe.routed_experts.quant_method.moe_quant_config._w1.scale" in \
+        row["stale_owners"]
+    assert row["vllm_source"].endswith("compressed_tensors_moe_w8a8_int8.py:223")
+    assert "moe_quant_config._w1.scale: stale read confirmed" in row["flip"]
+    quark = rerun["QuarkW8A8Int8MoEMethod@cpu"]
+    assert quark["ran"] == "no" and quark["failed_at"] == "apply"
+    assert quark["scheme"].endswith("-> CPUExpertsInt8")
+    assert "CHECK_EQ(packed_w1.size(2)" in quark["reason"]
+    assert "quark/quark_moe.py:1309" in quark["reason"]
+
+
+def test_cpu_experts_widening_is_scoped_and_restored():
+    """The widened device check answers yes on this x86 CPU inside the context only; the
+    AMX-code classes are not widened; the shipped checks are back after it."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if current_platform.get_cpu_architecture() != CpuArchEnum.X86:
+        pytest.skip("the CPU experts are x86 classes")
+
+    audit = _audit()
+    before = {n: getattr(cpu_moe, n).__dict__["_supports_current_device"]
+              for n in audit.CPU_EXPERTS_WIDENED}
+    with audit.cpu_experts_without_amx():
+        for name in audit.CPU_EXPERTS_WIDENED:
+            assert getattr(cpu_moe, name)._supports_current_device() is True
+        assert cpu_moe.X86CPUUnquantizedExperts._supports_current_device() is bool(
+            torch.cpu._is_amx_tile_supported())
+    assert {n: getattr(cpu_moe, n).__dict__["_supports_current_device"]
+            for n in audit.CPU_EXPERTS_WIDENED} == before
