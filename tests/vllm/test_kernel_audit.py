@@ -60,7 +60,9 @@ REPRESENTATIVES = ("CPUInt8ScaledMMLinearKernel", "CutlassInt8ScaledMMLinearKern
                    "CompressedTensorsW8A8Int8MoEMethod",
                    # vLLM's CPU experts offered without AMX (Note [audit CPU experts]): one
                    # that runs its native kernel, one whose vLLM code fails on that path
-                   "CompressedTensorsW8A8Int8MoEMethod@cpu", "QuarkW8A8Int8MoEMethod@cpu")
+                   "CompressedTensorsW8A8Int8MoEMethod@cpu", "QuarkW8A8Int8MoEMethod@cpu",
+                   # an AutoRound (INC) checkpoint config
+                   "INCMxfp8MoEMethod")
 
 
 def _run(*args: str, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
