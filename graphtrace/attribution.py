@@ -16,14 +16,16 @@ dispatched. Two ways keep the stack, chosen by `gt.trace(modules=...)`:
 - ``"hooks"``: a forward pre-hook and an ``always_call`` forward hook per module; slower, but
   ``module.forward`` stays untouched (for code that needs the very attribute).
 
-Both are removed at trace exit. Under ``torch.compile`` Dynamo inlines either way, so the
-stack moves only while tracing, and ops inside compiled code are not attributed. Modules that
-Dynamo's cached graphs already inlined get hooks even under ``"forward"`` (`compiled_inside`):
-those graphs guard on each inlined module's ``__dict__`` lacking ``forward``, so wrappers would
-make them compile again, while hook changes are not guarded
-(``torch._dynamo.config.skip_nnmodule_hook_guards``). The wrapper's frame is marked for Dynamo
-to skip (``skip_code``), so a compiled module's own call enters Dynamo at its class forward, as
-it would without the trace.
+Both are removed at trace exit, and paused while the model serves (Note [attribution while
+serving] below). Under ``torch.compile`` Dynamo inlines wrappers and hooks, and both check
+``torch.compiler.is_dynamo_compiling()`` first: in a graph they only call the class forward,
+so its guards never see the stack, and ops inside compiled code are not attributed. Modules
+that Dynamo's cached graphs already inlined get hooks even under ``"forward"``
+(`compiled_inside`): those graphs guard on each inlined module's ``__dict__`` lacking
+``forward``, so wrappers would make them compile again, while hooks added after a compile are
+not guarded (``torch._dynamo.config.skip_nnmodule_hook_guards``). The wrapper's frame is marked
+for Dynamo to skip (``skip_code``), so a compiled module's own call enters Dynamo at its class
+forward, as it would without the trace.
 """
 
 from __future__ import annotations
@@ -154,6 +156,29 @@ def _wrapper_for(module: torch.nn.Module) -> types.MethodType:
     fn.__qualname__ = getattr(cls_forward, "__qualname__", "forward")
     fn.__doc__ = getattr(cls_forward, "__doc__", None)
     return types.MethodType(fn, module)
+
+
+# Note [attribution while serving]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Only a capture's writer reads the module stack. So under the rule of Note [recording while
+# serving] (graphtrace/tracing.py) the keepers are off while the model serves: when the rule
+# pauses provenance and lineage, `pause()` removes the wrappers and hooks (and the trace its
+# serve hooks), and a serving forward runs `nn.Module._call_impl`'s fast path, as with no
+# trace. `resume()` puts them back, on every watched model's modules as they are then, when an
+# update begins (the rule resumes), when the rule is taken over by hand, and for each capture
+# region opened while paused (on any thread: the last region to close pauses them again).
+# - Dynamo: a graph compiled with a keeper in place guards on it (a wrapper's code, the
+#   length of a module's `_forward_hooks`), and one compiled without on its absence. So
+#   `pause()` keeps the keepers of the modules `compiled_inside` finds (their graphs may have
+#   inlined them), and a module compiled while paused gets hooks at `resume()`, as one compiled
+#   before the trace does; nothing else a graph sees changes (the keepers skip the stack under
+#   Dynamo). A graph that inlined a module outside the watched models (a compiled function
+#   calling a submodule) is not found, and compiles once more.
+# - A capture opened inside forwards that began while paused (an engine capturing a new size
+#   lazily): `seed()` puts the watched modules whose `_call_impl` frames run on this thread on
+#   its stack, and `unseed()` takes them off when the region closes. A module whose hooks were
+#   read by a call begun before the pause pushes nothing (its `live` flag), since its pop hook
+#   is gone by the end of that call.
 
 
 class ModuleAttribution:

@@ -500,7 +500,9 @@ class _CudaGraphPatch:
 # opens its trace with `record="always"` and steers by hand from vLLM's own warm-up and
 # update hooks (`pause_provenance=True`). A CUDA graph's replay is not a signal (serving
 # that only replays graphs runs no op through the mode; eager ops around the replays do,
-# until a watched model's forward). Cost: docs/performance.md, "A trace open while the
+# until a watched model's forward). Module attribution pauses with them, and the serve hooks
+# come off meanwhile, so a serving forward passes no graphtrace code (Note [attribution while
+# serving] in graphtrace/attribution.py). Cost: docs/performance.md, "A trace open while the
 # model serves".
 
 
