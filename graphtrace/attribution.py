@@ -37,7 +37,12 @@ from typing import Any, Callable
 
 import torch
 
-from graphtrace._compat import DYNAMO_CACHE, dynamo_cache_entries, dynamo_skip_code
+from graphtrace._compat import (
+    DYNAMO_CACHE,
+    MODULE_CALL_CODE,
+    dynamo_cache_entries,
+    dynamo_skip_code,
+)
 from graphtrace.recorder import module_stack
 
 MODES = ("forward", "hooks", "off")
@@ -47,8 +52,6 @@ try:  # False when run, True where Dynamo traces it (it then never reads the sta
 except AttributeError:  # pragma: no cover - every tested torch has it
     def _dynamo_compiling() -> bool:
         return False
-
-_CALL_IMPL = torch.nn.Module._call_impl.__code__  # the frame of a module call (seed())
 
 # id(module) -> FQN id, for the modules whose forward is wrapped by the open trace (one trace
 # is open at a time). A module missing here runs its plain forward, unattributed.
@@ -299,7 +302,7 @@ class ModuleAttribution:
         walked = []
         frame = sys._getframe(1)
         while frame is not None:
-            if frame.f_code is _CALL_IMPL:
+            if frame.f_code is MODULE_CALL_CODE:
                 fid = self.ids.get(id(frame.f_locals.get("self")))
                 if fid is not None:
                     walked.append(fid)
