@@ -19,8 +19,12 @@ same after a weight update (`load_state_dict` resumes recording; the first forwa
 again), `record="always"` and `provenance=False`.
 
 Workloads: `mlp` (40 blocks of Linear(64) + GELU + LayerNorm, batch 4: the workload of issue
-27) and `elementwise` (many small ops per block: an RMSNorm written out, SiLU, a gate, a
-clamp, a residual).
+27), `elementwise` (many small ops per block: an RMSNorm written out, SiLU, a gate, a
+clamp, a residual) and `identity` (nn.Identity modules, 2.5 per block: 100 at 40 blocks,
+so that what a module call costs shows). Beside each ratio: the time added per module call
+(module attribution's wrappers cost it while they are on; they are off while the model serves
+under `record="auto"`: Note [attribution while serving] in graphtrace/attribution.py;
+`provenance=False` turns that rule off, and attribution stays on).
 
     python analysis/bench_serving.py            # writes analysis/results/bench_serving.txt
     python analysis/bench_serving.py --quick    # smoke run (seconds), writes nothing unless --out
@@ -71,7 +75,32 @@ class Elementwise(nn.Module):
         return x
 
 
-WORKLOADS = {"mlp": (MLP, 64), "elementwise": (Elementwise, 32)}
+class Identity(nn.Module):
+    def __init__(self, blocks: int, d: int = 4):
+        super().__init__()
+        self.mods = nn.ModuleList(nn.Identity() for _ in range(blocks * 5 // 2))
+
+    def forward(self, x):
+        for m in self.mods:
+            x = m(x)
+        return x
+
+
+WORKLOADS = {"mlp": (MLP, 64), "elementwise": (Elementwise, 32), "identity": (Identity, 4)}
+
+
+def _module_calls(model, x) -> int:
+    """Module calls in one forward (a global pre-hook counts them, then goes)."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    calls = []
+    handle = register_module_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        handle.remove()
+    return len(calls)
 
 
 def _timed(model, x, n: int) -> float:
@@ -123,15 +152,19 @@ def measure(workload: str, blocks: int, rounds: int, n: int, say) -> float:
             times[kind].append(t)
             recording[kind] = rec
     med = {k: min(v) for k, v in times.items()}
-    say(f"## {workload}: {blocks} blocks, batch 4, {n} forwards x {rounds} rounds "
-        "(CPU time, min over rounds)")
-    say(f"{'session':<34} {'ms/forward':>11} {'x no trace':>11}  provenance recording")
+    calls = _module_calls(cls(blocks), x)
+    say(f"## {workload}: {blocks} blocks, batch 4, {n} forwards x {rounds} rounds, {calls} module "
+        "calls per forward (CPU time, min over rounds)")
+    say(f"{'session':<34} {'ms/forward':>11} {'x no trace':>11} {'+us/call':>9}  "
+        "provenance recording")
     for k in kinds:
         rec = "" if k == "none" else ("yes" if recording[k] else "no")
         label = {"none": "no trace open", "default": "gt.trace(model) (defaults)",
                  "after update": "defaults, after a load_state_dict",
                  "always": 'record="always"', "provenance off": "provenance=False"}[k]
-        say(f"{label:<34} {med[k] * 1e3:>11.3f} {med[k] / med['none']:>10.3f}x  {rec}")
+        per_call = (med[k] - med["none"]) / calls * 1e6
+        say(f"{label:<34} {med[k] * 1e3:>11.3f} {med[k] / med['none']:>10.3f}x "
+            f"{per_call:>9.3f}  {rec}")
     ratio = max(med["default"], med["after update"]) / med["none"]
     say(f"goal: defaults <= {GOAL}x no trace: {'met' if ratio <= GOAL else 'NOT met'} "
         f"({ratio:.3f}x)")

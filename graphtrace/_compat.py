@@ -62,8 +62,8 @@ __all__ = [
     "function_stack_len", "function_stack_at",
     # emulated graphs let go of their intermediates
     "SCRATCH", "storage_use_count",
-    # Dynamo's cache (attribution)
-    "DYNAMO_CACHE", "dynamo_cache_entries",
+    # Dynamo's cache, a module call's frame (attribution)
+    "DYNAMO_CACHE", "dynamo_cache_entries", "MODULE_CALL_CODE",
     # the native dispatch
     "OP_CALLS_OP_DIRECTLY", "calls_op_directly",
     # looked up on first use (Dynamo, Inductor, the C++ extension builder)
@@ -195,6 +195,10 @@ dynamo_cache_entries = _lookup(_DYN, "torch._C._dynamo.eval_frame:_debug_get_cac
 DYNAMO_CACHE = _DYN not in _missing
 if not DYNAMO_CACHE:
     dynamo_cache_entries = _unavailable(_DYN)
+
+# the code of `nn.Module._call_impl`: a frame running it is a module call (attribution's seed;
+# None where torch has no such method: no module is found running then)
+MODULE_CALL_CODE = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
 
 
 # -- the native dispatch's direct call --------------------------------------------------------

@@ -16,27 +16,42 @@ dispatched. Two ways keep the stack, chosen by `gt.trace(modules=...)`:
 - ``"hooks"``: a forward pre-hook and an ``always_call`` forward hook per module; slower, but
   ``module.forward`` stays untouched (for code that needs the very attribute).
 
-Both are removed at trace exit. Under ``torch.compile`` Dynamo inlines either way, so the
-stack moves only while tracing, and ops inside compiled code are not attributed. Modules that
-Dynamo's cached graphs already inlined get hooks even under ``"forward"`` (`compiled_inside`):
-those graphs guard on each inlined module's ``__dict__`` lacking ``forward``, so wrappers would
-make them compile again, while hook changes are not guarded
-(``torch._dynamo.config.skip_nnmodule_hook_guards``). The wrapper's frame is marked for Dynamo
-to skip (``skip_code``), so a compiled module's own call enters Dynamo at its class forward, as
-it would without the trace.
+Both are removed at trace exit, and paused while the model serves (Note [attribution while
+serving] below). Under ``torch.compile`` Dynamo inlines wrappers and hooks, and both check
+``torch.compiler.is_dynamo_compiling()`` first: in a graph they only call the class forward,
+so its guards never see the stack, and ops inside compiled code are not attributed. Modules
+that Dynamo's cached graphs already inlined get hooks even under ``"forward"``
+(`compiled_inside`): those graphs guard on each inlined module's ``__dict__`` lacking
+``forward``, so wrappers would make them compile again, while hooks added after a compile are
+not guarded (``torch._dynamo.config.skip_nnmodule_hook_guards``). The wrapper's frame is marked
+for Dynamo to skip (``skip_code``), so a compiled module's own call enters Dynamo at its class
+forward, as it would without the trace.
 """
 
 from __future__ import annotations
 
+import sys
 import types
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
 import torch
 
-from graphtrace._compat import DYNAMO_CACHE, dynamo_cache_entries, dynamo_skip_code
+from graphtrace._compat import (
+    DYNAMO_CACHE,
+    MODULE_CALL_CODE,
+    dynamo_cache_entries,
+    dynamo_skip_code,
+)
 from graphtrace.recorder import module_stack
 
 MODES = ("forward", "hooks", "off")
+
+try:  # False when run, True where Dynamo traces it (it then never reads the stack)
+    _dynamo_compiling = torch.compiler.is_dynamo_compiling
+except AttributeError:  # pragma: no cover - every tested torch has it
+    def _dynamo_compiling() -> bool:
+        return False
 
 # id(module) -> FQN id, for the modules whose forward is wrapped by the open trace (one trace
 # is open at a time). A module missing here runs its plain forward, unattributed.
@@ -45,6 +60,8 @@ _fqn_ids: dict[int, int] = {}
 
 def forward(self, *args, **kwargs):
     """graphtrace's attribution wrapper around ``type(self).forward`` (see module docstring)."""
+    if _dynamo_compiling():  # Dynamo traces the class forward alone: no guard on the stack
+        return type(self).forward(self, *args, **kwargs)
     fqn = _fqn_ids.get(id(self))
     if fqn is None:
         return type(self).forward(self, *args, **kwargs)
@@ -111,16 +128,20 @@ def compiled_inside(model: torch.nn.Module) -> set[int]:
     return inside
 
 
-def _push_hook(fqn: int) -> Callable:
-    def push(module, args):
-        module_stack.stack.append(fqn)
+def _push_hook(fqn: int, live: list[bool]) -> Callable:
+    def push(module, args):  # `live`: not after a pause removed the pop hook mid-call
+        if not _dynamo_compiling() and live[0]:
+            module_stack.stack.append(fqn)
     return push
 
 
-def _pop(module, args, output):
-    stack = module_stack.stack
-    if stack:
-        stack.pop()
+def _pop_hook(fqn: int) -> Callable:
+    def pop(module, args, output):
+        if not _dynamo_compiling():
+            stack = module_stack.stack
+            if stack and stack[-1] == fqn:  # not pushed when the hooks came mid-call
+                stack.pop()
+    return pop
 
 
 def is_wrapper(method: object) -> bool:
@@ -140,24 +161,59 @@ def _wrapper_for(module: torch.nn.Module) -> types.MethodType:
     return types.MethodType(fn, module)
 
 
-class ModuleAttribution:
-    """Installs and removes the module stack keepers of one trace."""
+# Note [attribution while serving]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Only a capture's writer reads the module stack. So under the rule of Note [recording while
+# serving] (graphtrace/tracing.py) the keepers are off while the model serves: when the rule
+# pauses provenance and lineage, `pause()` removes the wrappers and hooks (and the trace its
+# serve hooks), and a serving forward runs `nn.Module._call_impl`'s fast path, as with no
+# trace. `resume()` puts them back, on every watched model's modules as they are then, when an
+# update begins (the rule resumes), when the rule is taken over by hand, and for each capture
+# region opened while paused (on any thread: the last region to close pauses them again).
+# - Dynamo: a graph compiled with a keeper in place guards on it (a wrapper's code, the
+#   length of a module's `_forward_hooks`), and one compiled without on its absence. So
+#   `pause()` keeps the keepers of the modules `compiled_inside` finds (their graphs may have
+#   inlined them), and a module compiled while paused gets hooks at `resume()`, as one compiled
+#   before the trace does; nothing else a graph sees changes (the keepers skip the stack under
+#   Dynamo). A graph that inlined a module outside the watched models (a compiled function
+#   calling a submodule) is not found, and compiles once more.
+# - A capture opened inside forwards that began while paused (an engine capturing a new size
+#   lazily): `seed()` puts the watched modules whose `_call_impl` frames run on this thread on
+#   its stack, and `unseed()` takes them off when the region closes. A module whose hooks were
+#   read by a call begun before the pause pushes nothing (its `live` flag), since its pop hook
+#   is gone by the end of that call.
 
-    __slots__ = ("mode", "wrapped", "hooks", "seen")
+
+class ModuleAttribution:
+    """Installs and removes the module stack keepers of one trace; pauses them while the
+    model serves (Note [attribution while serving])."""
+
+    __slots__ = ("mode", "wrapped", "hooks", "seen", "ids", "models", "fqn_id", "paused")
 
     def __init__(self, mode: str = "forward"):
         if mode not in MODES:
             raise ValueError(f"modules must be one of {', '.join(map(repr, MODES))}; got {mode!r}")
         self.mode = mode
         self.wrapped: list[torch.nn.Module] = []
-        self.hooks: list = []
+        # id(module) -> (its hooks' push flag, False once they are removed; their handles)
+        self.hooks: dict[int, tuple[list[bool], Any, Any]] = {}
         self.seen: set[int] = set()
+        self.ids: dict[int, int] = {}  # id(module) -> FQN id, every module attributed now
+        self.models: list[tuple[weakref.ref, str]] = []  # (model, prefix), in watch order
+        self.fqn_id: Callable[[str], int] | None = None
+        self.paused = False
 
     def install(self, model: torch.nn.Module, fqn_id: Callable[[str], int], prefix: str = "") -> None:
         """Attribute ops to every module of `model`; a module shared with an earlier model keeps
-        its first name."""
+        its first name. While paused, `model` is remembered and attributed from `resume()`."""
         if self.mode == "off":
             return
+        self.fqn_id = fqn_id
+        self.models.append((weakref.ref(model), prefix))
+        if not self.paused:
+            self._attach(model, prefix)
+
+    def _attach(self, model: torch.nn.Module, prefix: str) -> None:
         wrap = self.mode == "forward"
         inlined = compiled_inside(model) if wrap else set()
         if wrap:
@@ -166,27 +222,107 @@ class ModuleAttribution:
             if id(module) in self.seen:
                 continue
             self.seen.add(id(module))
-            fid = fqn_id(prefix + fqn)
+            fid = self.fqn_id(prefix + fqn)
+            self.ids[id(module)] = fid
+            mine = module.__dict__.get("forward")
+            if wrap and is_wrapper(mine) and mine.__self__ is module:  # kept while paused
+                _fqn_ids[id(module)] = fid
+                self.wrapped.append(module)
+                continue
+            if id(module) in self.hooks:  # kept while paused
+                continue
             if (wrap and id(module) not in inlined and "forward" not in module.__dict__
                     and not isinstance(module, torch.jit.ScriptModule)):
                 module.__dict__["forward"] = _wrapper_for(module)
                 _fqn_ids[id(module)] = fid
                 self.wrapped.append(module)
                 continue
-            self.hooks.append(module.register_forward_pre_hook(_push_hook(fid)))
-            self.hooks.append(module.register_forward_hook(_pop, always_call=True))
+            live = [True]
+            self.hooks[id(module)] = (
+                live, module.register_forward_pre_hook(_push_hook(fid, live)),
+                module.register_forward_hook(_pop_hook(fid), always_call=True))
 
-    def uninstall(self) -> None:
+    def _detach(self, keep: set[int] = frozenset()) -> None:
+        """Remove the keepers, but those of the modules in `keep`."""
+        kept = []
         for module in self.wrapped:
+            if id(module) in keep:
+                kept.append(module)
+                continue
             _fqn_ids.pop(id(module), None)
             f = module.__dict__.get("forward")
             if is_wrapper(f) and f.__self__ is module:  # leave alone whatever replaced it since
                 del module.__dict__["forward"]
-        for handle in self.hooks:
-            handle.remove()
-        self.wrapped.clear()
-        self.hooks.clear()
+        for key in [k for k in self.hooks if k not in keep]:
+            live, pre, post = self.hooks.pop(key)
+            live[0] = False  # a call that read its hooks before the removal pushes nothing
+            pre.remove()
+            post.remove()
+        self.wrapped = kept
         self.seen.clear()
+        self.ids.clear()
+
+    def pause(self) -> None:
+        """The model serves (Note [attribution while serving]): remove the keepers, but those
+        of modules Dynamo's cached graphs may have inlined (their graphs guard on each one's
+        wrapper or hooks), until `resume()`."""
+        if self.mode == "off" or self.paused:
+            return
+        self.paused = True
+        keep: set[int] = set()
+        if self.wrapped or self.hooks:
+            for ref, _ in self.models:
+                model = ref()
+                if model is not None:
+                    keep |= compiled_inside(model)
+        self._detach(keep)
+
+    def resume(self) -> None:
+        """Attribute again every watched model's modules, as they are now."""
+        if self.mode == "off" or not self.paused:
+            return
+        self.paused = False
+        live = [(ref(), prefix) for ref, prefix in self.models]
+        self.models = [(weakref.ref(m), p) for m, p in live if m is not None]
+        for model, prefix in live:
+            if model is not None:
+                self._attach(model, prefix)
+
+    def uninstall(self) -> None:
+        self._detach()
+        self.models.clear()
+        self.paused = False
+
+    def seed(self) -> list[int]:
+        """A capture opens on this thread: put on its module stack the attributed modules whose
+        calls began while the keepers were off (`nn.Module._call_impl` frames running on this
+        thread, outermost first), when the stack holds the outer part of them; what was put."""
+        if self.mode == "off" or not self.ids:
+            return []
+        walked = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is MODULE_CALL_CODE:
+                fid = self.ids.get(id(frame.f_locals.get("self")))
+                if fid is not None:
+                    walked.append(fid)
+            frame = frame.f_back
+        walked.reverse()
+        stack = module_stack.stack
+        n = len(stack)
+        if len(walked) <= n or stack != walked[:n]:
+            return []
+        missing = walked[n:]
+        stack.extend(missing)
+        return missing
+
+    @staticmethod
+    def unseed(seeded: list[int]) -> None:
+        """The capture closes: take off what `seed()` put there, if it is still on top."""
+        if seeded:
+            stack = module_stack.stack
+            if stack[-len(seeded):] == seeded:
+                del stack[-len(seeded):]
 
 
 __all__ = ["ModuleAttribution", "MODES", "is_wrapper", "compiled_inside"]

@@ -269,7 +269,7 @@ def _copy_into(dst, src) -> None:
 class _Region:
     """One open capture on one thread: the mode pushed, its records, maybe a replayable graph."""
 
-    __slots__ = ("trace", "capture", "mode", "graph", "first_storage", "paused")
+    __slots__ = ("trace", "capture", "mode", "graph", "first_storage", "paused", "seeded")
 
     def __init__(self, trace: "Trace", label: str | None, kind: str, emulate: bool):
         self.trace = trace
@@ -280,14 +280,24 @@ class _Region:
             self.graph.capture = self.capture
         self.mode = RecordingMode(trace.recorder, self.capture, self.graph)
         self.paused = None
+        self.seeded: list[int] | None = None
 
     def open(self) -> None:
-        provenance = self.trace.provenance  # never runs under a capture: Note [provenance]
-        self.paused = provenance.pause() if provenance is not None else None
-        self.mode.__enter__()
+        self.seeded = self.trace._capture_opens()  # Note [attribution while serving]
+        try:
+            provenance = self.trace.provenance  # never runs under a capture: Note [provenance]
+            self.paused = provenance.pause() if provenance is not None else None
+            self.mode.__enter__()
+        except BaseException:
+            self.trace._capture_closes(self.seeded)
+            self.seeded = None
+            raise
 
     def close(self) -> None:
         self.mode.__exit__(None, None, None)
+        if self.seeded is not None:
+            self.trace._capture_closes(self.seeded)
+            self.seeded = None
         if self.trace.provenance is not None:
             self.trace.provenance.resume(self.paused)
         self.mode.finish()
@@ -490,7 +500,9 @@ class _CudaGraphPatch:
 # opens its trace with `record="always"` and steers by hand from vLLM's own warm-up and
 # update hooks (`pause_provenance=True`). A CUDA graph's replay is not a signal (serving
 # that only replays graphs runs no op through the mode; eager ops around the replays do,
-# until a watched model's forward). Cost: docs/performance.md, "A trace open while the
+# until a watched model's forward). Module attribution pauses with them, and the serve hooks
+# come off meanwhile, so a serving forward passes no graphtrace code (Note [attribution while
+# serving] in graphtrace/attribution.py). Cost: docs/performance.md, "A trace open while the
 # model serves".
 
 
@@ -537,8 +549,11 @@ class Trace:
         self._auto_paused = False  # paused by that rule: the next update resumes it
         self._updating = 0         # depth of `with t.updating():` blocks
         self._manual = False       # pause_provenance()/resume_provenance() called: no rule
-        self._model_hooks: dict[str, list] = {}  # model name -> its hooks' handles
+        self._model_hooks: dict[str, list] = {}  # model name -> its update hooks' handles
+        self._serve_hooks: dict[str, Any] = {}   # model name -> its serve hook, while recording
         self._global_hooks: list = []
+        self._capturing = 0  # capture regions open, all threads (Note [attribution while serving])
+        self._capturing_lock = threading.Lock()
         self._patch = _CudaGraphPatch(self)
         self.compiled_regions = CompiledPatch(self)  # compiled regions: Note [Compiled regions]
         self._open = False
@@ -828,8 +843,26 @@ class Trace:
         for handle in self._model_hooks.pop(name, ()):
             handle.remove()
         self._model_hooks[name] = [
-            model.register_load_state_dict_pre_hook(_RuleHook(self, "update")),
-            model.register_forward_pre_hook(_RuleHook(self, "serve"))]
+            model.register_load_state_dict_pre_hook(_RuleHook(self, "update"))]
+        old = self._serve_hooks.pop(name, None)
+        if old is not None:
+            old.remove()
+        if not self._auto_paused:
+            self._serve_hooks[name] = model.register_forward_pre_hook(
+                _RuleHook(self, "serve"), prepend=True)
+
+    def _hook_serving(self, on: bool) -> None:
+        """The forward pre-hooks that pause the rule: on while it records, off while paused,
+        so that a serving forward passes no hook (Note [attribution while serving])."""
+        if not on:
+            for handle in self._serve_hooks.values():
+                handle.remove()
+            self._serve_hooks.clear()
+            return
+        for name, model in self.models.items():
+            if name not in self._serve_hooks:
+                self._serve_hooks[name] = model.register_forward_pre_hook(
+                    _RuleHook(self, "serve"), prepend=True)
 
     def _remove_update_hooks(self) -> None:
         for handle in self._global_hooks:
@@ -839,7 +872,45 @@ class Trace:
             for handle in handles:
                 handle.remove()
         self._model_hooks.clear()
+        self._hook_serving(False)
         self._auto_paused = False
+
+    def _attribution_on(self) -> None:
+        """Module attribution back on (an update began, the rule was taken over by hand)."""
+        try:
+            self._attribution.resume()
+        except Exception as exc:  # fail open: attribution off costs names, never the engine
+            self.recorder.fail("module attribution resume", exc)
+
+    def _attribution_off(self) -> None:
+        """The rule paused: module attribution off too, unless a capture is open (on any
+        thread); the last one to close turns it off then (Note [attribution while serving])."""
+        with self._capturing_lock:
+            if self._capturing or not self._auto_paused:
+                return
+            try:
+                self._attribution.pause()
+            except Exception as exc:
+                self.recorder.fail("module attribution pause", exc)
+
+    def _capture_opens(self) -> list[int]:
+        """A capture region opens on this thread: attribution on for it, and the watched
+        modules already running put on this thread's module stack (what `seed` found)."""
+        with self._capturing_lock:
+            self._capturing += 1
+            if self._attribution.paused:
+                self._attribution_on()
+        try:
+            return self._attribution.seed()
+        except Exception as exc:
+            self.recorder.fail("module attribution seed", exc)
+            return []
+
+    def _capture_closes(self, seeded: list[int]) -> None:
+        self._attribution.unseed(seeded)
+        with self._capturing_lock:
+            self._capturing -= 1
+        self._attribution_off()
 
     def _serving(self) -> None:
         """A watched model's forward began: under ``record="auto"``, once graphs exist,
@@ -856,6 +927,9 @@ class Trace:
             self._auto_paused = p.suspended
         except Exception as exc:  # fail open: recording on costs time, never the engine
             self.recorder.fail("provenance pause", exc)
+        if self._auto_paused:  # Note [attribution while serving]
+            self._hook_serving(False)
+            self._attribution_off()
 
     def _update_begins(self) -> None:
         """An update began (Note [recording while serving]): undo the rule's pause."""
@@ -868,6 +942,12 @@ class Trace:
             self._auto_paused = False
         except Exception as exc:
             self.recorder.fail("provenance resume", exc)
+        self._rule_records()
+
+    def _rule_records(self) -> None:
+        """The rule's pause is over: attribution and the serve hooks back on."""
+        self._attribution_on()
+        self._hook_serving(self._rule_on() and not self._manual)
 
     @contextlib.contextmanager
     def updating(self):
@@ -888,6 +968,7 @@ class Trace:
         if p is not None and p.suspended:
             self._auto_paused = False
             p.unsuspend()
+            self._rule_records()
         try:
             yield self
         finally:
@@ -911,6 +992,7 @@ class Trace:
             self.provenance.suspend()
             self._auto_paused = False
             self._manual = True  # steered by hand from now on: Note [recording while serving]
+            self._attribution_on()
 
     def resume_provenance(self) -> None:
         """Note creation sites again after `pause_provenance` (around a weight update); steered
@@ -920,6 +1002,7 @@ class Trace:
             self.provenance.unsuspend()
             self._auto_paused = False
             self._manual = True
+            self._attribution_on()
 
     @contextlib.contextmanager
     def provenance_paused(self):

@@ -74,12 +74,13 @@ def test_bench_guard_quick(tmp_path):
 def test_bench_serving_quick(tmp_path):
     out_file = tmp_path / "serving.txt"
     out = _run("bench_serving.py", "--out", str(out_file))
-    for workload in ("mlp", "elementwise"):
+    for workload in ("mlp", "elementwise", "identity"):
         assert f"## {workload}:" in out, workload
     for row in ("no trace open", "gt.trace(model) (defaults)", "defaults, after a load_state_dict",
                 'record="always"', "provenance=False"):
         assert row in out, row
-    assert out.count("goal: defaults <= 1.1x no trace") == 2
+    assert out.count("goal: defaults <= 1.1x no trace") == 3
+    assert out.count("+us/call") == 3 and "11 module calls per forward" in out  # identity, 4 blocks
     # what the rule says: paused while serving by default, recording with record="always"
     rows = {line[:34].strip(): line.split()[-1] for line in out.splitlines()
             if line.startswith(("gt.trace(model)", "defaults,", 'record="always"'))}

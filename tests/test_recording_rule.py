@@ -173,3 +173,221 @@ def test_the_rule_leaves_nothing_on_the_model():
 def test_bad_record_value_is_refused():
     with pytest.raises(ValueError, match="record must be one of"):
         gt.trace(record="never")
+
+
+# --------------------------------------------------------------------------- attribution
+# Note [attribution while serving]: module attribution's keepers are off while the model
+# serves (no wrapper, no hook on a serving forward's path), on again for captures and updates.
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.norm(self.proj(x)).relu()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(x * 2))
+
+
+NET_MODULES = {"aten::mul.Tensor": ["net:"],
+               "aten::addmm": ["blocks.0.proj", "blocks.1.proj", "head"],
+               "aten::native_layer_norm": ["blocks.0.norm", "blocks.1.norm"],
+               "aten::relu": ["blocks.0", "blocks.1"]}
+
+
+def _modules_of(t, graph: str) -> dict[str, list[str]]:
+    """Per op name, the module of each of its calls in `graph` ("net:" prefix dropped)."""
+    df = t.accesses
+    df = df[(df.graph.astype(str) == graph) & (df.access.astype(str) == "read")]
+    out: dict[str, list[str]] = {}
+    for (_, op), module in dict(zip(zip(df.seq, df.op.astype(str)),
+                                    df.module.astype(str))).items():
+        out.setdefault(op, []).append(module[4:] if module.startswith("net:") and
+                                      module != "net:" else module)
+    return {op: out.get(op, []) for op in NET_MODULES}
+
+
+def _keepers(model) -> list[str]:
+    """What graphtrace left on the path of a module call: instance forwards and hooks."""
+    return [f"{name or 'root'}: {what}" for name, m in model.named_modules()
+            for what, on in (("forward", "forward" in m.__dict__),
+                             ("pre-hooks", bool(m._forward_pre_hooks)),
+                             ("hooks", bool(m._forward_hooks))) if on]
+
+
+@pytest.mark.parametrize("modules", ["forward", "hooks"])
+def test_a_serving_forward_passes_no_keeper_and_captures_are_still_attributed(modules):
+    model, x = Net(), torch.randn(3, 4)
+    with gt.trace(model, strict=True, name="net", modules=modules) as t:
+        with torch.no_grad():
+            model(x)
+            assert _keepers(model)  # loading and warm-up: attributed, the rule's hook on
+            with gt.capture("first", emulate=False):
+                model(x)
+            model(x)  # serves: the rule pauses
+            assert not t.provenance_recording
+            assert _keepers(model) == []  # every call on nn.Module's fast path
+            with gt.capture("paused", emulate=False):  # a capture while serving
+                assert _keepers(model)
+                model(x)
+            assert _keepers(model) == []
+            model.load_state_dict(model.state_dict())  # an update resumes the rule
+            assert t.provenance_recording and _keepers(model)
+            with gt.capture("updated", emulate=False):
+                model(x)
+            model(x)
+            assert _keepers(model) == []
+    for graph in ("first", "paused", "updated"):
+        assert _modules_of(t, graph) == NET_MODULES, graph
+    assert _keepers(model) == []
+
+
+def test_a_capture_opened_inside_a_serving_forward_names_the_modules_running():
+    """A capture that begins inside forwards begun while attribution was off (an engine
+    capturing a new size lazily) names the watched modules already running."""
+    class Runner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = Net()
+            self.capture_next = False
+
+        def forward(self, x):
+            if not self.capture_next:
+                return self.net(x)
+            with gt.capture("lazy", emulate=False):
+                return self.net(x) + x.sum()
+
+    runner, x = Runner(), torch.randn(3, 4)
+    with gt.trace(runner, strict=True, name="run") as t:
+        with torch.no_grad():
+            with gt.capture("first", emulate=False):
+                runner(x)
+            runner(x)
+            assert _keepers(runner) == []
+            runner.capture_next = True
+            runner(x)
+            assert _keepers(runner) == [] and not gt.recorder.module_stack.stack
+    df = t.accesses
+    df = df[(df.graph.astype(str) == "lazy") & (df.access.astype(str) == "read")]
+    modules = dict(zip(df.op.astype(str), df.module.astype(str)))
+    assert modules["aten::sum"] == "run:"  # in the runner's own forward
+    assert modules["aten::mul.Tensor"] == "run:net"
+    assert set(df[df.op.astype(str) == "aten::addmm"].module.astype(str)) == {
+        "run:net.blocks.0.proj", "run:net.blocks.1.proj", "run:net.head"}
+
+
+def test_a_capture_on_another_thread_keeps_attribution_while_the_model_serves():
+    model, other, x = Net(), nn.Linear(4, 4), torch.randn(3, 4)
+    opened, served = __import__("threading").Event(), __import__("threading").Event()
+
+    def capture_there():
+        with gt.capture("there", emulate=False):
+            opened.set()
+            served.wait(30)
+            other(x)
+
+    with gt.trace(model, strict=True, name="net") as t:
+        t.watch(other, name="other")
+        with torch.no_grad():
+            with gt.capture("first", emulate=False):
+                model(x)
+            th = __import__("threading").Thread(target=capture_there)
+            th.start()
+            opened.wait(30)
+            model(x)  # serves while the other thread captures
+            assert not t.provenance_recording and _keepers(other)
+            served.set()
+            th.join()
+            assert _keepers(other) == [] and _keepers(model) == []
+    df = t.accesses
+    there = df[(df.graph.astype(str) == "there") & (df.op.astype(str) == "aten::addmm")]
+    assert set(there.module.astype(str)) == {"other:"}
+
+
+def _counting(frames: list):
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+    return backend
+
+
+class Outer(nn.Module):
+    """An eager model around a compiled part, as vLLM's `support_torch_compile` does."""
+
+    def __init__(self, frames: list):
+        super().__init__()
+        self.body = Net()
+        self.compiled = torch.compile(self.body, backend=_counting(frames))
+        self.use_compiled = True
+        self.tail = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.tail((self.compiled if self.use_compiled else self.body)(x))
+
+
+@pytest.mark.parametrize("modules", ["forward", "hooks"])
+@pytest.mark.parametrize("compiled_when", ["loading", "serving"])
+def test_a_compiled_model_is_not_compiled_again_across_serving_and_capturing(modules,
+                                                                              compiled_when):
+    torch._dynamo.reset()
+    frames: list = []
+    x = torch.randn(3, 4)
+    with gt.trace(strict=True, modules=modules) as t:
+        model = Outer(frames)
+        t.watch(model, name="net")
+        model.use_compiled = compiled_when == "loading"
+        with torch.no_grad():
+            model(x)  # compiled here while recording (attribution on), or not yet
+            with gt.capture("first", emulate=False):
+                model(x)
+            model(x)  # serves: attribution off
+            assert not t.provenance_recording
+            model.use_compiled = True
+            model(x)  # compiled while serving, if not yet
+            assert len(frames) == 1
+            for _ in range(2):
+                with gt.capture("again", emulate=False):  # attribution on for it
+                    model(x)
+                model(x)
+                model.load_state_dict(model.state_dict())  # resumes the rule
+                assert t.provenance_recording
+                model(x)  # serves again
+                model(x)
+            assert len(frames) == 1
+    torch._dynamo.reset()
+    df = t.accesses
+    tail = df[(df.graph.astype(str) == "again") & (df.op.astype(str) == "aten::addmm")]
+    assert "net:tail" in set(tail.module.astype(str))
+
+
+def test_a_failing_attribution_pause_is_counted_and_serving_goes_on(monkeypatch):
+    from graphtrace.attribution import ModuleAttribution
+
+    def broken(self):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ModuleAttribution, "pause", broken)
+    model, x = Net(), torch.randn(3, 4)
+    with torch.no_grad():
+        expected = model(x)
+        with gt.trace(model, name="net") as t:
+            with gt.capture("first", emulate=False):
+                model(x)
+            assert torch.equal(model(x), expected)
+            assert not t.provenance_recording  # provenance paused all the same
+        assert t.recorder.n_errors == 1 and "boom" in t.errors[0]["message"]
+        with pytest.raises(RuntimeError, match="boom"):
+            with gt.trace(model, strict=True):
+                with gt.capture("first", emulate=False):
+                    model(x)
+                model(x)
