@@ -90,7 +90,8 @@ from typing import Callable
 logger = logging.getLogger("graphtrace.vllm")
 
 __all__ = ["ServeGuard", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDATES", "local_guards", "before_step",
-           "drain_step", "DRAIN", "after_client_step", "mark_remote_update"]
+           "drain_step", "DRAIN", "after_client_step", "client_stream", "mark_remote_update",
+           "REFUSED"]
 
 ACTIONS = ("raise", "warn", "recapture")
 # Blind-spot kinds the engine's guard accepts (Note [blind spots in the guard], graphtrace/guard.py):
@@ -458,8 +459,8 @@ def before_step(core):
     try:
         if getattr(core, "batch_queue", None):
             return DRAIN  # batches in flight (async scheduling): finish them, schedule none
-        if not core.scheduler.has_requests():
-            return None
+        if not core.scheduler.has_unfinished_requests():
+            return None  # nothing to schedule, no forward: finished requests are flushed
     except Exception:
         logger.exception("graphtrace: before_step (ignored)")
         return None
@@ -567,22 +568,84 @@ def _errored(output) -> bool:
 def _ask_refusal(llm_engine):
     """The workers' standing refusal (``collective_rpc("graphtrace_refusal")``, the normal
     RPC path) as one `StaleGraphError`, or None (the error was not graphtrace's)."""
-    import pandas as pd
-
-    from graphtrace.guard import StaleGraphError
-
     try:
-        answers = [a for a in llm_engine.collective_rpc("graphtrace_refusal") if a]
+        answers = llm_engine.collective_rpc("graphtrace_refusal")
     except Exception:
         if _strict():
             raise
         logger.exception("graphtrace: asking the workers why a step failed (ignored)")
         return None
+    return _refusal(answers)
+
+
+def _refusal(answers):
+    """One `StaleGraphError` from the workers' ``refusal_info`` answers (None where none
+    refused). Its message says what it is, for clients that see only the text (an HTTP
+    client of ``vllm serve``: Note [check before serve], 5.)."""
+    import pandas as pd
+
+    from graphtrace.guard import StaleGraphError
+
+    answers = [a for a in answers or () if a]
     if not answers:
         return None
     frames = [pd.DataFrame(a["rows"], columns=a["columns"]) for a in answers]
     problems = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
-    return StaleGraphError("\n".join(a["message"] for a in answers), problems)
+    return StaleGraphError(REFUSED + "\n".join(a["message"] for a in answers), problems)
+
+
+REFUSED = "StaleGraphError: the engine refuses to serve until a correct weight update: "
+
+
+# -- the async client (Note [check before serve], 5.) ------------------------------------------
+
+def client_stream(engine, stream):
+    """``AsyncLLM.generate``'s output ``stream`` for one request, as its caller iterates it:
+    unchanged, except that a final output finished with ``finish_reason="error"`` while the
+    workers' refusal stands is replaced by raising that `StaleGraphError`."""
+    if not _remote["on"]:
+        return stream
+    return _refusing_stream(engine, stream)
+
+
+async def _refusing_stream(engine, stream):
+    import contextlib
+
+    refused = None
+    async with contextlib.aclosing(stream):  # closed early by the caller: vLLM aborts the request
+        async for out in stream:
+            if refused is None and _errored(out):
+                refused = await _ask_refusal_async(engine)
+                if refused is not None:
+                    continue  # the request's last output: the stream ends after it
+            yield out
+    if refused is not None:
+        raise refused
+
+
+async def _ask_refusal_async(engine):
+    """`_ask_refusal` for an ``AsyncLLM``: ``await engine.collective_rpc("graphtrace_refusal")``,
+    one query for all the requests a step refused (their streams wait on the same one)."""
+    import asyncio
+
+    state = engine.__dict__
+    query = state.get("_graphtrace_refusal_query")
+    if query is None:
+        query = asyncio.ensure_future(engine.collective_rpc("graphtrace_refusal"))
+        state["_graphtrace_refusal_query"] = query
+
+        def done(_):
+            if state.get("_graphtrace_refusal_query") is query:
+                del state["_graphtrace_refusal_query"]
+        query.add_done_callback(done)
+    try:
+        answers = await asyncio.shield(query)  # a cancelled waiter leaves it to the others
+    except Exception:
+        if _strict():
+            raise
+        logger.exception("graphtrace: asking the workers why a request failed (ignored)")
+        return None
+    return _refusal(answers)
 
 
 # -- several ranks (Note [one rank raises] in graphtrace/vllm/plugin.py) -----------------------
