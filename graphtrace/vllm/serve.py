@@ -23,9 +23,14 @@ capture-time owners first, if graphs were captured since) and the check runs onc
 2. at an explicit end of update: ``collective_rpc("graphtrace_check")`` (plugin) or
    ``vt.check()`` (in process);
 3. otherwise before the next forward: vLLM 0.32's ``EngineCore.step`` (and
-   ``step_with_batch_queue``) is wrapped; when requests wait and an update is pending, the
-   check runs before ``scheduler.schedule()`` (batches still in flight under async
-   scheduling are drained first, scheduling nothing new: `drain_step`). A raise from the worker's ``execute_model``
+   ``step_with_batch_queue``) is wrapped; when unfinished requests wait and an update is
+   pending, the check runs before ``scheduler.schedule()`` (batches still in flight under async
+   scheduling are drained first, scheduling nothing new: `drain_step`). A step with only
+   finished requests to hand to the workers (``has_requests()`` but no unfinished one: the
+   step after a refusal) schedules no token and runs no forward; it is not checked, else the
+   engine core's busy loop, which steps while ``has_requests()``, would check again and
+   again while the refusal stands (it did: a check every ~20 ms, each a line of
+   ``checks.jsonl`` and a CSV). A raise from the worker's ``execute_model``
    comes after the scheduler has scheduled the step's requests; they never get their
    ``update_from_output``, and the next ``generate`` spins forever (the issue's finding).
    Before scheduling, the step can be refused cleanly: every unfinished request is finished
@@ -46,6 +51,27 @@ capture-time owners first, if graphs were captured since) and the check runs onc
    engine core refuses every step until a correct update, so the rest follow), ``llm.generate``
    raises that `StaleGraphError`, with the problems (holder paths) as a DataFrame, as in one
    process. An error that is not graphtrace's (no refusal stands) is left to vLLM.
+5. ``AsyncLLM`` (``vllm serve``, async RL rollouts; its engine core is always in another
+   process). Its ``generate`` yields each request's outputs from a queue that its output
+   handler fills; an exception put there reaches the caller wrapped as
+   ``EngineGenerateError`` (``generate`` re-raises only vLLM's client errors, dead-engine and
+   input-stream errors as they are: vllm/v1/engine/async_llm.py:787-820), and nothing async
+   can be awaited in the output handler's synchronous ``process_outputs``. So the hook is
+   ``AsyncLLM.generate`` itself (`client_stream`, plugin processes only): the stream is
+   passed through until a request's final output is finished with ``finish_reason="error"``;
+   then it asks the workers as in 4. (``await engine.collective_rpc("graphtrace_refusal")``,
+   one query shared by the requests of a refused step) and, where a refusal stands, raises
+   it in place of that output, after vLLM's own stream has ended normally (its request
+   state is closed, nothing to abort). ``async for out in engine.generate(...)`` raises the
+   `StaleGraphError` itself, ``.problems`` with the holder; the other requests of the step
+   get the same; the engine is not dead (``errored`` stays False) and serves again after a
+   correct update. Behind ``vllm serve`` (the plugin is loaded in the API server process
+   too) the exception cannot cross HTTP: the OpenAI server answers it as any non-vLLM
+   exception, HTTP 500 ``InternalServerError`` with ``str(exc)`` as the message
+   (vllm/entrypoints/serve/exception_handling/error_response.py), or, streamed, one ``data:
+   {"error": ...}`` event; the message starts with ``StaleGraphError:`` (`REFUSED`) and
+   names the holder (without the plugin in the client, vLLM's own answer to
+   ``finish_reason="error"``: HTTP 500 "Internal server error").
 
 Note [in-place writes]
 ~~~~~~~~~~~~~~~~~~~~~~

@@ -48,8 +48,8 @@ def _run(run_result_script, model_dir, changed, tmp_path: Path, mode: str, paths
         env["GRAPHTRACE_VLLM"] = "guard"
     else:
         env.pop("GRAPHTRACE_VLLM", None)
-    args = (mode,) if script == "serve_run.py" else ()
-    return run_result_script(script, model_dir, changed, *args, paths, *extra, env=env,
+    args = (mode, paths) if script == "serve_run.py" else (paths,) if paths else ()
+    return run_result_script(script, model_dir, changed, *args, *extra, env=env,
                              timeout=timeout)
 
 
@@ -195,3 +195,38 @@ def test_async_llm_client_gets_stale_graph_error(tiny_llama_dir, changed_llama, 
         assert stale["after_generate"]["dirty"] and not stale["holder_is_captured"]
         assert not (clean["errored"] or stale["errored"] or fixed["errored"])  # alive throughout
     assert all(g["ok"] for g in result["final"]) and not result["errored"]
+
+
+def test_vllm_serve_http_client_sees_the_refusal(tmp_path_factory, tmp_path, run_result_script):
+    """``vllm serve`` (the OpenAI server's ``AsyncLLM`` in the API server process, the plugin
+    loaded there too): verl's update through the dev-mode ``POST /collective_rpc``. The
+    exception type cannot cross HTTP; the client reads the text: a stale update's
+    ``/v1/completions`` answers HTTP 500 ``InternalServerError`` (vLLM's generic handler for a
+    non-vLLM exception) whose message says ``StaleGraphError`` and names the holder; streamed,
+    HTTP 200 and then one ``data: {"error": ...}`` event (code 500) before ``[DONE]``. It
+    serves again after a correct update."""
+    from graphtrace.vllm import tiny
+
+    model = tiny.make_tiny_llama(tmp_path_factory.mktemp("tiny-tok"), seed=0, tokenizer=True)
+    changed = tiny.write_changed_checkpoint(model, tmp_path_factory.mktemp("tiny-tok-changed"))
+    r = _run(run_result_script, model, changed, tmp_path, "plugin_http", "",
+             script="http_run.py", extra=(tmp_path / "server.log",), multiprocessing=True)
+    assert r["inject"]["body"]["results"] == [HOLDER]
+    assert r["baseline"]["status"] == 200
+    for step in ("clean", "fixed"):
+        assert r[step]["sync"]["status"] == 200
+        assert r[step]["plain"]["status"] == 200, r[step]["plain"]
+        assert r[step]["plain"]["body"]["choices"][0]["finish_reason"] == "length"
+        assert r[step]["stream"]["events"][-2]["choices"][0]["finish_reason"] == "length"
+        assert not r[step]["status"]["dirty"]
+    assert r["fixed"]["plain"]["body"]["choices"] == r["clean"]["plain"]["body"]["choices"]
+    stale = r["stale"]
+    assert stale["sync"]["status"] == 200  # the update itself completes
+    error = stale["plain"]["body"]["error"]
+    assert stale["plain"]["status"] == 500 and error["type"] == "InternalServerError", error
+    assert error["message"].startswith("StaleGraphError: ") and HOLDER in error["message"]
+    events = stale["stream"]["events"]
+    assert stale["stream"]["status"] == 200 and events[-1] == "[DONE]" and len(events) == 2
+    assert events[0]["error"]["code"] == 500 and HOLDER in events[0]["error"]["message"]
+    assert "StaleGraphError" in events[0]["error"]["message"]
+    assert stale["status"]["dirty"] and not stale["status"]["last"]["ok"]
