@@ -85,8 +85,12 @@ def _assert_client_path(r: dict, path: str, in_process: bool) -> None:
     expected = 2 if path == "openrlhf" else 1  # openrlhf: + the explicit graphtrace_check
     if in_process:
         assert stale["checks"] == expected, (path, stale["after_generate"])
-    else:  # requests reach the engine core one by one: each refused step checks again
-        assert stale["checks"] >= expected, (path, stale["after_generate"])
+    else:  # the requests may reach the engine core one by one: each refused step checks
+        # again, but not a step that only flushes the refused ones (no check in a loop)
+        from graphtrace.vllm import tiny
+
+        assert expected <= stale["checks"] <= expected + len(tiny.PROMPTS) - 1, (
+            path, stale["after_generate"])
     if path == "openrlhf":
         assert not stale["explicit"]["ok"] and HOLDER in stale["explicit"]["message"]
         if in_process:
