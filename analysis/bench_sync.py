@@ -111,6 +111,9 @@ class _Core:
     """What the pre-step test reads of vLLM's EngineCore."""
 
     class _Scheduler:
+        def has_unfinished_requests(self):  # what serve.before_step asks
+            return True
+
         def has_requests(self):
             return True
 

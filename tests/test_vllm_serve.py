@@ -42,13 +42,17 @@ class Engine:  # what a ServeGuard reads of its VllmTrace
 
 
 class Core:  # what the pre-step test reads of vLLM's EngineCore
-    def __init__(self, requests=True, batch_queue=None):
+    def __init__(self, requests=True, batch_queue=None, finished=False):
         self.requests = requests
+        self.finished = finished  # finished requests the next schedule() hands the workers
         self.batch_queue = batch_queue
         self.scheduler = self
 
-    def has_requests(self):
+    def has_unfinished_requests(self):
         return self.requests
+
+    def has_requests(self):
+        return self.requests or self.finished
 
 
 @pytest.fixture
@@ -149,6 +153,17 @@ def test_an_in_place_write_is_checked_before_the_next_step(guarded):
         model.load_weights([("weight", model.weight + 1)])
         model.weight.add_(1)
     assert before_step(Core()) is None and sg.checks == 2
+
+
+def test_a_step_that_only_flushes_finished_requests_is_not_checked(guarded):
+    """After a refused step, the engine core's busy loop steps again while the finished
+    requests wait to be handed to the workers (``has_requests()``); such a step schedules
+    nothing and runs no forward: no check (a refused engine would check in a loop)."""
+    model, sg, _, _ = guarded
+    model.rebinds = True
+    _sync(model)
+    assert before_step(Core(requests=False, finished=True)) is None
+    assert sg.dirty and sg.checks == 0
 
 
 def test_a_holder_rebound_with_in_place_writes_is_refused(guarded):

@@ -40,7 +40,8 @@ class's ``load_weights`` is wrapped when the model is loaded (`wrap_model_update
 without raising: calls nested inside another, and ``load_weights`` inside an open transfer
 session, fire nothing (the model is half-updated until the session finishes). What the
 guard does with them: Note [check before serve] in graphtrace/vllm/serve.py, which also
-explains the wrapped ``EngineCore.step`` / ``collective_rpc`` and ``LLMEngine.step``.
+explains the wrapped ``EngineCore.step`` / ``collective_rpc``, ``LLMEngine.step`` and
+``AsyncLLM.generate``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ _TARGETS = {
     ],
     "vllm.v1.engine.llm_engine": [
         ("LLMEngine", "step", "client_step", None),
+    ],
+    "vllm.v1.engine.async_llm": [
+        ("AsyncLLM", "generate", "client_stream", None),
     ],
     "vllm.model_executor.model_loader.utils": [
         # verl runs it itself once after its buckets (None: a module-level function)
@@ -237,7 +241,8 @@ def _wrap(cls, method: str, before: str | None, after: str | None) -> None:
 def _wrap_serve(cls, method: str, role: str) -> None:
     """The engine's per-step and per-RPC points of Note [check before serve]
     (graphtrace/vllm/serve.py): ``step`` may be refused before it schedules anything,
-    ``rpc`` marks an update pending, ``client_step`` raises a refusal in the client."""
+    ``rpc`` marks an update pending, ``client_step`` (``LLMEngine.step``) and
+    ``client_stream`` (``AsyncLLM.generate``) raise a refusal in the client."""
     original = cls.__dict__.get(method)
     if original is None or getattr(original, "__graphtrace_wrapped__", False):
         return
@@ -251,6 +256,9 @@ def _wrap_serve(cls, method: str, role: str) -> None:
             if refused is not None:
                 return refused
             return original(self, *args, **kwargs)
+    elif role == "client_stream":  # an async generator function: its stream, wrapped
+        def wrapper(self, *args, **kwargs):
+            return serve.client_stream(self, original(self, *args, **kwargs))
     elif role == "rpc":
         def wrapper(self, method, *args, **kwargs):
             try:
@@ -281,7 +289,7 @@ def _patch_module(name: str) -> None:
                 continue
             if before == "update":
                 _wrap_update(cls, method, after)
-            elif before in ("step", "rpc", "client_step"):
+            elif before in ("step", "rpc", "client_step", "client_stream"):
                 _wrap_serve(cls, method, before)
             else:
                 _wrap(cls, method, before, after)

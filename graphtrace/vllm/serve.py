@@ -23,9 +23,14 @@ capture-time owners first, if graphs were captured since) and the check runs onc
 2. at an explicit end of update: ``collective_rpc("graphtrace_check")`` (plugin) or
    ``vt.check()`` (in process);
 3. otherwise before the next forward: vLLM 0.32's ``EngineCore.step`` (and
-   ``step_with_batch_queue``) is wrapped; when requests wait and an update is pending, the
-   check runs before ``scheduler.schedule()`` (batches still in flight under async
-   scheduling are drained first, scheduling nothing new: `drain_step`). A raise from the worker's ``execute_model``
+   ``step_with_batch_queue``) is wrapped; when unfinished requests wait and an update is
+   pending, the check runs before ``scheduler.schedule()`` (batches still in flight under async
+   scheduling are drained first, scheduling nothing new: `drain_step`). A step with only
+   finished requests to hand to the workers (``has_requests()`` but no unfinished one: the
+   step after a refusal) schedules no token and runs no forward; it is not checked, else the
+   engine core's busy loop, which steps while ``has_requests()``, would check again and
+   again while the refusal stands (it did: a check every ~20 ms, each a line of
+   ``checks.jsonl`` and a CSV). A raise from the worker's ``execute_model``
    comes after the scheduler has scheduled the step's requests; they never get their
    ``update_from_output``, and the next ``generate`` spins forever (the issue's finding).
    Before scheduling, the step can be refused cleanly: every unfinished request is finished
@@ -46,6 +51,27 @@ capture-time owners first, if graphs were captured since) and the check runs onc
    engine core refuses every step until a correct update, so the rest follow), ``llm.generate``
    raises that `StaleGraphError`, with the problems (holder paths) as a DataFrame, as in one
    process. An error that is not graphtrace's (no refusal stands) is left to vLLM.
+5. ``AsyncLLM`` (``vllm serve``, async RL rollouts; its engine core is always in another
+   process). Its ``generate`` yields each request's outputs from a queue that its output
+   handler fills; an exception put there reaches the caller wrapped as
+   ``EngineGenerateError`` (``generate`` re-raises only vLLM's client errors, dead-engine and
+   input-stream errors as they are: vllm/v1/engine/async_llm.py:787-820), and nothing async
+   can be awaited in the output handler's synchronous ``process_outputs``. So the hook is
+   ``AsyncLLM.generate`` itself (`client_stream`, plugin processes only): the stream is
+   passed through until a request's final output is finished with ``finish_reason="error"``;
+   then it asks the workers as in 4. (``await engine.collective_rpc("graphtrace_refusal")``,
+   one query shared by the requests of a refused step) and, where a refusal stands, raises
+   it in place of that output, after vLLM's own stream has ended normally (its request
+   state is closed, nothing to abort). ``async for out in engine.generate(...)`` raises the
+   `StaleGraphError` itself, ``.problems`` with the holder; the other requests of the step
+   get the same; the engine is not dead (``errored`` stays False) and serves again after a
+   correct update. Behind ``vllm serve`` (the plugin is loaded in the API server process
+   too) the exception cannot cross HTTP: the OpenAI server answers it as any non-vLLM
+   exception, HTTP 500 ``InternalServerError`` with ``str(exc)`` as the message
+   (vllm/entrypoints/serve/exception_handling/error_response.py), or, streamed, one ``data:
+   {"error": ...}`` event; the message starts with ``StaleGraphError:`` (`REFUSED`) and
+   names the holder (without the plugin in the client, vLLM's own answer to
+   ``finish_reason="error"``: HTTP 500 "Internal server error").
 
 Note [in-place writes]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -90,7 +116,8 @@ from typing import Callable
 logger = logging.getLogger("graphtrace.vllm")
 
 __all__ = ["ServeGuard", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDATES", "local_guards", "before_step",
-           "drain_step", "DRAIN", "after_client_step", "mark_remote_update"]
+           "drain_step", "DRAIN", "after_client_step", "client_stream", "mark_remote_update",
+           "REFUSED"]
 
 ACTIONS = ("raise", "warn", "recapture")
 # Blind-spot kinds the engine's guard accepts (Note [blind spots in the guard], graphtrace/guard.py):
@@ -458,8 +485,8 @@ def before_step(core):
     try:
         if getattr(core, "batch_queue", None):
             return DRAIN  # batches in flight (async scheduling): finish them, schedule none
-        if not core.scheduler.has_requests():
-            return None
+        if not core.scheduler.has_unfinished_requests():
+            return None  # nothing to schedule, no forward: finished requests are flushed
     except Exception:
         logger.exception("graphtrace: before_step (ignored)")
         return None
@@ -567,22 +594,84 @@ def _errored(output) -> bool:
 def _ask_refusal(llm_engine):
     """The workers' standing refusal (``collective_rpc("graphtrace_refusal")``, the normal
     RPC path) as one `StaleGraphError`, or None (the error was not graphtrace's)."""
-    import pandas as pd
-
-    from graphtrace.guard import StaleGraphError
-
     try:
-        answers = [a for a in llm_engine.collective_rpc("graphtrace_refusal") if a]
+        answers = llm_engine.collective_rpc("graphtrace_refusal")
     except Exception:
         if _strict():
             raise
         logger.exception("graphtrace: asking the workers why a step failed (ignored)")
         return None
+    return _refusal(answers)
+
+
+def _refusal(answers):
+    """One `StaleGraphError` from the workers' ``refusal_info`` answers (None where none
+    refused). Its message says what it is, for clients that see only the text (an HTTP
+    client of ``vllm serve``: Note [check before serve], 5.)."""
+    import pandas as pd
+
+    from graphtrace.guard import StaleGraphError
+
+    answers = [a for a in answers or () if a]
     if not answers:
         return None
     frames = [pd.DataFrame(a["rows"], columns=a["columns"]) for a in answers]
     problems = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
-    return StaleGraphError("\n".join(a["message"] for a in answers), problems)
+    return StaleGraphError(REFUSED + "\n".join(a["message"] for a in answers), problems)
+
+
+REFUSED = "StaleGraphError: the engine refuses to serve until a correct weight update: "
+
+
+# -- the async client (Note [check before serve], 5.) ------------------------------------------
+
+def client_stream(engine, stream):
+    """``AsyncLLM.generate``'s output ``stream`` for one request, as its caller iterates it:
+    unchanged, except that a final output finished with ``finish_reason="error"`` while the
+    workers' refusal stands is replaced by raising that `StaleGraphError`."""
+    if not _remote["on"]:
+        return stream
+    return _refusing_stream(engine, stream)
+
+
+async def _refusing_stream(engine, stream):
+    import contextlib
+
+    refused = None
+    async with contextlib.aclosing(stream):  # closed early by the caller: vLLM aborts the request
+        async for out in stream:
+            if refused is None and _errored(out):
+                refused = await _ask_refusal_async(engine)
+                if refused is not None:
+                    continue  # the request's last output: the stream ends after it
+            yield out
+    if refused is not None:
+        raise refused
+
+
+async def _ask_refusal_async(engine):
+    """`_ask_refusal` for an ``AsyncLLM``: ``await engine.collective_rpc("graphtrace_refusal")``,
+    one query for all the requests a step refused (their streams wait on the same one)."""
+    import asyncio
+
+    state = engine.__dict__
+    query = state.get("_graphtrace_refusal_query")
+    if query is None:
+        query = asyncio.ensure_future(engine.collective_rpc("graphtrace_refusal"))
+        state["_graphtrace_refusal_query"] = query
+
+        def done(_):
+            if state.get("_graphtrace_refusal_query") is query:
+                del state["_graphtrace_refusal_query"]
+        query.add_done_callback(done)
+    try:
+        answers = await asyncio.shield(query)  # a cancelled waiter leaves it to the others
+    except Exception:
+        if _strict():
+            raise
+        logger.exception("graphtrace: asking the workers why a request failed (ignored)")
+        return None
+    return _refusal(answers)
 
 
 # -- several ranks (Note [one rank raises] in graphtrace/vllm/plugin.py) -----------------------

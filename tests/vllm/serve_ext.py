@@ -115,6 +115,11 @@ class ServeTestExtension:
         self.graphtrace_test_loader()
         return mode
 
+    def graphtrace_test_pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     def graphtrace_test_holder_is_captured(self) -> bool:
         layer = _layer(self)
         return layer.injected_scale is _FIRST[id(layer)]
@@ -229,6 +234,23 @@ def reload_sync(llm, folder: str) -> int:
     llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
     return 1
 
+
+async def openrlhf_async_sync(engine, folder: str) -> int:
+    """OpenRLHF's sequence against an ``AsyncLLM`` (its async vLLM engine): one
+    ``await engine.collective_rpc("update_weight")`` per tensor."""
+    names = list(_checkpoint(folder))
+    for name in names:
+        await engine.collective_rpc("update_weight", kwargs={"name": name, "folder": folder})
+    return len(names)
+
+
+async def verl_async_sync(engine, folder: str) -> int:
+    """verl's async rollout (an ``AsyncLLM``): one ``collective_rpc("update_weights_from_ipc")``."""
+    return (await engine.collective_rpc("update_weights_from_ipc",
+                                        kwargs={"folder": folder}))[0]
+
+
+ASYNC_SYNCS = {"openrlhf": openrlhf_async_sync, "verl": verl_async_sync}
 
 SYNCS = {"trl": trl_sync, "openrlhf": openrlhf_sync, "verl": verl_sync, "inplace": inplace_sync,
          "reload": reload_sync}

@@ -3,8 +3,9 @@ each RL client path (serve_ext.py: TRL 1.16.0's own colocate sync, ``VLLMGenerat
 of trl/generation/vllm_generation.py; OpenRLHF's worker extension and verl's bucketed update,
 replayed; vLLM's reload_weights) pushes a clean update, a stale one (the layer's weight
 processing rebinds a derived holder the captured graph reads) and a correct one, guarded by
-``trace_llm(guard="raise")`` or by the plugin (``GRAPHTRACE_VLLM=guard``). The tiny fp32
-Llama runs on every CPU kind. Each engine runs in a subprocess (serve_run.py).
+``trace_llm(guard="raise")`` or by the plugin (``GRAPHTRACE_VLLM=guard``), with an ``LLM``
+client (serve_run.py) or vLLM's ``AsyncLLM`` (async_run.py). The tiny fp32 Llama runs on every
+CPU kind. Each engine runs in a subprocess.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ def changed_llama(tiny_llama_dir, tmp_path_factory):
 
 
 def _run(run_result_script, model_dir, changed, tmp_path: Path, mode: str, paths: str,
-         timeout: int = 600):
+         timeout: int = 600, script: str = "serve_run.py", extra: tuple = (),
+         multiprocessing: bool | None = None):
     from graphtrace.vllm import tiny
 
     env = dict(os.environ)
-    env.update(tiny.engine_env(str(tmp_path / "cache"), multiprocessing=mode == "plugin_mp"))
+    if multiprocessing is None:
+        multiprocessing = mode == "plugin_mp"
+    env.update(tiny.engine_env(str(tmp_path / "cache"), multiprocessing=multiprocessing))
     env.update(GRAPHTRACE_STRICT="1", GRAPHTRACE_VLLM_DIR=str(tmp_path / "out"),
                PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")]))
     env.pop("GRAPHTRACE_GUARD", None)  # the default: raise
@@ -44,7 +48,8 @@ def _run(run_result_script, model_dir, changed, tmp_path: Path, mode: str, paths
         env["GRAPHTRACE_VLLM"] = "guard"
     else:
         env.pop("GRAPHTRACE_VLLM", None)
-    return run_result_script("serve_run.py", model_dir, changed, mode, paths, env=env,
+    args = (mode, paths) if script == "serve_run.py" else (paths,) if paths else ()
+    return run_result_script(script, model_dir, changed, *args, *extra, env=env,
                              timeout=timeout)
 
 
@@ -80,8 +85,12 @@ def _assert_client_path(r: dict, path: str, in_process: bool) -> None:
     expected = 2 if path == "openrlhf" else 1  # openrlhf: + the explicit graphtrace_check
     if in_process:
         assert stale["checks"] == expected, (path, stale["after_generate"])
-    else:  # requests reach the engine core one by one: each refused step checks again
-        assert stale["checks"] >= expected, (path, stale["after_generate"])
+    else:  # the requests may reach the engine core one by one: each refused step checks
+        # again, but not a step that only flushes the refused ones (no check in a loop)
+        from graphtrace.vllm import tiny
+
+        assert expected <= stale["checks"] <= expected + len(tiny.PROMPTS) - 1, (
+            path, stale["after_generate"])
     if path == "openrlhf":
         assert not stale["explicit"]["ok"] and HOLDER in stale["explicit"]["message"]
         if in_process:
@@ -146,3 +155,82 @@ def test_client_paths_engine_core_in_another_process(tiny_llama_dir, changed_lla
         r = result["paths"][path]
         _assert_client_path(r, path, in_process=False)
     assert result["final"]["ok"]
+
+
+@pytest.mark.parametrize("backend", ["default", "uni"])
+def test_async_llm_client_gets_stale_graph_error(tiny_llama_dir, changed_llama, tmp_path,
+                                                 backend, run_result_script):
+    """vLLM's ``AsyncLLM`` (``vllm serve``, async RL rollouts; its engine core always in a
+    process of its own; the worker in another process (``default``: vLLM's multiprocessing
+    executor on CPU) or in the engine core's (``uni``: on CPU only with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which AsyncLLM itself ignores)): three requests at once after each
+    update. A stale update: every ``async for out in engine.generate(...)`` raises
+    `StaleGraphError` itself, with the problems naming the holder; the engine stays alive,
+    is checked once per refused step (not in a loop while idle), and serves again after a
+    correct update."""
+    from graphtrace.vllm import tiny
+
+    result = _run(run_result_script, tiny_llama_dir, changed_llama, tmp_path, "plugin_async",
+                  "verl,openrlhf", script="async_run.py", extra=(backend,),
+                  multiprocessing=backend == "default")
+    assert result["executor"] == ("mp" if backend == "default" else "uni"), result["executor"]
+    assert result["client_pid"] not in result["worker_pids"]
+    assert result["holder"] == HOLDER
+    n = len(tiny.PROMPTS)
+    assert all(g["ok"] for g in result["baseline"])
+    for path, r in result["paths"].items():
+        clean, stale, fixed = r["clean"], r["stale"], r["fixed"]
+        for step in (clean, fixed):  # one check, before the first forward; it serves
+            assert step["sync"]["ok"] and all(g["ok"] for g in step["generate"]), (path, step)
+            assert step["checks"] == 1, (path, step["after_generate"])
+            assert step["after_generate"]["last"]["ok"] and not step["after_generate"]["dirty"]
+        assert fixed["generate"] == clean["generate"] and fixed["holder_is_captured"]
+        assert stale["sync"]["ok"] and stale["after_sync"]["dirty"]  # nothing raised in the sync
+        for gen in stale["generate"] + stale["generate_again"]:  # each request: the error itself
+            assert not gen["ok"]
+            assert gen["type"] == "StaleGraphError", (path, gen)
+            assert gen["context"] is None and gen["cause"] is None, gen
+            assert gen["owners"] == [HOLDER], gen
+            assert "StaleGraphError" in gen["message"] and HOLDER in gen["message"], gen
+        # a refused step checks once; the requests may reach the engine core in up to n steps
+        assert 1 <= stale["checks"] <= n, (path, stale["checks"])
+        last = stale["after_generate"]["last"]
+        assert not last["ok"] and last["owners"] == [HOLDER] and last["verdicts"] == ["stale"]
+        assert stale["after_generate"]["dirty"] and not stale["holder_is_captured"]
+        assert not (clean["errored"] or stale["errored"] or fixed["errored"])  # alive throughout
+    assert all(g["ok"] for g in result["final"]) and not result["errored"]
+
+
+def test_vllm_serve_http_client_sees_the_refusal(tmp_path_factory, tmp_path, run_result_script):
+    """``vllm serve`` (the OpenAI server's ``AsyncLLM`` in the API server process, the plugin
+    loaded there too): verl's update through the dev-mode ``POST /collective_rpc``. The
+    exception type cannot cross HTTP; the client reads the text: a stale update's
+    ``/v1/completions`` answers HTTP 500 ``InternalServerError`` (vLLM's generic handler for a
+    non-vLLM exception) whose message says ``StaleGraphError`` and names the holder; streamed,
+    HTTP 200 and then one ``data: {"error": ...}`` event (code 500) before ``[DONE]``. It
+    serves again after a correct update."""
+    from graphtrace.vllm import tiny
+
+    model = tiny.make_tiny_llama(tmp_path_factory.mktemp("tiny-tok"), seed=0, tokenizer=True)
+    changed = tiny.write_changed_checkpoint(model, tmp_path_factory.mktemp("tiny-tok-changed"))
+    r = _run(run_result_script, model, changed, tmp_path, "plugin_http", "",
+             script="http_run.py", extra=(tmp_path / "server.log",), multiprocessing=True)
+    assert r["inject"]["body"]["results"] == [HOLDER]
+    assert r["baseline"]["status"] == 200
+    for step in ("clean", "fixed"):
+        assert r[step]["sync"]["status"] == 200
+        assert r[step]["plain"]["status"] == 200, r[step]["plain"]
+        assert r[step]["plain"]["body"]["choices"][0]["finish_reason"] == "length"
+        assert r[step]["stream"]["events"][-2]["choices"][0]["finish_reason"] == "length"
+        assert not r[step]["status"]["dirty"]
+    assert r["fixed"]["plain"]["body"]["choices"] == r["clean"]["plain"]["body"]["choices"]
+    stale = r["stale"]
+    assert stale["sync"]["status"] == 200  # the update itself completes
+    error = stale["plain"]["body"]["error"]
+    assert stale["plain"]["status"] == 500 and error["type"] == "InternalServerError", error
+    assert error["message"].startswith("StaleGraphError: ") and HOLDER in error["message"]
+    events = stale["stream"]["events"]
+    assert stale["stream"]["status"] == 200 and events[-1] == "[DONE]" and len(events) == 2
+    assert events[0]["error"]["code"] == 500 and HOLDER in events[0]["error"]["message"]
+    assert "StaleGraphError" in events[0]["error"]["message"]
+    assert stale["status"]["dirty"] and not stale["status"]["last"]["ok"]
