@@ -135,8 +135,9 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
 def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.ndarray, np.ndarray]:
     """Join names[codes] per run of equal keys (keys sorted): (unique keys, joined texts).
 
-    Vectorised: a run of one name is that very name object; only runs of several go through
-    string additions, of names with the separator put in front once per name."""
+    Vectorised: a run of one name is that very name object; runs of several are joined once
+    per distinct sequence of codes where the codes pack into one integer, else by string
+    additions of names with the separator put in front once per name."""
     if len(keys) == 0:
         return keys, np.empty(0, dtype=object)
     names = np.asarray(names, dtype=object)
@@ -145,18 +146,23 @@ def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.nd
     out = names[codes[starts]]
     lengths = np.diff(starts, append=len(keys))
     several = lengths > 1
+    # runs short enough to pack their codes into one integer: runs with the same names in the
+    # same order (most of them: every graph reads a layer's weight through the same ops) are
+    # joined once
     bits = int(len(names) + 1).bit_length()
-    if several.any() and bits * int(lengths.max()) <= 62:
-        # each run's codes packed into one integer: runs with the same names in the same
-        # order (most of them: every graph reads a layer's weight through the same ops) are
-        # joined once
-        pos = np.arange(len(keys)) - np.repeat(starts, lengths)
-        packed = np.add.reduceat((codes.astype(np.int64) + 1) << (bits * pos), starts)
-        _, first, inverse = np.unique(packed, return_index=True, return_inverse=True)
-        texts = np.array([sep.join(names[codes[s:s + n]].tolist())
-                          for s, n in zip(starts[first].tolist(), lengths[first].tolist())]
-                         + [None], dtype=object)[:-1]
-        return keys[starts], texts[inverse.reshape(-1)]
+    packed = several & (lengths <= 62 // bits)
+    if packed.any():
+        run_starts, run_lengths = starts[packed], lengths[packed]
+        rows = np.flatnonzero(np.repeat(packed, lengths))
+        pos = rows - np.repeat(run_starts, run_lengths)
+        offsets = np.r_[0, np.cumsum(run_lengths)[:-1]]
+        key = np.add.reduceat((codes[rows].astype(np.int64) + 1) << (bits * pos), offsets)
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        texts = np.array([sep.join(names[codes[s:s + n]].tolist()) for s, n in
+                          zip(run_starts[first].tolist(), run_lengths[first].tolist())]
+                         + [None], dtype=object)[:-1]  # an object array of str, not '<U..'
+        out[packed] = texts[inverse.reshape(-1)]
+    several &= ~packed
     if several.any():
         rows = np.flatnonzero(np.repeat(several, lengths))  # the rows of those runs
         first = new[rows]
