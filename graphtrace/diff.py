@@ -113,8 +113,9 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
     rows = []
     moved_to: dict[int, torch.Tensor] = {}  # storage id -> a live tensor an owner moved to
     moved_by: dict[int, tuple[str, str]] = {}  # storage id -> that owner's (model, path)
-    for sid in sids.tolist():
-        owners = captured.get(sid)
+    owned = np.fromiter(captured, dtype=np.int64, count=len(captured))
+    for sid in np.intersect1d(sids, owned, assume_unique=True).tolist():  # ascending
+        owners = captured[sid]
         if not owners:
             continue
         handle = handles[sid]
@@ -134,8 +135,9 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
 def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.ndarray, np.ndarray]:
     """Join names[codes] per run of equal keys (keys sorted): (unique keys, joined texts).
 
-    Vectorised: a run of one name is that very name object; only runs of several go through
-    string additions, of names with the separator put in front once per name."""
+    Vectorised: a run of one name is that very name object; runs of several are joined once
+    per distinct sequence of codes where the codes pack into one integer, else by string
+    additions of names with the separator put in front once per name."""
     if len(keys) == 0:
         return keys, np.empty(0, dtype=object)
     names = np.asarray(names, dtype=object)
@@ -144,6 +146,23 @@ def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.nd
     out = names[codes[starts]]
     lengths = np.diff(starts, append=len(keys))
     several = lengths > 1
+    # runs short enough to pack their codes into one integer: runs with the same names in the
+    # same order (most of them: every graph reads a layer's weight through the same ops) are
+    # joined once
+    bits = int(len(names) + 1).bit_length()
+    packed = several & (lengths <= 62 // bits)
+    if packed.any():
+        run_starts, run_lengths = starts[packed], lengths[packed]
+        rows = np.flatnonzero(np.repeat(packed, lengths))
+        pos = rows - np.repeat(run_starts, run_lengths)
+        offsets = np.r_[0, np.cumsum(run_lengths)[:-1]]
+        key = np.add.reduceat((codes[rows].astype(np.int64) + 1) << (bits * pos), offsets)
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        texts = np.array([sep.join(names[codes[s:s + n]].tolist()) for s, n in
+                          zip(run_starts[first].tolist(), run_lengths[first].tolist())]
+                         + [None], dtype=object)[:-1]  # an object array of str, not '<U..'
+        out[packed] = texts[inverse.reshape(-1)]
+    several &= ~packed
     if several.any():
         rows = np.flatnonzero(np.repeat(several, lengths))  # the rows of those runs
         first = new[rows]
@@ -172,10 +191,9 @@ def _freshness(lineage, sids: np.ndarray, handles, alive: np.ndarray,
         paths = live.get(model)
         return paths[path] if paths is not None else None
 
-    for sid in sids.tolist():
-        d = derived.get(sid)
-        if d is None:
-            continue
+    matched = np.fromiter(derived, dtype=np.int64, count=len(derived))
+    for sid in np.intersect1d(sids, matched, assume_unique=True).tolist():
+        d = derived[sid]
         texts[sid] = d.derived_from
         if alive[sid]:
             gone = freed_sources(d, resolve)
@@ -502,9 +520,10 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     edges.update(edge_columns(provenance, table, sids, verdict, owners, moved_to))
     texts = [""] + sorted(set(derived_from.values()))
     code = {t: i for i, t in enumerate(texts)}
-    edges["derived_from"] = pd.Categorical.from_codes(
-        np.fromiter((code[derived_from.get(s, "")] for s in sids.tolist()), dtype=np.int64,
-                    count=len(sids)), texts)
+    per_storage = np.zeros(n_storages, dtype=np.int64)  # per storage, then onto the edges
+    for sid, text in derived_from.items():
+        per_storage[sid] = code[text]
+    edges["derived_from"] = pd.Categorical.from_codes(per_storage[sids], texts)
     if lineage is not None and (lineage.ops_skipped or lineage.truncated):
         _add(spots, [BlindSpot("lineage", f"lineage hit its cap: {lineage.ops_skipped} ops not "
                                f"recorded (max {lineage.max_edges} edges), "

@@ -319,6 +319,30 @@ def test_edge_lists_distinct_ops_and_args_in_first_seen_order():
     del g, y
 
 
+def test_edge_ops_agree_with_the_accesses_for_shared_and_long_op_runs():
+    """Edges read through the same op sequence share one joined text, and a storage read by
+    many distinct ops (too many to pack per run) is joined the long way: both must list each
+    edge's distinct ops in the order its accesses first show them."""
+    model = torch.nn.Linear(4, 4)
+    xs = [torch.rand(2, 4) for _ in range(6)]
+    many = [torch.sin, torch.cos, torch.exp, torch.abs, torch.neg, torch.sigmoid, torch.tanh,
+            torch.relu, torch.sqrt, torch.square, torch.floor, torch.ceil, torch.round,
+            torch.trunc, torch.sign, torch.erf]
+    with gt.trace(model, strict=True) as t:
+        with gt.capture() as g:
+            ys = [x * 2 + x for x in xs[:3]]          # the same sequence: mul, add
+            ys += [x + 1 for x in xs[3:5]]            # another one
+            ys += [f(xs[5]) for f in many]            # one storage, 16 distinct ops
+    report = t.diff()
+    acc = t.accesses  # every access, in order: an edge lists its writing ops too
+    for sid, edge in report.edges.set_index("storage_id").iterrows():
+        seen = acc[acc["storage_id"] == sid]["op"].astype(str).tolist()
+        assert edge["ops"] == ";".join(dict.fromkeys(seen)), sid
+    long_edge = report.edges.set_index("data_ptr").loc[xs[5].data_ptr()]
+    assert long_edge["ops"].count(";") == len(many) - 1
+    del g, ys
+
+
 def _recorded_without_a_trace(model, x, native_module):
     """Records and a capture-time owner snapshot made by the lower layers' public API alone:
     a Recorder, one capture recorded by a RecordingMode, an OwnerSnapshot matched to it."""
