@@ -48,6 +48,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
+    "CONSTANT_FOLDING",
     "TESTED_TORCH", "TorchIncompatible", "TorchCompatWarning", "missing",
     # recording (required)
     "TorchDispatchMode", "disable_current_modes", "is_traceable_wrapper_subclass",
@@ -228,6 +229,10 @@ def load_compiled_fx_graph() -> type:
     from torch._inductor.output_code import CompiledFxGraph
 
     return CompiledFxGraph
+
+
+#: The module `load_constant_makers` imports first (already imported: Inductor is in use).
+CONSTANT_FOLDING = "torch._inductor.constant_folding"
 
 
 def load_constant_makers() -> list:

@@ -50,7 +50,9 @@ parameter; the constant keeps the old value, and the graph computes with it. No 
 owns the constant, and no dispatch mode sees it being made (compilation runs with modes
 off), so without more it is a blind spot of the whole region. While a trace is open
 Inductor's `replace_node_with_constant` (the one function freezing and constant folding make
-every constant with) is wrapped: for a constant computed from others (a folded node), the
+every constant with) is wrapped (at the trace's entry when Inductor's constant folding is
+already imported, else when Dynamo first hands a graph to a compiler: an eager engine's
+startup never imports freezing): for a constant computed from others (a folded node), the
 get_attr constants it was computed from (transitively through the node's inputs) are noted
 as its sources in the trace's lineage (`Lineage.derive`: a parameter frozen as itself is
 its own storage, so the sources end at the parameters). A constant without a storage is
@@ -65,6 +67,7 @@ graph cache, keeps its constants unexplained (the region's `compiled` blind spot
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Iterable, Sequence
@@ -72,6 +75,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from graphtrace._compat import (
+    CONSTANT_FOLDING,
     disable_current_modes,
     dispatch_stack_at,
     dispatch_stack_len,
@@ -295,6 +299,7 @@ class CompiledPatch:
         self._names_by_graph: dict[int, tuple[weakref.ref, list]] = {}
         self._lock = threading.Lock()
         self.installed = False
+        self._makers_wrapped = False  # Note [frozen constants]: wrapped on first need
         self.n_triton = 0
 
     @property
@@ -321,16 +326,17 @@ class CompiledPatch:
             return
         self._wrap(CompiledFxGraph, "__call__", self._make_call)
         self._wrap(CompiledFxGraph, "post_compile", self._make_post_compile)
-        try:  # Note [frozen constants]
-            for module in load_constant_makers():
-                self._wrap(module, "replace_node_with_constant", self._make_constant_maker)
-        except Exception:  # folded constants stay unexplained (a `compiled` blind spot)
-            pass
         try:
             OutputGraph = load_output_graph()
             self._wrap(OutputGraph, "call_user_compiler", self._make_user_compiler)
+            hooked = True
         except Exception:  # names fall back to positions
-            pass
+            hooked = False
+        # Note [frozen constants]; Inductor's constant folding and freezing (~50 ms to import
+        # in an eager vLLM engine, which never imports freezing) are wrapped now when already
+        # imported, else when Dynamo first hands a graph to a compiler (call_user_compiler)
+        if not hooked or CONSTANT_FOLDING in sys.modules:
+            self._wrap_constant_makers()
         if torch.cuda.is_available():
             try:
                 CachingAutotuner = load_caching_autotuner()
@@ -341,17 +347,31 @@ class CompiledPatch:
                                           "inputs are recorded", kind="compiled")
         self.installed = True
 
+    def _wrap_constant_makers(self) -> None:
+        if self._makers_wrapped:
+            return
+        self._makers_wrapped = True
+        try:
+            for module in load_constant_makers():
+                self._wrap(module, "replace_node_with_constant", self._make_constant_maker)
+        except Exception:  # folded constants stay unexplained (a `compiled` blind spot)
+            pass
+
     def uninstall(self) -> None:
         for cls, name, original in reversed(self.saved):
             setattr(cls, name, original)
         self.saved.clear()
         self.installed = False
+        self._makers_wrapped = False
 
     # -- compile time: Dynamo's names for the graph's inputs ---------------------------------
     def _make_user_compiler(self, original):
         pending = self._pending
+        patch = self
 
         def call_user_compiler(output_graph, gm, *args, **kwargs):
+            if not patch._makers_wrapped:
+                patch._wrap_constant_makers()  # before Inductor folds anything
             outer = pending.names
             try:
                 pending.names = _dynamo_names(gm)

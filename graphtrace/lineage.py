@@ -20,6 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphtrace._compat import free_weak_ref, op_schema, storage_weak_ref, weak_ref_expired
 from graphtrace._schema import op_info, tensors_in
+from graphtrace.clock import CLOCK
 from graphtrace.encoding import OUT_FRESH, WRITE
 
 __all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "Handle", "MAX_EDGES",
@@ -1058,6 +1059,8 @@ class HandleMode(_FunctionMode):
         out = func(*args, **kwargs)
         if torch.compiler.is_compiling():
             return out
+        if CLOCK is not None:  # Note [self clock] in graphtrace/clock.py
+            CLOCK.enter("lineage: handle mode")
         try:
             found = _INVISIBLE.get(func)
         except TypeError:  # an unhashable callable
@@ -1069,6 +1072,8 @@ class HandleMode(_FunctionMode):
             except Exception as exc:  # fail open
                 if lineage.fail is not None:
                     lineage.fail("lineage", exc)
+        if CLOCK is not None:
+            CLOCK.leave()
         return out
 
 

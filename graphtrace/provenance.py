@@ -35,6 +35,7 @@ from graphtrace._compat import (
     weak_ref_expired,
 )
 from graphtrace._schema import tensors_in
+from graphtrace.clock import CLOCK
 from graphtrace.sites import format_site, suggest_fix
 from graphtrace.vocab import BEFORE_TRACE, FIXES, NOT_RECORDED, STALE_VERDICTS
 
@@ -239,16 +240,23 @@ class ProvenanceMode(TorchDispatchMode):
             kwargs = {}
         out = func(*args, **kwargs)
         if not self.paused:
+            if CLOCK is not None:  # Note [self clock] in graphtrace/clock.py
+                CLOCK.enter("provenance: dispatch mode (note)")
             try:
                 self.provenance.note(func, args, kwargs, out)
             except Exception as exc:  # fail open: never break the traced program
                 self.provenance.fail("provenance", exc)
             lineage = self.provenance.lineage
             if lineage is not None:  # the same mode records lineage (Note [lineage])
+                if CLOCK is not None:
+                    CLOCK.leave()
+                    CLOCK.enter("lineage: dispatch mode (record)")
                 try:
                     lineage.record(func, args, kwargs, out)
                 except Exception as exc:
                     self.provenance.fail("lineage", exc)
+            if CLOCK is not None:
+                CLOCK.leave()
         return out
 
 

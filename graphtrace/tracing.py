@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from graphtrace import clock
 from graphtrace._compat import SCRATCH, disable_current_modes, storage_use_count
 from graphtrace._schema import map_tensors
 from graphtrace.attribution import ModuleAttribution
@@ -521,7 +522,9 @@ class Trace:
         if record not in RECORD:
             raise ValueError(f"record must be one of {RECORD}, got {record!r}")
         self._attribution = ModuleAttribution(modules)  # checks `modules` before any build
-        self.recorder = Recorder(strict=strict, native=_native.resolve(native))
+        with clock.section("native: load the recorder extension"):
+            native_module = _native.resolve(native)
+        self.recorder = Recorder(strict=strict, native=native_module)
         self.strict = strict
         # watched models by weak reference: a trace never keeps a model (or its storages) alive
         self._models: dict[str, weakref.ref] = {}
@@ -577,10 +580,12 @@ class Trace:
         self._patch.install()
         if self.provenance is not None:
             try:
-                self.provenance.start(self.models)
+                with clock.section("provenance: start (census of watched models)"):
+                    self.provenance.start(self.models)
             except Exception as exc:
                 self.recorder.fail("provenance start", exc)
-        self.compiled_regions.install()
+        with clock.section("compiled: install hooks"):
+            self.compiled_regions.install()
         self._install_update_hooks()
         return self
 
@@ -607,6 +612,10 @@ class Trace:
     # -- models ------------------------------------------------------------------------------
     def watch(self, model: torch.nn.Module, name: str | None = None) -> "Trace":
         """Learn who owns each storage in `model`; call any time before the reload."""
+        with clock.section("trace: watch"):  # Note [self clock] in graphtrace/clock.py
+            return self._watch(model, name)
+
+    def _watch(self, model: torch.nn.Module, name: str | None) -> "Trace":
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"graphtrace can only watch a torch.nn.Module, got {type(model).__name__}")
         if name is None:
@@ -660,7 +669,8 @@ class Trace:
 
     def _snapshot(self, step) -> None:
         try:
-            cut = step(self.models, self.recorder.storages)
+            with clock.section("owners: snapshot"):
+                cut = step(self.models, self.recorder.storages)
         except Exception as exc:  # fail open: the engine goes on, the report says so
             self.recorder.fail("owner snapshot", exc)
             return
@@ -675,6 +685,10 @@ class Trace:
         self._regions.region = region
 
     def _after_capture(self, capture: Capture) -> None:
+        with clock.section("trace: after capture"):
+            self._after_capture_steps()
+
+    def _after_capture_steps(self) -> None:
         self._match_owners()
         if self.derived.pairs:
             self.derived.refresh(self.models)
@@ -782,7 +796,8 @@ class Trace:
         if model not in self._models:
             raise GraphtraceError(f"watch_copy: no watched model is named {model!r}; watch it "
                                   "first (t.watch(model, name=...))")
-        self.derived.add(model, copy, source, self.models)
+        with clock.section("derived: fingerprint copies"):
+            self.derived.add(model, copy, source, self.models)
         if self.lineage is not None:
             from graphtrace.owners import resolve_path
 

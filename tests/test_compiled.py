@@ -491,3 +491,42 @@ def test_triton_launches_are_recorded_with_kernel_argument_names():
     e = report.edges
     assert e[e["owners"].astype(str) == "lin.weight"]["args"].astype(str).tolist() == ["in_ptr0"]
     assert patch.n_triton == 1
+
+
+def test_opening_a_trace_leaves_inductor_freezing_unimported_until_a_compile(tmp_path):
+    """Note [frozen constants]: the constant makers are wrapped at the first compile when
+    Inductor's constant folding is not imported yet (an eager engine's startup never needs
+    it); a compile inside the trace still sees the constants it folds."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = r"""
+import sys, torch
+import graphtrace as gt
+from tests.test_differential import MLP
+m = MLP().eval()
+x = torch.rand(4, 8)
+with gt.trace(m, strict=True) as t:
+    print("freezing imported at entry:", "torch._inductor.freezing" in sys.modules)
+    from torch._inductor import config
+    with torch.no_grad(), config.patch(freezing=True):
+        forward = torch.compile(m, backend="inductor")
+        with gt.capture("g"):
+            forward(x)
+    import torch._inductor.constant_folding as cf
+    print("wrapped while open:", cf.replace_node_with_constant.__name__ == "replace_node_with_constant"
+          and cf.replace_node_with_constant.__module__ == "graphtrace.compiled")
+with torch.no_grad():
+    for lin in (m.up, m.down):
+        lin.weight.copy_(torch.randn_like(lin.weight))
+e = t.diff().edges
+print("unrefreshed from:", sorted(set(e[e["verdict"].astype(str) == "unrefreshed"]["derived_from"].astype(str))))
+"""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "freezing imported at entry: False" in proc.stdout
+    assert "wrapped while open: True" in proc.stdout
+    assert "unrefreshed from: ['down.weight', 'up.weight']" in proc.stdout

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 import graphtrace as gt
+from graphtrace import clock
 from graphtrace.errors import GraphtraceError
 from graphtrace.tracing import active_trace
 from graphtrace.vllm import blind, hooks
@@ -262,6 +263,12 @@ class VllmTrace:
                  modules: str = "forward", provenance: bool | None = None,
                  pause_provenance: bool = True, in_process: bool = True,
                  guard=None, guard_dir=None):
+        with clock.section("trace: construct"):  # Note [self clock] in graphtrace/clock.py
+            self._construct(strict, watch_runner, keep_graphs, runner_attrs, modules, provenance,
+                            pause_provenance, in_process, guard, guard_dir)
+
+    def _construct(self, strict, watch_runner, keep_graphs, runner_attrs, modules, provenance,
+                   pause_provenance, in_process, guard, guard_dir) -> None:
         self.strict = strict
         self.watch_runner = watch_runner
         self.keep_graphs = keep_graphs
@@ -290,6 +297,10 @@ class VllmTrace:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> "VllmTrace":
+        with clock.section("trace: enter"):
+            return self._enter()
+
+    def _enter(self) -> "VllmTrace":
         if self.in_process:
             _require_in_process()
             if MP_ENV not in os.environ:
@@ -383,6 +394,10 @@ class VllmTrace:
         return self
 
     def _scan_blind_spots(self, model: nn.Module, name: str, vllm_config=None) -> None:
+        with clock.section("vllm: blind-spot scan"):
+            self._scan(model, name, vllm_config)
+
+    def _scan(self, model: nn.Module, name: str, vllm_config) -> None:
         try:
             spots = blind.find_blind_spots(model, prefix=name)
             if vllm_config is not None:

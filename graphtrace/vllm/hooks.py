@@ -55,6 +55,8 @@ import sys
 import threading
 from typing import Callable
 
+from graphtrace import clock
+
 __all__ = [
     "EVENTS", "add_listener", "remove_listener", "install", "uninstall", "wake_on_signals",
     "worker_model", "worker_rank", "wrap_model_updates",
@@ -127,7 +129,11 @@ def _strict() -> bool:
 def _fire(event: str, worker, *args) -> None:
     for fn in _listeners[event]:
         try:
-            fn(worker, *args)
+            if clock.CLOCK is None:
+                fn(worker, *args)
+            else:  # Note [self clock] in graphtrace/clock.py
+                with clock.CLOCK.section(f"{event}: {getattr(fn, '__qualname__', fn)}"):
+                    fn(worker, *args)
         except Exception as exc:
             if _strict() or _fails_closed(exc):
                 raise
@@ -166,7 +172,8 @@ def _wrap_update(cls, method: str, role: str) -> None:
         state.depth += 1
         ok = False
         try:
-            result = original(self, *args, **kwargs)
+            with clock.outside():
+                result = original(self, *args, **kwargs)
             ok = True
         finally:
             state.depth -= 1
@@ -222,7 +229,8 @@ def _wrap(cls, method: str, before: str | None, after: str | None) -> None:
             if loading:
                 _update_state.depth += 1
             try:
-                result = original(self, *args, **kwargs)
+                with clock.outside():
+                    result = original(self, *args, **kwargs)
             finally:
                 if loading:
                     _update_state.depth -= 1
@@ -250,7 +258,8 @@ def _wrap_serve(cls, method: str, role: str) -> None:
 
     if role == "step":
         def wrapper(self, *args, **kwargs):
-            refused = serve.before_step(self)
+            with clock.section("serve: before step"):
+                refused = serve.before_step(self)
             if refused is serve.DRAIN:
                 return serve.drain_step(self, original)
             if refused is not None:
@@ -264,11 +273,13 @@ def _wrap_serve(cls, method: str, role: str) -> None:
             try:
                 return original(self, method, *args, **kwargs)
             finally:
-                serve.mark_remote_update(self, method)
+                with clock.section("serve: rpc"):
+                    serve.mark_remote_update(self, method)
     else:
         def wrapper(self, *args, **kwargs):
             result = original(self, *args, **kwargs)
-            serve.after_client_step(self, result)
+            with clock.section("serve: after client step"):
+                serve.after_client_step(self, result)
             return result
     functools.update_wrapper(wrapper, original)
     wrapper.__graphtrace_wrapped__ = True
@@ -325,7 +336,8 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             def exec_module(self, module):
                 exec_module(module)
                 try:
-                    _patch_module(fullname)
+                    with clock.section("hooks: patch vLLM modules"):
+                        _patch_module(fullname)
                 except Exception:
                     logger.exception("graphtrace: could not patch %s", fullname)
 

@@ -117,6 +117,13 @@ def register() -> None:
         if _registered:
             return
         _registered = True
+    from graphtrace import clock
+
+    with clock.section("plugin: register"):  # Note [self clock] in graphtrace/clock.py
+        _register()
+
+
+def _register() -> None:
     from graphtrace.vllm import hooks
 
     hooks.add_listener("before_load", _before_load)
