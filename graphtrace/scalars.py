@@ -73,7 +73,7 @@ class BakedScalars:
                 found[v] = str(func)
         holders: dict[float, list] = {}
         for name, model in models.items():
-            for path, value in scalar_owners(model):
+            for path, value in scalar_owners(model, found):
                 if value in found:
                     holders.setdefault(value, []).append((name, path))
         for value, held in holders.items():
