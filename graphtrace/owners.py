@@ -588,16 +588,30 @@ def resolve_value(model: nn.Module, path: str) -> object:
     return obj
 
 
-def scalar_owners(model: nn.Module,
-                  values: Container[float] | None = None) -> list[tuple[str, float]]:
+def scalar_owners(model: nn.Module, values: Container[float] | None = None,
+                  native=None) -> list[tuple[str, float]]:
     """(path, value) of every float a watched module holds as an attribute or as an entry of a
     dict attribute with a literal key (`lora.scaling['default']`): what a graph may bake in
     (Note [baked scalars] in graphtrace/scalars.py). With `values`, only the floats in it
-    (what one graph baked: each capture end asks, so the walk looks at a value's type before
-    anything else and names only the floats it keeps)."""
+    (what one graph baked: each emulated capture's end asks). With the native module
+    (`graphtrace.native`: `float_holders`) the modules' attributes are read in C++, and
+    Python spells only the paths kept; the same answer (tests/test_native.py)."""
+    modules = named_modules(model)
+    if native is not None and (values is None or type(values) in (set, frozenset, dict)):
+        out = []
+        for prefix, name, value, entry, key in native.float_holders(
+                modules, _MODULE_INTERNALS, values):
+            dot = prefix + "." if prefix else ""
+            if not entry:
+                out.append((dot + name, value))
+            else:
+                r = _key_repr(key)
+                if r is not None:
+                    out.append((f"{dot}{name}[{r}]", value))
+        return out
     out = []
     internals = _MODULE_INTERNALS
-    for prefix, module in named_modules(model):
+    for prefix, module in modules:
         dot = None
         for k, v in list(module.__dict__.items()):
             tv = type(v)
