@@ -594,13 +594,13 @@ def scalar_owners(model: nn.Module, values: Container[float] | None = None,
     dict attribute with a literal key (`lora.scaling['default']`): what a graph may bake in
     (Note [baked scalars] in graphtrace/scalars.py). With `values`, only the floats in it
     (what one graph baked: each emulated capture's end asks). With the native module
-    (`graphtrace.native`: `float_holders`) the modules' attributes are read in C++, and
-    Python spells only the paths kept; the same answer (tests/test_native.py)."""
-    modules = named_modules(model)
+    (`graphtrace.native`: `named_modules`, `float_holders`) the modules and their attributes
+    are read in C++, and Python spells only the paths kept; the same answer
+    (tests/test_native.py)."""
     if native is not None and (values is None or type(values) in (set, frozenset, dict)):
         out = []
         for prefix, name, value, entry, key in native.float_holders(
-                modules, _MODULE_INTERNALS, values):
+                native.named_modules(model), _MODULE_INTERNALS, values):
             dot = prefix + "." if prefix else ""
             if not entry:
                 out.append((dot + name, value))
@@ -611,7 +611,7 @@ def scalar_owners(model: nn.Module, values: Container[float] | None = None,
         return out
     out = []
     internals = _MODULE_INTERNALS
-    for prefix, module in modules:
+    for prefix, module in named_modules(model):
         dot = None
         for k, v in list(module.__dict__.items()):
             tv = type(v)

@@ -433,3 +433,34 @@ def test_native_float_holders_give_scalar_owners_python_answer():
         mod.float_holders([("", model)], {"x"}, [0.5])  # values: a set, a dict or None
     with pytest.raises(TypeError, match="float_holders"):
         mod.float_holders([model], {"x"}, None)
+
+
+def test_native_named_modules_lists_what_owners_named_modules_does():
+    """The native `named_modules` (the baked-scalar match's module list): same (prefix,
+    module) pairs in the same order as graphtrace.owners.named_modules, through a shared
+    module (listed under each name), a None child and a cycle of registered children (not
+    entered again); a bad `_modules` is an error, not a crash."""
+    from graphtrace.owners import named_modules
+
+    mod = native.resolve(True)
+    shared = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(torch.nn.Sequential(shared, torch.nn.ReLU()), shared)
+    model.register_module("gone", None)
+    a, b = torch.nn.Module(), torch.nn.Module()
+    a.child = b
+    b.parent = a  # a cycle through registered children
+    model.a = a
+    model.deep = _Floats()
+    for m in (model, a, shared, torch.nn.Module()):
+        want = named_modules(m)
+        got = mod.named_modules(m)
+        assert [p for p, _ in got] == [p for p, _ in want]
+        assert all(x is y for (_, x), (_, y) in zip(got, want))
+    assert [p for p, _ in mod.named_modules(model)].count("1") == 1  # shared: "0.0" and "1"
+    assert "0.0" in [p for p, _ in mod.named_modules(model)]
+    broken = torch.nn.Module()
+    broken.__dict__["_modules"] = 5
+    with pytest.raises((TypeError, AttributeError)):
+        mod.named_modules(broken)
+    with pytest.raises(AttributeError):
+        mod.named_modules(object())

@@ -17,6 +17,7 @@
 // identity, is docs/internals.md, Note [weak handles and the sweep].
 
 #include <Python.h>
+#include <algorithm>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
@@ -1380,6 +1381,91 @@ PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return undecided;
 }
 
+// graphtrace.owners.named_modules in C++ (for the baked-scalar match at each emulated
+// capture's end, where the Python loop was most of its time): [(prefix, module)] of `model`
+// and every module under it through `_modules`, depth first in registration order, a module
+// reached twice by different names listed twice, and one already on the path from the root
+// (a cycle) not entered again. The listed modules keep each other alive while the list is
+// built, so their addresses stand for them on the path.
+PyObject* named_modules(PyObject*, PyObject* model) {
+  static PyObject* s_modules = PyUnicode_InternFromString("_modules");
+  static PyObject* s_dot = PyUnicode_InternFromString(".");
+  if (s_modules == nullptr || s_dot == nullptr) return nullptr;
+  struct Item {
+    PyObject* module;  // new reference; nullptr: leave the module entered last
+    PyObject* prefix;  // new reference
+  };
+  std::vector<Item> todo;
+  std::vector<PyObject*> path;  // entered modules, root first (held by `out`)
+  PyObject* out = PyList_New(0);
+  PyObject* root_prefix = PyUnicode_FromString("");
+  if (out == nullptr || root_prefix == nullptr) {
+    Py_XDECREF(out);
+    Py_XDECREF(root_prefix);
+    return nullptr;
+  }
+  todo.push_back({Py_NewRef(model), root_prefix});
+  bool ok = true;
+  while (ok && !todo.empty()) {
+    Item it = todo.back();
+    todo.pop_back();
+    if (it.module == nullptr) {
+      path.pop_back();
+      continue;
+    }
+    if (std::find(path.begin(), path.end(), it.module) != path.end()) {
+      Py_DECREF(it.module);
+      Py_DECREF(it.prefix);
+      continue;
+    }
+    PyObject* pair = PyTuple_Pack(2, it.prefix, it.module);
+    ok = pair != nullptr && PyList_Append(out, pair) == 0;
+    Py_XDECREF(pair);
+    PyObject* children = ok ? PyObject_GetAttr(it.module, s_modules) : nullptr;
+    PyObject* items = children != nullptr ? PyMapping_Items(children) : nullptr;
+    ok = items != nullptr;
+    if (ok) {
+      path.push_back(it.module);  // `out` holds it from here on
+      todo.push_back({nullptr, nullptr});
+      for (Py_ssize_t j = PyList_GET_SIZE(items) - 1; ok && j >= 0; --j) {
+        PyObject* entry = PyList_GET_ITEM(items, j);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+          PyErr_SetString(PyExc_TypeError, "named_modules: _modules.items() gave a non-pair");
+          ok = false;
+          break;
+        }
+        PyObject* child = PyTuple_GET_ITEM(entry, 1);
+        if (child == Py_None) continue;
+        PyObject* name = PyTuple_GET_ITEM(entry, 0);
+        PyObject* prefix;
+        if (PyUnicode_GET_LENGTH(it.prefix) == 0) {
+          prefix = PyUnicode_Check(name) ? Py_NewRef(name) : nullptr;
+          if (prefix == nullptr) PyErr_SetString(PyExc_TypeError, "module names are str");
+        } else {
+          PyObject* dotted = PyUnicode_Concat(it.prefix, s_dot);
+          prefix = dotted != nullptr ? PyUnicode_Concat(dotted, name) : nullptr;
+          Py_XDECREF(dotted);
+        }
+        ok = prefix != nullptr;
+        if (ok) todo.push_back({Py_NewRef(child), prefix});
+      }
+    }
+    Py_XDECREF(items);
+    Py_XDECREF(children);
+    Py_DECREF(it.module);
+    Py_DECREF(it.prefix);
+  }
+  for (Item& it : todo) {  // left after an error
+    Py_XDECREF(it.module);
+    Py_XDECREF(it.prefix);
+  }
+  if (!ok) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  return out;
+}
+
 // The floats modules hold (graphtrace.owners.scalar_owners: the baked-scalar match at each
 // emulated capture's end, Note [baked scalars] in graphtrace/scalars.py), without a Python
 // frame per attribute: for each (prefix, module) of `modules`, each entry of the module's
@@ -1510,6 +1596,8 @@ PyMethodDef module_methods[] = {
      "paths_moved(model, module_type, parameter_type, nodes, leaves, expected[, versions]) -> "
      "True, or the undecided "
      "paths' positions (graphtrace.owners.PathSet.moved)"},
+    {"named_modules", reinterpret_cast<PyCFunction>(named_modules), METH_O,
+     "named_modules(model) -> [(prefix, module)] (graphtrace.owners.named_modules)"},
     {"float_holders",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(float_holders)),
      METH_FASTCALL,
