@@ -48,6 +48,10 @@ whose held graphs keep their tensors alive on purpose.
     python analysis/bench_overhead.py            # full run, writes analysis/results/bench_overhead.txt
     python analysis/bench_overhead.py --workload decode   # one workload
     python analysis/bench_overhead.py --quick    # smoke run (seconds), writes nothing unless --out
+    python analysis/bench_overhead.py --workload decode --recorders core --profile
+        # before/after: only no mode, the no-op mode and graphtrace, then where graphtrace's
+        # time per capture goes (enter, exit and their phases in µs per capture; PHASES);
+        # writes nothing
 """
 
 from __future__ import annotations
@@ -75,6 +79,11 @@ from _common import rss as process_rss
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_overhead.txt"
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 clock = time.thread_time  # set by --clock
+_clock_name = "cpu"
+
+
+def args_clock() -> str:
+    return _clock_name
 HEADER = "recorder overhead per capture"
 
 
@@ -579,13 +588,198 @@ def liveness(model, inputs, emulate: bool):
     return result
 
 
+# --------------------------------------------------------------------------- profile
+
+# The phases of a capture that --profile times: (module, attribute path, label, depth). Each
+# is wrapped for the profiled rounds only, so a phase's time includes the phases below it
+# (depth) and the wrappers' own cost (about a µs per call). These are graphtrace internals:
+# a name that no longer exists is reported as missing, not timed.
+PHASES = [
+    ("graphtrace.tracing", "_CaptureContext.__enter__", "capture enter", 0),
+    ("graphtrace.tracing", "_Region.__init__", "region: capture, writer, mode", 1),
+    ("graphtrace.recorder", "Recorder.new_writer", "writers (Python + native)", 2),
+    ("graphtrace.tracing", "EmulatedGraph.__init__", "emulated graph + keeper", 2),
+    ("graphtrace.tracing", "_Region.open", "provenance pause, mode push", 1),
+    ("graphtrace.tracing", "_CaptureContext.__exit__", "capture exit", 0),
+    ("graphtrace.recorder", "RecordingMode.__exit__", "mode pop", 1),
+    ("graphtrace.provenance", "Provenance.resume", "provenance resume", 1),
+    ("graphtrace.recorder", "RecordingMode.finish", "writer flush (native rows land)", 1),
+    ("graphtrace.tracing", "EmulatedGraph.seal", "emulated graph seal", 1),
+    ("graphtrace.recorder", "StorageTable.sweep", "storage table sweep", 1),
+    ("graphtrace.tracing", "Trace._after_capture", "after capture", 1),
+    ("graphtrace.owners", "OwnerSnapshot.update", "owner snapshot update", 2),
+    ("graphtrace.recorder", "StorageTable.registered_since", "storages registered since", 3),
+    ("graphtrace.owners", "OwnerSnapshot._moved_since_walk", "cached walk still valid?", 3),
+    ("graphtrace.owners", "PathSet.moved", "matched paths followed", 4),
+    ("graphtrace.owners", "OwnerSnapshot._walk", "owner walk (cached after the first)", 3),
+    ("graphtrace.owners", "walk_owners", "walk_owners (the walk itself)", 4),
+    ("graphtrace.owners", "OwnerSnapshot._matched_paths", "matched paths kept", 3),
+    ("graphtrace.owners", "PathSet.add", "paths parsed into the PathSet", 4),
+    ("graphtrace.owners", "PathSet.resolve", "registry steps learned", 4),
+    ("graphtrace.provenance", "Provenance.match", "provenance match", 2),
+    ("graphtrace.lineage", "Lineage.match", "lineage match", 2),
+    ("graphtrace.tracing", "Trace._note_scalars", "baked scalars", 1),
+    ("graphtrace.recorder", "Recorder.unpin", "unpin", 1),
+]
+
+
+class _Phases:
+    """Wraps PHASES with timers (CPU clock, like the table) while in use."""
+
+    def __init__(self):
+        import importlib
+        import inspect
+
+        self.time: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.on = True  # off while the trace opens and closes: per capture only
+        self.missing: list[str] = []
+        self._saved = []
+        for module_name, attr, label, _ in PHASES:
+            owner = importlib.import_module(module_name)
+            *outer, name = attr.split(".")
+            try:
+                for part in outer:
+                    owner = getattr(owner, part)
+                fn = getattr(owner, name)
+            except AttributeError:
+                self.missing.append(f"{module_name}.{attr}")
+                continue
+            self._saved.append((owner, name, owner.__dict__.get(name)))
+            setattr(owner, name, self._timed(fn, label, inspect.isgeneratorfunction(fn)))
+
+    def _timed(self, fn, label, generator):
+        times, calls = self.time, self.calls
+        times[label], calls[label] = 0.0, 0
+        if generator:  # its time runs until it is exhausted (the consumer's loop included)
+            def timed_gen(*args, **kwargs):
+                if not self.on:
+                    return (yield from fn(*args, **kwargs))
+                t0 = clock()
+                calls[label] += 1
+                try:
+                    yield from fn(*args, **kwargs)
+                finally:
+                    times[label] += clock() - t0
+            return timed_gen
+
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            t0 = clock()
+            calls[label] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[label] += clock() - t0
+        return timed
+
+    def remove(self):
+        for owner, name, saved in reversed(self._saved):
+            if saved is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, saved)
+        self._saved = []
+
+
+def _profile_round(model, inputs, emulate: bool,
+                   phases: "_Phases | None" = None) -> tuple[list[float], list[float]]:
+    """One trace's captures: (enter + exit time, body time) per capture; `phases` timed in
+    the captures only."""
+    fixed, body = [], []
+    t = gt.trace(model)
+    if phases is not None:
+        phases.on = False
+    with t:
+        if phases is not None:
+            phases.on = True
+        for label, x in inputs:
+            t0 = clock()
+            with gt.capture(label, emulate=emulate) as g:
+                t1 = clock()
+                out = model(x)
+                t2 = clock()
+            t3 = clock()
+            fixed.append((t1 - t0) + (t3 - t2))
+            body.append(t2 - t1)
+            del g, out
+        if phases is not None:
+            phases.on = False
+    return fixed, body
+
+
+def profile_workload(workload: Workload, rounds: int, say) -> None:
+    """Where a capture's time goes beyond its ops: per capture, graphtrace's enter and exit
+    (first capture of a trace apart: it walks the models) against its ops, and the phases of
+    PHASES in µs per capture (timed in rounds of their own: the wrappers cost time)."""
+    model, inputs = workload.model, workload.inputs
+    n = len(inputs)
+    ops = 0
+    for _, x in inputs:
+        counter = CountingMode()
+        with counter:
+            model(x)
+        ops += counter.n_ops
+    say(f"## per-capture profile: {workload.name} ({n} captures, {ops // n:,} ops per capture; "
+        f"{args_clock()} clock, min of {rounds} rounds; load average {os.getloadavg()[0]:.1f})")
+    base, noop = Baseline(), NoOp()
+    for emulate in (False, True):
+        best_base = [float("inf")] * n
+        best_noop = [float("inf")] * n
+        best_fixed = [float("inf")] * n
+        best_body = [float("inf")] * n
+        for rnd in range(rounds + 1):  # round 0 warms up
+            gc.collect()
+            for i, (label, x) in enumerate(inputs):
+                tb = base.capture(model, label, x)
+                tn = noop.capture(model, label, x)
+                if rnd:
+                    best_base[i] = min(best_base[i], tb)
+                    best_noop[i] = min(best_noop[i], tn)
+            gc.collect()
+            fixed, body = _profile_round(model, inputs, emulate)
+            if rnd:
+                best_fixed = [min(a, b) for a, b in zip(best_fixed, fixed)]
+                best_body = [min(a, b) for a, b in zip(best_body, body)]
+        us = 1e6 / n
+        noop_added = sum(best_noop) - sum(best_base)
+        body_added = sum(best_body) - sum(best_base)
+        fixed_total = sum(best_fixed)
+        say(f"emulate={emulate}: per capture, the no-op mode adds {noop_added * us:.0f} µs; "
+            f"graphtrace adds {(body_added + fixed_total) * us:.0f} µs "
+            f"({(body_added + fixed_total) / noop_added:.2f}x): its ops (the mode, module "
+            f"attribution) {body_added * us:.0f} µs ({body_added / noop_added:.2f}x; "
+            f"{(body_added - noop_added) / ops * 1e6:+.2f} µs per op over "
+            f"the no-op mode), its enter + exit {fixed_total * us:.0f} µs "
+            f"({fixed_total / noop_added:.2f}x): first capture {best_fixed[0] * 1e6:.0f} µs, "
+            f"later ones {sum(best_fixed[1:]) / max(n - 1, 1) * 1e6:.0f} µs each")
+        phases = _Phases()
+        try:
+            for _ in range(rounds):
+                gc.collect()
+                _profile_round(model, inputs, emulate, phases)
+        finally:
+            phases.remove()
+        per = rounds * n
+        say(f"  {'phase (time includes the phases indented below it)':<58}{'µs/capture':>11}"
+            f"{'calls/capture':>15}")
+        for _, _, label, depth in PHASES:
+            if label in phases.time:
+                say(f"  {'  ' * depth + label:<58}{phases.time[label] / per * 1e6:>11.1f}"
+                    f"{phases.calls[label] / per:>15.2f}")
+        for name in phases.missing:
+            say(f"  (not timed: {name} is not in this graphtrace)")
+    say()
+
+
 # --------------------------------------------------------------------------- main
 
 def fmt_int(n) -> str:
     return f"{n:,}"
 
 
-def time_workload(workload: Workload, rounds: int, say) -> None:
+def time_workload(workload: Workload, rounds: int, say, core: bool = False) -> None:
     """One workload's table: every recorder interleaved over its captures, ratios, goals."""
     model, inputs = workload.model, workload.inputs
     n_caps = len(inputs)
@@ -599,16 +793,17 @@ def time_workload(workload: Workload, rounds: int, say) -> None:
     ops_per_capture = total_ops // n_caps
 
     gt_false, gt_true = Graphtrace(emulate=False), Graphtrace(emulate=True)
-    recorders: list[Recorder] = [Baseline(), NoOp(), gt_false, gt_true,
-                                 Graphtrace(emulate=False, modules="hooks"),
-                                 Graphtrace(emulate=False, modules="off"),
-                                 Graphtrace(emulate=False, sweep=False),
-                                 Graphtrace(emulate=False, native=False), TraceOpen(),
-                                 TraceOpen(modules="hooks"), TraceOpen(provenance=False),
-                                 TraceOpen(modules="hooks", provenance=False)]
+    recorders: list[Recorder] = [Baseline(), NoOp(), gt_false, gt_true]
+    if not core:
+        recorders += [Graphtrace(emulate=False, modules="hooks"),
+                      Graphtrace(emulate=False, modules="off"),
+                      Graphtrace(emulate=False, sweep=False),
+                      Graphtrace(emulate=False, native=False), TraceOpen(),
+                      TraceOpen(modules="hooks"), TraceOpen(provenance=False),
+                      TraceOpen(modules="hooks", provenance=False)]
     n_ours = len(recorders)
     skipped = []
-    for make in (SanitizerStubbed, DebugModeRecorder, LivenessForced):
+    for make in () if core else (SanitizerStubbed, DebugModeRecorder, LivenessForced):
         try:
             recorders.append(make())
         except Exception as e:  # noqa: BLE001
@@ -651,9 +846,10 @@ def time_workload(workload: Workload, rounds: int, say) -> None:
     calls = module_calls(model, inputs[0][1])
     per_call = {r.modules: added_per_op[r.name] * ops_per_capture / calls * 1e6
                 for r in recorders if isinstance(r, TraceOpen) and not r.provenance}
-    say(f"module attribution per module call ({calls} module calls per forward), outside "
-        f"captures, provenance off (gt.trace(provenance=False)): forward wrappers "
-        f"{per_call['forward']:+.2f} µs, forward hooks {per_call['hooks']:+.2f} µs")
+    if per_call:
+        say(f"module attribution per module call ({calls} module calls per forward), outside "
+            f"captures, provenance off (gt.trace(provenance=False)): forward wrappers "
+            f"{per_call['forward']:+.2f} µs, forward hooks {per_call['hooks']:+.2f} µs")
     for rec in recorders:
         if isinstance(rec, LivenessForced) and getattr(rec, "tracked", None) is not None:
             say(f"liveness tracker: {rec.tracked} external inputs per capture, each with a Python "
@@ -663,8 +859,9 @@ def time_workload(workload: Workload, rounds: int, say) -> None:
     below = all(gt_ratio < rows[n] for n in others)
     say(f"goal: graphtrace emulate=False added cost <= 1.0x the no-op mode's (issue 27): "
         f"{gt_ratio:.2f}x -> {'met' if gt_ratio <= 1.0 else 'NOT met'}")
-    say(f"goal: below every other recorder ({', '.join(others)}): "
-        f"{'met' if below else 'NOT met'}")
+    if others:
+        say(f"goal: below every other recorder ({', '.join(others)}): "
+            f"{'met' if below else 'NOT met'}")
     say(f"goal: graphtrace emulate=True added cost <= 1.5x the no-op mode's (issue 27): "
         f"{rows[gt_true.name]:.2f}x -> {'met' if rows[gt_true.name] <= 1.5 else 'NOT met'}")
     say()
@@ -688,17 +885,25 @@ def main(argv=None) -> int:
                          "spin against other processes and time the contention, not the modes)")
     ap.add_argument("--mem-batch", type=int, default=None,
                     help="batch size of the RSS check (default 32; quick 16)")
+    ap.add_argument("--recorders", choices=("all", "core"), default="all",
+                    help="core: only no mode, the no-op mode and graphtrace emulate=False/True "
+                         "(a quick before/after comparison)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where graphtrace's time per capture goes (enter, exit and "
+                         "their phases, µs per capture) for each workload; writes nothing")
     ap.add_argument("--out", type=Path, default=None,
                     help="also write the table here (default analysis/results/bench_overhead.txt; "
                          "with --quick: nowhere)")
     args = ap.parse_args(argv)
-    global clock
+    global clock, _clock_name
     clock = CLOCKS[args.clock]
+    _clock_name = args.clock
     blocks = args.blocks or (6 if args.quick else 60)
     n_caps = args.captures or (3 if args.quick else 24)
     rounds = args.rounds or (1 if args.quick else 7)
     mem_batch = args.mem_batch or (16 if args.quick else 32)
-    out_path = args.out if args.out is not None else (None if args.quick else RESULTS)
+    out_path = args.out if args.out is not None else (
+        None if args.quick or args.profile or args.recorders != "all" else RESULTS)
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -724,7 +929,10 @@ def main(argv=None) -> int:
         say(line)
     say()
     for workload in workloads:
-        time_workload(workload, rounds, say)
+        time_workload(workload, rounds, say, core=args.recorders == "core")
+    if args.profile:
+        for workload in workloads:
+            profile_workload(workload, rounds, say)
 
     # -- memory ---------------------------------------------------------------------------
     if "blocks" not in names:

@@ -902,7 +902,7 @@ class Lineage:
         self._matched = new.end
         nodes = self.nodes
         found = []  # O(storages registered), not O(nodes)
-        for a in set(new.handles):
+        for a in new.handle_set:
             node = nodes.get(a)
             if node is not None and node[2]:
                 sid = storages.find(a)

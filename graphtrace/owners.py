@@ -52,7 +52,7 @@ import gc
 import sys
 import types
 import warnings
-from typing import Iterable, Iterator, Literal, Mapping, Sequence
+from typing import Container, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -462,6 +462,9 @@ def _parse(path: str) -> tuple[tuple[bool, object], ...]:
             while True:
                 if j < 0:
                     raise ValueError(f"unbalanced '[' in owner path {path!r}")
+                key = _literal(path[i + 1:j])
+                if key is not _MISSING:
+                    break
                 try:
                     key = ast.literal_eval(path[i + 1:j])
                     break
@@ -486,7 +489,23 @@ def _parse(path: str) -> tuple[tuple[bool, object], ...]:
     return tuple(steps)
 
 
+def _literal(text: str) -> object:
+    """The key `ast.literal_eval(text)` reads for the literals `_key_repr` writes most (an
+    int, a quoted string without escapes, True, False, None), without the parser (a few µs
+    per call, per key of every path parsed at each capture end); _MISSING for anything else,
+    which `ast.literal_eval` then reads."""
+    if text.isascii():
+        digits = text[1:] if text[:1] == "-" else text
+        if digits.isdigit() and (len(digits) == 1 or digits[0] != "0"):
+            return int(text)
+        if len(text) >= 2 and text[0] == text[-1] == "'" and "'" not in text[1:-1] \
+                and "\\" not in text and text.isprintable():
+            return text[1:-1]
+    return _CONSTANTS.get(text, _MISSING)
+
+
 _MISSING = object()
+_CONSTANTS = {"True": True, "False": False, "None": None}
 
 
 def _registry_of(module: nn.Module, name: str) -> str | None:
@@ -569,21 +588,49 @@ def resolve_value(model: nn.Module, path: str) -> object:
     return obj
 
 
-def scalar_owners(model: nn.Module) -> list[tuple[str, float]]:
+def scalar_owners(model: nn.Module, values: Container[float] | None = None,
+                  native=None) -> list[tuple[str, float]]:
     """(path, value) of every float a watched module holds as an attribute or as an entry of a
     dict attribute with a literal key (`lora.scaling['default']`): what a graph may bake in
-    (Note [baked scalars] in graphtrace/scalars.py)."""
+    (Note [baked scalars] in graphtrace/scalars.py). With `values`, only the floats in it
+    (what one graph baked: each emulated capture's end asks). With the native module
+    (`graphtrace.native`: `named_modules`, `float_holders`) the modules and their attributes
+    are read in C++, and Python spells only the paths kept; the same answer
+    (tests/test_native.py)."""
+    if native is not None and (values is None or type(values) in (set, frozenset, dict)):
+        out = []
+        for prefix, name, value, entry, key in native.float_holders(
+                native.named_modules(model), _MODULE_INTERNALS, values):
+            dot = prefix + "." if prefix else ""
+            if not entry:
+                out.append((dot + name, value))
+            else:
+                r = _key_repr(key)
+                if r is not None:
+                    out.append((f"{dot}{name}[{r}]", value))
+        return out
     out = []
+    internals = _MODULE_INTERNALS
     for prefix, module in named_modules(model):
-        dot = prefix + "." if prefix else ""
+        dot = None
         for k, v in list(module.__dict__.items()):
-            if k in _MODULE_INTERNALS or type(k) is not str or not k.isidentifier():
+            tv = type(v)
+            if tv is float:
+                if values is not None and v not in values:
+                    continue
+            elif tv is not dict or len(v) > 64 or not v:
                 continue
-            if type(v) is float:
+            if k in internals or type(k) is not str or not k.isidentifier():
+                continue
+            if dot is None:
+                dot = prefix + "." if prefix else ""
+            if tv is float:
                 out.append((dot + k, v))
-            elif type(v) is dict and len(v) <= 64:
+            else:
                 for key, x in list(v.items()):
-                    r = _key_repr(key) if type(x) is float else None
+                    if type(x) is not float or (values is not None and x not in values):
+                        continue
+                    r = _key_repr(key)
                     if r is not None:
                         out.append((f"{dot}{k}[{r}]", x))
     return out
@@ -739,7 +786,9 @@ class OwnerSnapshot:
         self._views: dict[tuple[int, str, str], tuple] = {}
         self._walks: dict[str, tuple[dict[int, list], _Handles, dict[str, int], list]] = {}
         self._checked = 0  # storages below this id were matched to owners
-        self._matched: dict[str, set[str]] = {}  # per model: the paths `owners` holds
+        # per model: the paths `owners` holds, in the order they were first matched (a dict
+        # as an ordered set: `_matched_paths` reads only the ones added since it last did)
+        self._matched: dict[str, dict[str, None]] = {}
 
     def forget(self, model: str) -> None:
         """Drop the cached walk of `model` (it was replaced): the next update walks it again."""
@@ -763,11 +812,11 @@ class OwnerSnapshot:
             walked = name not in self._walks
             by_storage = self._walk(name, model, cut)
             views = self._walks[name][4]
-            matched = self._matched.setdefault(name, set())
+            matched = self._matched.setdefault(name, {})
             for sid, handle in new.matching(by_storage):
                 for path, owner_kind in by_storage[handle]:
                     self.owners.setdefault(sid, set()).add((name, path, owner_kind))
-                    matched.add(path)
+                    matched[path] = None
                     view = views.get(path)
                     if view is not None:
                         self._views.setdefault((sid, name, path), view)
@@ -816,7 +865,7 @@ class OwnerSnapshot:
         resolving it; the matched paths only grow, and a capture that reads new storages,
         such as a per-batch-size cache, matches new ones); made when the walk is."""
         walk = self._walks[name]
-        matched = self._matched.get(name, ())
+        matched = self._matched.get(name, {})
         check = walk[3]
         if check[0] is None or check[3] != len(matched):
             expected = walk[2]  # path -> the storage it reached at walk time
@@ -824,7 +873,9 @@ class OwnerSnapshot:
                 path_set = PathSet()
                 check[:] = [path_set.paths, path_set, [], 0]
             path_set = check[1]  # grown, not made again: captures that match new paths
-            new = sorted(p for p in matched if p in expected and p not in path_set)
+            # only the paths matched since the last call: `matched` only grows, in order
+            added = list(matched)[check[3]:] if check[3] else matched
+            new = sorted(p for p in added if p in expected and p not in path_set)
             path_set.add(new)
             check[2].extend(expected[p] for p in new)
             check[3] = len(matched)

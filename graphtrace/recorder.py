@@ -85,20 +85,32 @@ class Interner:
 class Registered:
     """Storage ids `first` .. `end` - 1 of a StorageTable, by weak handle (0: released)."""
 
-    __slots__ = ("table", "first", "end", "handles")
+    __slots__ = ("table", "first", "end", "handles", "_set")
 
-    def __init__(self, table: "StorageTable", first: int, handles: array):
+    def __init__(self, table: "StorageTable", first: int, handles: array,
+                 shared: list | None = None):
         self.table = table
         self.first = first
         self.end = first + len(handles)
         self.handles = handles
+        self._set = [None] if shared is None else shared  # [set(handles)] once made
+
+    @property
+    def handle_set(self) -> set:
+        """`set(self.handles)`, made once per read of the table (shared by the answers
+        `StorageTable.registered_since` gives from it): the owner snapshot, provenance and
+        lineage each intersect the same capture's storages with theirs."""
+        found = self._set[0]
+        if found is None:
+            found = self._set[0] = set(self.handles)
+        return found
 
     def matching(self, by_address: Mapping[int, object]) -> Iterator[tuple[int, int]]:
         """(storage id, address) of each of these storages whose StorageImpl address is a
         key of `by_address`: a set intersection, for the few such among many. A capture on
         another thread may have released one meanwhile and its address gone to a new
         storage: the table's index says whose the address is now."""
-        for handle in by_address.keys() & set(self.handles):
+        for handle in by_address.keys() & self.handle_set:
             sid = self.table.find(handle)
             if sid is not None and self.first <= sid < self.end:
                 yield sid, handle
@@ -113,7 +125,7 @@ class StorageTable:
     """
 
     __slots__ = ("_index", "_handles", "_data_ptrs", "_nbytes", "_devices", "_device_names",
-                 "_lock", "_native", "_released", "__weakref__")
+                 "_lock", "_native", "_released", "_since", "__weakref__")
 
     def __init__(self, native=None):
         # weak handle (StorageImpl address) -> storage id; the native table keeps its own
@@ -126,6 +138,8 @@ class StorageTable:
         self._lock = threading.Lock()
         self._native = None if native is None else native.Storages()
         self._released = 0  # the native table's sweep count when `_handles` was last read
+        # registered_since's last read: (what it read, its handles, their set once made)
+        self._since: tuple = ((), None, None)
 
     @property
     def native_table(self):
@@ -195,12 +209,22 @@ class StorageTable:
 
     def registered_since(self, first: int) -> "Registered":
         """The storages registered from id `first` on: what a capture close matches, read
-        without syncing the whole table."""
-        if self._native is not None:
-            handles = array("q", self._native.handles_from(first))
+        without syncing the whole table. The owner snapshot, provenance and lineage each ask
+        after a capture, usually from the same id: while nothing was registered or released
+        meanwhile, the same (read-only) answer serves them all."""
+        native = self._native
+        key = ((first, len(native), native.released()) if native is not None
+               else (first, len(self._handles), self._released))
+        since = self._since
+        if since[0] == key:
+            return Registered(self, first, since[1], since[2])
+        if native is not None:
+            handles = array("q", native.handles_from(first))
         else:
             handles = self._handles[first:]
-        return Registered(self, first, handles)
+        got = Registered(self, first, handles)
+        self._since = (key, handles, got._set)  # no reference back to this table
+        return got
 
     @property
     def data_ptrs(self) -> array:
@@ -253,6 +277,7 @@ class StorageTable:
                 free(handle)
         self._handles = array("q")
         self._index.clear()
+        self._since = ((), None, None)
 
     def __del__(self):
         try:

@@ -60,9 +60,10 @@ class BakedScalars:
         self.note_found(label, found, models)
 
     def note_found(self, label: str, floats: Mapping[float, object],
-                   models: Mapping[str, nn.Module]) -> None:
+                   models: Mapping[str, nn.Module], native=None) -> None:
         """`note` of the floats an emulated graph found as it kept its ops (float -> the
-        first op taking it: EmulatedGraph.baked_floats)."""
+        first op taking it: EmulatedGraph.baked_floats). `native`: graphtrace.native's
+        module, which reads the models' attributes in C++ (owners.scalar_owners)."""
         if not floats:
             return
         found: dict[float, str] = {}
@@ -73,7 +74,7 @@ class BakedScalars:
                 found[v] = str(func)
         holders: dict[float, list] = {}
         for name, model in models.items():
-            for path, value in scalar_owners(model):
+            for path, value in scalar_owners(model, found, native):
                 if value in found:
                     holders.setdefault(value, []).append((name, path))
         for value, held in holders.items():

@@ -712,7 +712,8 @@ class Trace:
     def _note_scalars(self, label: str, graph: "EmulatedGraph") -> None:
         """The floats this emulated graph baked in that watched attributes held (fail open)."""
         try:
-            self.baked_scalars.note_found(label, graph.baked_floats(), self.models)
+            self.baked_scalars.note_found(label, graph.baked_floats(), self.models,
+                                          self.recorder.native)
         except Exception as exc:
             self.recorder.fail("baked scalars", exc)
 

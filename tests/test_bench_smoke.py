@@ -46,6 +46,24 @@ def test_bench_overhead_quick(tmp_path):
     assert out_file.read_text().startswith("# graphtrace recorder overhead")
 
 
+def test_bench_overhead_profile_names_every_phase():
+    """--profile prints where a capture's time goes, phase by phase; every phase it times
+    still exists in graphtrace (a renamed one would be printed as not timed)."""
+    results = ROOT / "analysis" / "results" / "bench_overhead.txt"
+    before = results.stat().st_mtime_ns if results.exists() else None
+    out = _run("bench_overhead.py", "--workload", "elementwise", "--recorders", "core",
+               "--profile")
+    assert "## per-capture profile: elementwise" in out
+    for phase in ("capture enter", "capture exit", "owner snapshot update",
+                  "cached walk still valid?", "provenance match", "baked scalars"):
+        assert phase in out, phase
+    assert "emulate=False: per capture" in out and "emulate=True: per capture" in out
+    assert "not timed" not in out
+    # core recorders only, and nothing written: --profile and --recorders core are for looking
+    assert "DebugMode" not in out
+    assert (results.stat().st_mtime_ns if results.exists() else None) == before
+
+
 def test_bench_scale_quick(tmp_path):
     out_file = tmp_path / "scale.txt"
     out = _run("bench_scale.py", "--out", str(out_file))

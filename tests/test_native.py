@@ -391,3 +391,76 @@ def test_the_native_dispatch_calls_op_directly_only_as_torchs_call_would(monkeyp
         monkeypatch.undo()
         native.configure_dispatch(lib)
     assert native.calls_op_directly(OpOverload) == direct
+
+
+class _FloatHolder:
+    def __init__(self):
+        self.scale = 0.5  # not a module: its attributes are not scalar holders
+
+
+class _Floats(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.lin.scale = 0.5
+        self.lin.scaling = {"default": 0.5, "b": 2.0, 3: 0.25, ("t", 1): 0.5, None: 0.5,
+                            frozenset([1]): 0.5, "n": 7, "nan": float("nan")}
+        self.lin.big = {i: 0.5 for i in range(65)}  # too long to be a scalar holder
+        self.drop = torch.nn.Dropout(0.25)
+        self.norm = torch.nn.LayerNorm(2, eps=1e-5)
+        self.holder = _FloatHolder()
+        self.empty, self.flag, self.count = {}, True, 3
+        setattr(self, "not an identifier", 0.5)
+        self.__dict__[7] = 0.5  # a non-str key in a module's __dict__
+
+
+def test_native_float_holders_give_scalar_owners_python_answer():
+    """owners.scalar_owners reads the modules' attributes in C++ with the native module
+    (`float_holders`): the same (path, value) pairs as in Python, in the same order, with
+    and without `values` (the floats one graph baked in)."""
+    from graphtrace.owners import scalar_owners
+
+    mod = native.resolve(True)
+    model = _Floats()
+    model.seq = torch.nn.Sequential(_Floats())  # nested prefixes
+    for values in (None, {0.5}, {0.25: "op", 2.0: "op"}, frozenset({1e-5}), set()):
+        python = scalar_owners(model, values)
+        assert scalar_owners(model, values, mod) == python
+        assert python if values != set() else not python
+    assert ("lin.scaling[None]", 0.5) in scalar_owners(model, None, mod)
+    assert ("drop.p", 0.25) in scalar_owners(model, None, mod)
+    with pytest.raises(TypeError, match="float_holders"):
+        mod.float_holders([("", model)], {"x"}, [0.5])  # values: a set, a dict or None
+    with pytest.raises(TypeError, match="float_holders"):
+        mod.float_holders([model], {"x"}, None)
+
+
+def test_native_named_modules_lists_what_owners_named_modules_does():
+    """The native `named_modules` (the baked-scalar match's module list): same (prefix,
+    module) pairs in the same order as graphtrace.owners.named_modules, through a shared
+    module (listed under each name), a None child and a cycle of registered children (not
+    entered again); a bad `_modules` is an error, not a crash."""
+    from graphtrace.owners import named_modules
+
+    mod = native.resolve(True)
+    shared = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(torch.nn.Sequential(shared, torch.nn.ReLU()), shared)
+    model.register_module("gone", None)
+    a, b = torch.nn.Module(), torch.nn.Module()
+    a.child = b
+    b.parent = a  # a cycle through registered children
+    model.a = a
+    model.deep = _Floats()
+    for m in (model, a, shared, torch.nn.Module()):
+        want = named_modules(m)
+        got = mod.named_modules(m)
+        assert [p for p, _ in got] == [p for p, _ in want]
+        assert all(x is y for (_, x), (_, y) in zip(got, want))
+    assert [p for p, _ in mod.named_modules(model)].count("1") == 1  # shared: "0.0" and "1"
+    assert "0.0" in [p for p, _ in mod.named_modules(model)]
+    broken = torch.nn.Module()
+    broken.__dict__["_modules"] = 5
+    with pytest.raises((TypeError, AttributeError)):
+        mod.named_modules(broken)
+    with pytest.raises(AttributeError):
+        mod.named_modules(object())

@@ -194,7 +194,9 @@ def test_resolve_does_not_insert_into_defaultdicts():
 
 def test_malformed_path_and_non_module_arguments():
     model = Model()
-    for bad in ["", "a..b", "a[0", "a['x'", "a]b[0]x"]:
+    # "[01]", "[-01]", a raw newline in a quoted key: not Python literals (owners._literal
+    # reads the common keys without the parser; what it does not read, ast.literal_eval does)
+    for bad in ["", "a..b", "a[0", "a['x'", "a]b[0]x", "d[01]", "d[-01]", "d['a\nb']"]:
         with pytest.raises(ValueError):
             resolve_path(model, bad)
     with pytest.raises(TypeError, match="torch.nn.Module"):
@@ -305,6 +307,14 @@ def test_odd_dict_keys_round_trip():
     assert len(got) == len(keys)
     for path, _, t in got:
         assert resolve_path(model, path) is t, path
+    # keys spelled as Python reads them, not as repr writes them, resolve as literals do
+    model.d = {10: torch.ones(1), -10: torch.zeros(1), "a\tb": torch.ones(2), False: torch.ones(3)}
+    assert resolve_path(model, "d[1_0]") is model.d[10]
+    assert resolve_path(model, "d[ -10 ]") is model.d[-10]
+    assert resolve_path(model, "d['a\tb']") is model.d["a\tb"]
+    assert resolve_path(model, 'd["a\\tb"]') is model.d["a\tb"]
+    assert resolve_path(model, "d[False]") is model.d[False]
+    assert resolve_path(model, "d[0]") is model.d[False]  # 0 == False, one dict entry
 
 
 class Hostile:
@@ -681,3 +691,63 @@ def test_a_diff_resolves_only_the_captured_owner_paths():
     assert report.meta["n_errors"] == 0
     e = report.edges.set_index("owners")
     assert e.loc["weight", "verdict"] == "stable"
+
+
+def test_scalar_owners_of_some_values_are_those_of_all_values_filtered():
+    """`scalar_owners(model, values)` (what each emulated capture's baked-scalar match asks)
+    names exactly the floats of `scalar_owners(model)` whose value is in `values`."""
+    from graphtrace.owners import resolve_value, scalar_owners
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2), nn.Dropout(0.25))
+    model[0].scale = 0.5
+    model[0].scaling = {"default": 0.5, "other": 2.0, 3: 0.25, ("a", 1): 0.5, "n": 7}
+    model[1].big = {i: 0.5 for i in range(65)}  # too long to be a scalar holder
+    model.empty = {}
+    model.flag = True
+    every = scalar_owners(model)
+    assert ("0.scale", 0.5) in every and ("0.scaling['other']", 2.0) in every
+    assert ("0.scaling[('a', 1)]", 0.5) in every and ("2.p", 0.25) in every
+    assert not [p for p, _ in every if p.startswith("1.big")]
+    for values in ({0.5}, {0.25, 2.0}, {1e-5}, set(), {0.5: "op", 1e-5: "op"}):
+        assert scalar_owners(model, values) == [(p, v) for p, v in every if v in values]
+        for path, value in scalar_owners(model, values):
+            assert resolve_value(model, path) == value
+
+
+class _Branches(nn.Module):
+    """Each capture reads some of three plain-attribute tables, by the input's size."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.rand(4), torch.rand(4), torch.rand(4)
+
+    def forward(self, x):
+        if x.shape[0] == 1:
+            return x * self.c
+        if x.shape[0] == 2:
+            return x * self.a + self.b
+        return x * self.a
+
+
+def test_a_reload_of_a_path_matched_captures_ago_is_seen_by_a_later_capture():
+    """The cached owner walk is checked at each capture end against every path matched so
+    far, whichever capture matched it and however many came at once (the check keeps the
+    matched paths as they come: OwnerSnapshot._matched_paths): `a` and `b` are matched by
+    the second capture, `a` is rebound after the third, and the fourth capture's read of the
+    new `a` still finds its owner."""
+    model = _Branches()
+    with gt.trace(model) as t:
+        graphs = []
+        for label, rows in (("c", 1), ("ab", 2), ("c again", 1)):
+            with gt.capture(label) as g:
+                model(torch.ones(rows, 4))
+            graphs.append(g)
+        model.a = torch.rand(4)  # a reload that rebinds `a`
+        with gt.capture("a") as g:
+            model(torch.ones(3, 4))
+        graphs.append(g)
+        model.a = torch.rand(4)  # again: the walk at trace exit does not find the captured `a`
+    edges = t.diff().edges
+    assert sorted(edges[edges.owners == "a"]["graph"].astype(str)) == ["a", "ab"]
+    assert sorted(edges[edges.owners == "b"]["graph"].astype(str)) == ["ab"]
+    assert sorted(edges[edges.owners == "c"]["graph"].astype(str)) == ["c", "c again"]

@@ -345,3 +345,37 @@ def test_tracing_does_not_decompile_a_compiled_model():
             compiled(x)
     assert ops(compiled, x) == compiled_ops
     torch._dynamo.reset()
+
+
+def test_registered_since_answers_what_the_table_holds_now():
+    """`StorageTable.registered_since` serves the owner snapshot, provenance and lineage one
+    read of the table per capture end; a storage registered or released since is in the next
+    answer, never a stale one."""
+    from graphtrace import native as native_mod
+    from graphtrace.recorder import StorageTable
+
+    native = native_mod.resolve(None)
+    table = StorageTable(native)
+    kept = [torch.rand(3), torch.rand(3)]
+    table.lookup(kept[0].untyped_storage())
+    first = table.registered_since(0)
+    again = table.registered_since(0)
+    assert (first.first, first.end) == (again.first, again.end) == (0, 1)
+    assert first.handle_set == again.handle_set == {kept[0].untyped_storage()._cdata}
+    table.lookup(kept[1].untyped_storage())  # registered since: the next answer has it
+    grown = table.registered_since(0)
+    assert grown.end == 2
+    assert grown.handle_set == {t.untyped_storage()._cdata for t in kept}
+    assert set(grown.handles) == grown.handle_set
+    assert dict(grown.matching({kept[1].untyped_storage()._cdata: "x"})) == {
+        1: kept[1].untyped_storage()._cdata}
+    assert table.registered_since(1).handle_set == {kept[1].untyped_storage()._cdata}
+    if table.native_table is not None:  # a released handle reads 0 in the next answer
+        dead = torch.rand(3)
+        table.lookup(dead.untyped_storage())
+        assert len(table.registered_since(2).handle_set - {0}) == 1
+        del dead
+        gc.collect()
+        table.sweep(2)
+        assert table.registered_since(2).handle_set == {0}
+    table.release()

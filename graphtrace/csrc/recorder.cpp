@@ -17,6 +17,7 @@
 // identity, is docs/internals.md, Note [weak handles and the sweep].
 
 #include <Python.h>
+#include <algorithm>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
@@ -1380,6 +1381,187 @@ PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return undecided;
 }
 
+// graphtrace.owners.named_modules in C++ (for the baked-scalar match at each emulated
+// capture's end, where the Python loop was most of its time): [(prefix, module)] of `model`
+// and every module under it through `_modules`, depth first in registration order, a module
+// reached twice by different names listed twice, and one already on the path from the root
+// (a cycle) not entered again. The listed modules keep each other alive while the list is
+// built, so their addresses stand for them on the path.
+PyObject* named_modules(PyObject*, PyObject* model) {
+  static PyObject* s_modules = PyUnicode_InternFromString("_modules");
+  static PyObject* s_dot = PyUnicode_InternFromString(".");
+  if (s_modules == nullptr || s_dot == nullptr) return nullptr;
+  struct Item {
+    PyObject* module;  // new reference; nullptr: leave the module entered last
+    PyObject* prefix;  // new reference
+  };
+  std::vector<Item> todo;
+  std::vector<PyObject*> path;  // entered modules, root first (held by `out`)
+  PyObject* out = PyList_New(0);
+  PyObject* root_prefix = PyUnicode_FromString("");
+  if (out == nullptr || root_prefix == nullptr) {
+    Py_XDECREF(out);
+    Py_XDECREF(root_prefix);
+    return nullptr;
+  }
+  todo.push_back({Py_NewRef(model), root_prefix});
+  bool ok = true;
+  while (ok && !todo.empty()) {
+    Item it = todo.back();
+    todo.pop_back();
+    if (it.module == nullptr) {
+      path.pop_back();
+      continue;
+    }
+    if (std::find(path.begin(), path.end(), it.module) != path.end()) {
+      Py_DECREF(it.module);
+      Py_DECREF(it.prefix);
+      continue;
+    }
+    PyObject* pair = PyTuple_Pack(2, it.prefix, it.module);
+    ok = pair != nullptr && PyList_Append(out, pair) == 0;
+    Py_XDECREF(pair);
+    PyObject* children = ok ? PyObject_GetAttr(it.module, s_modules) : nullptr;
+    PyObject* items = children != nullptr ? PyMapping_Items(children) : nullptr;
+    ok = items != nullptr;
+    if (ok) {
+      path.push_back(it.module);  // `out` holds it from here on
+      todo.push_back({nullptr, nullptr});
+      for (Py_ssize_t j = PyList_GET_SIZE(items) - 1; ok && j >= 0; --j) {
+        PyObject* entry = PyList_GET_ITEM(items, j);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+          PyErr_SetString(PyExc_TypeError, "named_modules: _modules.items() gave a non-pair");
+          ok = false;
+          break;
+        }
+        PyObject* child = PyTuple_GET_ITEM(entry, 1);
+        if (child == Py_None) continue;
+        PyObject* name = PyTuple_GET_ITEM(entry, 0);
+        PyObject* prefix;
+        if (PyUnicode_GET_LENGTH(it.prefix) == 0) {
+          prefix = PyUnicode_Check(name) ? Py_NewRef(name) : nullptr;
+          if (prefix == nullptr) PyErr_SetString(PyExc_TypeError, "module names are str");
+        } else {
+          PyObject* dotted = PyUnicode_Concat(it.prefix, s_dot);
+          prefix = dotted != nullptr ? PyUnicode_Concat(dotted, name) : nullptr;
+          Py_XDECREF(dotted);
+        }
+        ok = prefix != nullptr;
+        if (ok) todo.push_back({Py_NewRef(child), prefix});
+      }
+    }
+    Py_XDECREF(items);
+    Py_XDECREF(children);
+    Py_DECREF(it.module);
+    Py_DECREF(it.prefix);
+  }
+  for (Item& it : todo) {  // left after an error
+    Py_XDECREF(it.module);
+    Py_XDECREF(it.prefix);
+  }
+  if (!ok) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  return out;
+}
+
+// The floats modules hold (graphtrace.owners.scalar_owners: the baked-scalar match at each
+// emulated capture's end, Note [baked scalars] in graphtrace/scalars.py), without a Python
+// frame per attribute: for each (prefix, module) of `modules`, each entry of the module's
+// __dict__ whose key is an identifier (an exact str) not in `internals`, and whose value is
+// a float (in `values`, unless it is None) or a dict of 1 to 64 entries, whose float values
+// (in `values`) count one by one. Returns (prefix, name, value, False, None) per attribute and
+// (prefix, name, value, True, key) per dict entry, in the dicts' order; Python spells the
+// paths (and which keys have one). References are taken on what is looked at, since a
+// comparison inside `values` may run Python code.
+PyObject* float_holders(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 3 || !PyList_Check(a[0]) || !PyAnySet_Check(a[1]) ||
+      (a[2] != Py_None && !PyAnySet_Check(a[2]) && !PyDict_Check(a[2]))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "float_holders(modules: list of (prefix, module), internals: set, "
+                    "values: set, dict or None)");
+    return nullptr;
+  }
+  PyObject *modules = a[0], *internals = a[1], *values = a[2] == Py_None ? nullptr : a[2];
+  // 1: keep `x`, 0: skip it, -1: an error
+  auto wanted = [values](PyObject* x) -> int {
+    if (!PyFloat_CheckExact(x)) return 0;
+    return values == nullptr ? 1 : PySequence_Contains(values, x);
+  };
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  auto add = [out](PyObject* prefix, PyObject* name, PyObject* value, bool entry,
+                   PyObject* key) -> bool {
+    PyObject* row = PyTuple_Pack(5, prefix, name, value, entry ? Py_True : Py_False,
+                                 key == nullptr ? Py_None : key);
+    if (row == nullptr) return false;
+    const int rc = PyList_Append(out, row);
+    Py_DECREF(row);
+    return rc == 0;
+  };
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(modules); ++i) {
+    PyObject* item = PyList_GET_ITEM(modules, i);
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+      Py_DECREF(out);
+      PyErr_SetString(PyExc_TypeError, "float_holders: modules holds (prefix, module) pairs");
+      return nullptr;
+    }
+    PyObject* prefix = PyTuple_GET_ITEM(item, 0);
+    PyObject* d = PyObject_GenericGetDict(PyTuple_GET_ITEM(item, 1), nullptr);
+    if (d == nullptr) {  // no __dict__: no attributes to hold a float
+      PyErr_Clear();
+      continue;
+    }
+    if (!PyDict_Check(d)) {  // a __dict__ that is not a dict: nothing read from it
+      Py_DECREF(d);
+      continue;
+    }
+    bool ok = true;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (ok && PyDict_Next(d, &pos, &k, &v)) {
+      const bool is_float = PyFloat_CheckExact(v);
+      if (!is_float && !(PyDict_CheckExact(v) && PyDict_GET_SIZE(v) > 0 &&
+                         PyDict_GET_SIZE(v) <= 64)) {
+        continue;
+      }
+      if (!PyUnicode_CheckExact(k) || PyUnicode_IsIdentifier(k) != 1) continue;
+      const int internal = PySet_Contains(internals, k);
+      if (internal != 0) {
+        ok = internal > 0;
+        continue;
+      }
+      Py_INCREF(k);
+      Py_INCREF(v);
+      if (is_float) {
+        const int keep = wanted(v);
+        ok = keep >= 0 && (keep == 0 || add(prefix, k, v, false, nullptr));
+      } else {
+        Py_ssize_t inner = 0;
+        PyObject *key, *x;
+        while (ok && PyDict_Next(v, &inner, &key, &x)) {
+          if (!PyFloat_CheckExact(x)) continue;
+          Py_INCREF(key);
+          Py_INCREF(x);
+          const int keep = wanted(x);
+          ok = keep >= 0 && (keep == 0 || add(prefix, k, x, true, key));
+          Py_DECREF(key);
+          Py_DECREF(x);
+        }
+      }
+      Py_DECREF(k);
+      Py_DECREF(v);
+    }
+    Py_DECREF(d);
+    if (!ok) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+  }
+  return out;
+}
+
 // The sum of the version counters of the tensors a list of weak references reaches
 // (graphtrace.vllm.serve.ServeGuard.written_in_place: Note [in-place writes] in
 // graphtrace/vllm/serve.py): -1 when one is gone, None (Python decides) when one reaches
@@ -1414,6 +1596,14 @@ PyMethodDef module_methods[] = {
      "paths_moved(model, module_type, parameter_type, nodes, leaves, expected[, versions]) -> "
      "True, or the undecided "
      "paths' positions (graphtrace.owners.PathSet.moved)"},
+    {"named_modules", reinterpret_cast<PyCFunction>(named_modules), METH_O,
+     "named_modules(model) -> [(prefix, module)] (graphtrace.owners.named_modules)"},
+    {"float_holders",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(float_holders)),
+     METH_FASTCALL,
+     "float_holders(modules, internals, values) -> (prefix, name, value, is_entry, key) per "
+     "float a module attribute (or a dict attribute's entry) holds "
+     "(graphtrace.owners.scalar_owners)"},
     {"versions_sum", reinterpret_cast<PyCFunction>(versions_sum), METH_O,
      "versions_sum(refs) -> the sum of the version counters of the tensors the weak "
      "references reach, -1 if one is gone, None if one is not a tensor with a counter"},
