@@ -132,8 +132,10 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
     return frame, moved_to, moved_by
 
 
-def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.ndarray, np.ndarray]:
-    """Join names[codes] per run of equal keys (keys sorted): (unique keys, joined texts).
+def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str,
+            distinct: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Join names[codes] per run of equal keys (keys sorted): (unique keys, joined texts);
+    `distinct`: each name once per run, in first-seen order.
 
     Vectorised: a run of one name is that very name object; runs of several are joined once
     per distinct sequence of codes where the codes pack into one integer, else by string
@@ -158,13 +160,18 @@ def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str) -> tuple[np.nd
         offsets = np.r_[0, np.cumsum(run_lengths)[:-1]]
         key = np.add.reduceat((codes[rows].astype(np.int64) + 1) << (bits * pos), offsets)
         _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-        texts = np.array([sep.join(names[codes[s:s + n]].tolist()) for s, n in
-                          zip(run_starts[first].tolist(), run_lengths[first].tolist())]
+        runs = (names[codes[s:s + n]].tolist() for s, n in
+                zip(run_starts[first].tolist(), run_lengths[first].tolist()))
+        texts = np.array([sep.join(dict.fromkeys(r) if distinct else r) for r in runs]
                          + [None], dtype=object)[:-1]  # an object array of str, not '<U..'
         out[packed] = texts[inverse.reshape(-1)]
     several &= ~packed
     if several.any():
         rows = np.flatnonzero(np.repeat(several, lengths))  # the rows of those runs
+        if distinct:  # each run's first row of each code, in row order
+            _, firsts = np.unique(keys[rows] * (len(names) + 1) + codes[rows],
+                                  return_index=True)
+            rows = rows[np.sort(firsts)]
         first = new[rows]
         # one take from [sep + names, names]: a run's first name bare, the others after sep
         items = np.concatenate([sep + names, names])[codes[rows] + first * len(names)]
@@ -253,13 +260,7 @@ def _live_pointer(ptrs: pd.Series, moved: np.ndarray, starts: np.ndarray):
 def _joined_runs(codes: np.ndarray, group: np.ndarray, names: np.ndarray) -> np.ndarray:
     """Per run (group ids 0..n-1, rows sorted by group then row): the distinct names of its
     codes in first-seen order, ';'-joined."""
-    if len(codes) == 0:
-        return np.empty(0, dtype=object)
-    _, first = np.unique(group * (len(names) + 1) + codes, return_index=True)
-    keep = np.zeros(len(codes), dtype=bool)
-    keep[first] = True  # back to row order without a sort: each run's firsts stay in order
-    at = np.flatnonzero(keep)
-    return _joined(group[at], codes[at], names, ";")[1]
+    return _joined(group, codes, names, ";", distinct=True)[1]
 
 
 def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray,
@@ -422,9 +423,12 @@ def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[Blin
         return []
     pick = (_rows_where(edges["dtype"], lambda d: d in ("int64", "torch.int64"))
             & _rows_where(edges["shape"], lambda s: s in ("()", "(1,)", "[]", "[1]"))
-            & _rows_where(edges["derived_from"], lambda d: d == "")
-            & _rows_where(edges["owners"], lambda o: o != ""))
-    if pick.any():  # rare: most edges fail the cheap tests above, so the ops text is read last
+            & _rows_where(edges["derived_from"], lambda d: d == ""))
+    # rare: most edges fail the categorical tests above, so the text columns are read last,
+    # and only on the rows left
+    if pick.any():
+        pick[pick] = _rows_where(edges["owners"][pick], lambda o: o != "")
+    if pick.any():
         pick[pick] = _rows_where(edges["ops"][pick], lambda o: any(
             not p.startswith("aten::") for p in o.split(";") if p))
     out = []

@@ -511,11 +511,18 @@ def edge_columns(provenance: Provenance | None, storages, sids: np.ndarray, verd
     n = len(sids)
     owned = np.unique(owners["storage_id"].to_numpy(dtype=np.int64)) if len(owners) else \
         np.empty(0, np.int64)
-    verdicts = np.asarray(verdict, dtype=object)
-    _, first = np.unique(sids, return_index=True)
-    verdict_of = dict(zip(np.asarray(sids)[first].tolist(), verdicts[first].tolist()))
     owned_list = owned.tolist()
-    of_owned = [verdict_of.get(sid, "") for sid in owned_list]
+    # a storage's verdict is the same on each of its edges: read one edge per owned storage
+    sids = np.asarray(sids)
+    if n and len(owned):
+        edge_of = np.full(int(max(sids.max(), owned.max())) + 1, -1, dtype=np.int64)
+        edge_of[sids] = np.arange(n)
+        picked = edge_of[owned]
+        verdict = pd.Categorical(verdict)
+        names = np.append(np.asarray(verdict.categories, dtype=object), "")
+        of_owned = names[np.where(picked >= 0, np.asarray(verdict.codes)[picked], -1)].tolist()
+    else:
+        of_owned = [""] * len(owned_list)
     # only stale-like storages get a fix or a live site: their owner rows alone are read
     stale_like = {sid for sid, v in zip(owned_list, of_owned) if v in STALE_VERDICTS}
     rows: dict[int, list] = {}
