@@ -1328,6 +1328,17 @@ PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
   }
   PyObject* undecided = PyList_New(0);
   if (undecided == nullptr) return nullptr;
+  // path j is left for Python to decide; false (undecided released) on an error
+  auto leave_undecided = [undecided](Py_ssize_t j) {
+    PyObject* index = PyLong_FromSsize_t(j);
+    if (index == nullptr || PyList_Append(undecided, index) < 0) {
+      Py_XDECREF(index);
+      Py_DECREF(undecided);
+      return false;
+    }
+    Py_DECREF(index);
+    return true;
+  };
   for (Py_ssize_t j = 0; j < PyList_GET_SIZE(leaves); ++j) {
     const Py_ssize_t leaf = PyLong_AsSsize_t(PyList_GET_ITEM(leaves, j));
     if (leaf == -1 && PyErr_Occurred()) {
@@ -1336,13 +1347,7 @@ PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
     }
     PyObject* obj = leaf >= 0 && leaf < m ? objs[leaf] : nullptr;
     if (obj == nullptr || !(is_exact_tensor(obj) || Py_TYPE(obj) == parameter_type)) {
-      PyObject* index = PyLong_FromSsize_t(j);
-      if (index == nullptr || PyList_Append(undecided, index) < 0) {
-        Py_XDECREF(index);
-        Py_DECREF(undecided);
-        return nullptr;
-      }
-      Py_DECREF(index);
+      if (!leave_undecided(j)) return nullptr;
       continue;
     }
     const at::Tensor& t = THPVariable_Unpack(obj);
@@ -1358,13 +1363,7 @@ PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
     PyObject* version = versions == nullptr ? Py_None : PyList_GET_ITEM(versions, j);
     if (version != Py_None) {
       if (t.is_inference()) {  // no version counter: Python decides
-        PyObject* index = PyLong_FromSsize_t(j);
-        if (index == nullptr || PyList_Append(undecided, index) < 0) {
-          Py_XDECREF(index);
-          Py_DECREF(undecided);
-          return nullptr;
-        }
-        Py_DECREF(index);
+        if (!leave_undecided(j)) return nullptr;
         continue;
       }
       const long long v = PyLong_AsLongLong(version);
