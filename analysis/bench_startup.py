@@ -16,6 +16,12 @@ time of `LLM(...)`, the CPU time (user + sys, all threads) the child's process s
 (`resource.getrusage(RUSAGE_CHILDREN)` around each run: imports and the generate included).
 CPU time varies less than wall time on a shared machine. Goal (issue 26): at most 1.02x.
 
+graphtrace's bytecode is compiled once before the runs (`compileall`), as installing a wheel
+does: an editable install has none, and where `PYTHONDONTWRITEBYTECODE` is set (this project's
+machines set it) Python would compile every graphtrace module from source again in every traced
+child (~45 ms of a ~6 s startup), a cost no installed copy pays. vLLM's own modules were
+compiled when pip installed them.
+
 Every child runs with GRAPHTRACE_CLOCK=1 (Note [self clock] in graphtrace/clock.py): each
 traced startup also accounts graphtrace's own time directly, section by section (exclusive
 wall and CPU seconds of each graphtrace entry point that ran), printed per way as the median
@@ -27,6 +33,7 @@ over runs and as a fraction of that run's startup. Needs vLLM (`.venv-vllm`):
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import platform
@@ -95,6 +102,9 @@ def main(argv=None) -> int:
         ap.error("--runs must be at least 1")
     from graphtrace.vllm import tiny
 
+    # as a wheel install does (see the module's docstring); pyc files are checked against
+    # their source's mtime, so an edited module is compiled again
+    compiled = compileall.compile_dir(str(ROOT / "graphtrace"), quiet=1)
     load = os.getloadavg()[0]
     runs: dict[str, list[dict]] = {w: [] for w in WAYS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,7 +123,10 @@ def main(argv=None) -> int:
     lines = ["# engine startup with and without graphtrace (analysis/bench_startup.py)",
              f"# python {platform.python_version()}, {os.cpu_count()} CPUs, load average "
              f"{load:.1f} at start, {load_end:.1f} at end (a shared machine); tiny fp32 Llama, "
-             f"vLLM's LLM(...) in a fresh process per run, {args.runs} runs per way, alternating"]
+             f"vLLM's LLM(...) in a fresh process per run, {args.runs} runs per way, alternating",
+             f"# graphtrace's bytecode compiled before the runs, as a wheel install has it "
+             f"({'ok' if compiled else 'FAILED'}; PYTHONDONTWRITEBYTECODE="
+             f"{os.environ.get('PYTHONDONTWRITEBYTECODE', '')!r} here)"]
     medians = {}
     for key, title in (("s", "wall time of LLM(...)"),
                        ("cpu", "CPU time of LLM(...) (the child's user + sys, all threads)"),
