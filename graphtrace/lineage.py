@@ -349,6 +349,34 @@ class Lineage:
             node = self.nodes[address] = [storage_weak_ref(storage), 0, None]
         return node
 
+    def _write(self, storage: torch.UntypedStorage, sources: dict, full: bool) -> int:
+        """`storage` is written now from `sources` (address -> clock): its node gets the next
+        clock, and `sources` replace its own (`full`, a write of the whole storage) or join
+        them, the older clock kept. Never its own source; at most `max_sources`, the oldest.
+        Every write goes through here: ops, declared copies, handles, derived constants.
+        Returns the storage's address."""
+        a = storage._cdata
+        node = self.nodes.get(a)
+        if node is None:
+            node = self._node(storage, a)
+        self.clock += 1
+        node[1] = self.clock
+        old = node[2]
+        if full or not old:
+            new = dict(sources)
+        else:
+            new = dict(old)
+            for b, c in sources.items():
+                if b not in new or c < new[b]:
+                    new[b] = c
+        new.pop(a, None)
+        if len(new) > self.max_sources:
+            self.truncated += 1
+            new = dict(sorted(new.items(), key=lambda kv: kv[1])[:self.max_sources])
+        self.n_edges += len(new) - (len(old) if old else 0)
+        node[2] = new or None
+        return a
+
     def record(self, func, args, kwargs, out) -> None:
         """Note what `func` wrote from what it read (called by provenance's mode)."""
         self._tick += 1
@@ -449,26 +477,7 @@ class Lineage:
                 return
         self.n_ops += 1
         for s, full in targets:
-            a = s._cdata
-            node = nodes.get(a)
-            if node is None:
-                node = self._node(s, a)
-            self.clock += 1
-            node[1] = self.clock
-            old = node[2]
-            if full or not old:
-                new = dict(sources)
-            else:
-                new = dict(old)
-                for b, c in sources.items():
-                    if b not in new or c < new[b]:
-                        new[b] = c
-            new.pop(a, None)  # never its own source
-            if len(new) > self.max_sources:
-                self.truncated += 1
-                new = dict(sorted(new.items(), key=lambda kv: kv[1])[:self.max_sources])
-            self.n_edges += len(new) - (len(old) if old else 0)
-            node[2] = new or None
+            a = self._write(s, sources, full)
             if self.models is not None:
                 self._load(s, a, sources)
         if len(nodes) + self.n_edges > 2 * self._mark + 4096:
@@ -665,22 +674,8 @@ class Lineage:
 
         if copy is None or not isinstance(source, torch.Tensor):
             return
-        target, src = storage_of(copy), source.untyped_storage()
-        sources = self._sources_of({src._cdata: src})
-        a = target._cdata
-        node = self.nodes.get(a)
-        if node is None:
-            node = self._node(target, a)
-        self.clock += 1
-        node[1] = self.clock
-        old = node[2] or {}
-        new = dict(old)
-        for b, c in sources.items():
-            if b not in new or c < new[b]:
-                new[b] = c
-        new.pop(a, None)
-        self.n_edges += len(new) - len(old)
-        node[2] = new or None
+        src = source.untyped_storage()
+        self._write(storage_of(copy), self._sources_of({src._cdata: src}), full=False)
 
     # -- handles (Note [dangling sources]) ---------------------------------------------------
     def record_handle(self, func, kind: str, args, kwargs, out) -> None:
@@ -721,16 +716,7 @@ class Lineage:
             self._set_handle(out.untyped_storage(), *found)
 
     def _set_handle(self, storage: torch.UntypedStorage, handle: Handle, sources: dict) -> None:
-        a = storage._cdata
-        node = self.nodes.get(a)
-        if node is None:
-            node = self._node(storage, a)
-        self.clock += 1
-        node[1] = self.clock
-        old = node[2]
-        node[2] = dict(sources) or None
-        self.n_edges += len(sources) - (len(old) if old else 0)
-        self.handles[a] = handle
+        self.handles[self._write(storage, sources, full=True)] = handle
 
     def _registered_tensors(self, refresh: bool) -> dict[int, list]:
         """Address -> [(model, path, kind, StorageWeakRef)] of the watched models'
@@ -818,17 +804,9 @@ class Lineage:
                     merged[b] = cb
             if a not in merged or node[1] < merged[a]:
                 merged[a] = node[1]
-        a = target._cdata
-        merged.pop(a, None)
-        if not merged:
-            return
-        node = nodes.get(a)
-        if node is None:
-            node = self._node(target, a)
-        self.clock += 1
-        node[1] = self.clock
-        self.n_edges += len(merged) - (len(node[2]) if node[2] else 0)
-        node[2] = merged
+        merged.pop(target._cdata, None)
+        if merged:
+            self._write(target, merged, full=True)
 
     # -- memory ------------------------------------------------------------------------------
     def sweep(self) -> None:
