@@ -42,6 +42,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import operator
+import os
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -69,7 +71,7 @@ __all__ = [
     "OP_CALLS_OP_DIRECTLY", "calls_op_directly",
     # looked up on first use (Dynamo, Inductor, the C++ extension builder)
     "load_compiled_fx_graph", "load_constant_makers", "load_output_graph", "load_caching_autotuner",
-    "dynamo_skip_code", "extension_build_directory",
+    "dynamo_skip_code", "extension_build_directory", "extension_build_directory_guess",
 ]
 
 TESTED_TORCH = ">=2.13,<2.15"
@@ -267,10 +269,33 @@ def dynamo_skip_code(code) -> None:
 
 
 def extension_build_directory(name: str) -> str:
-    """The folder torch's C++ extension builder uses for the extension `name`."""
+    """The folder torch's C++ extension builder uses for the extension `name` (made if
+    missing). Importing the builder imports setuptools (~0.1 s): see the guess below."""
     from torch.utils.cpp_extension import _get_build_directory
 
     return _get_build_directory(name, verbose=False)
+
+
+def extension_build_directory_guess(name: str) -> str:
+    """Where torch's builder puts `name`, worked out without importing it (nothing made):
+    `TORCH_EXTENSIONS_DIR`, else torch's user cache folder plus `py<ver>_<accelerator>`, the
+    rule of torch 2.13 and 2.14 (`_get_build_directory`). Only a guess to look for an
+    already built file in; a wrong guess costs the builder's import, not a wrong module
+    (tests/test_native.py compares it with the builder's answer)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch._appdirs import user_cache_dir
+
+        if torch.version.hip is not None:
+            accelerator = "rocm" + torch.version.hip.replace(".", "")
+        elif torch.version.cuda is not None:
+            accelerator = "cu" + torch.version.cuda.replace(".", "")
+        else:
+            accelerator = "cpu"
+        version = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(user_cache_dir(appname="torch_extensions")),
+                            f"{version}_{accelerator}")
+    return os.path.join(root, name)
 
 
 for _feature in _missing:

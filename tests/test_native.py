@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -152,6 +154,29 @@ def fresh_load(monkeypatch):
 def test_a_built_extension_is_imported_without_torchs_builder(fresh_load):
     module = native.load(required=True)
     assert fresh_load == [] and hasattr(module, "Writer") and hasattr(module, "Storages")
+
+
+def test_the_build_folder_is_found_without_importing_torchs_builder(monkeypatch, tmp_path):
+    """The guess agrees with the builder's own answer, with and without TORCH_EXTENSIONS_DIR,
+    and a process that loads the built extension never imports the builder (setuptools)."""
+    from graphtrace import _compat
+
+    name = native._name()
+    for env in (None, str(tmp_path)):
+        if env is None:
+            monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_EXTENSIONS_DIR", env)
+        assert _compat.extension_build_directory_guess(name) == \
+            _compat.extension_build_directory(name), env
+    monkeypatch.undo()
+    native.load(required=True)  # built here (the suite's extension folder)
+    code = ("import sys, graphtrace.native as n; m = n.load(required=True); "
+            "print(hasattr(m, 'Writer'), 'torch.utils.cpp_extension' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr[-2000:]
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed(fresh_load, monkeypatch, tmp_path):
