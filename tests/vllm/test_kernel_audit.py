@@ -62,11 +62,15 @@ REPRESENTATIVES = ("CPUInt8ScaledMMLinearKernel", "CutlassInt8ScaledMMLinearKern
                    # that runs its native kernel, one whose vLLM code fails on that path
                    "CompressedTensorsW8A8Int8MoEMethod@cpu", "QuarkW8A8Int8MoEMethod@cpu",
                    # an AutoRound (INC) checkpoint config
-                   "INCMxfp8MoEMethod")
+                   "INCMxfp8MoEMethod",
+                   # methods no checkpoint config builds: vLLM's LoRA wrapper (Note [audit MoE
+                   # LoRA]), a ModelOpt MIXED_PRECISION block codec
+                   "FusedMoEModularMethod", "ModelOptBlockQuantMoEMethod")
 
 
 def _run(*args: str, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, **env)
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout)
 
@@ -389,6 +393,43 @@ def test_forced_moe_rows_run_through_vllms_scheme_checks(rerun):
     for name in ("CompressedTensorsW8A8Int8MoEMethod@triton", "GptOssMxfp4MoEMethod@marlin",
                  "QuarkOCP_MX_MoEMethod@marlin", "MoeWNA16Method@triton"):
         assert "unchecked" not in rerun[name]["vllm_source"], name
+
+
+def test_lora_and_block_codec_moe_rows_stop_where_vllm_does(rerun):
+    """FusedMoEModularMethod is built the way vLLM's LoRA model manager builds it: the LoRA
+    branch of the unquantized oracle picks TritonExperts, FusedMoEWithLoRA swaps the method,
+    and the apply stops in the CPU punica wrapper, which has no MoE LoRA. The ModelOpt block
+    codec method is built from a MIXED_PRECISION config and stops in its constructor, which
+    asks for b12x on an SM 12.x GPU."""
+    lora = rerun["FusedMoEModularMethod"]
+    assert (lora["ran"], lora["failed_at"]) == ("no", "apply")
+    assert lora["scheme"] == "unquantized -> TritonExperts + LoRA"
+    assert "vllm/lora/punica_wrapper/punica_base.py:" in lora["reason"]
+    block = rerun["ModelOptBlockQuantMoEMethod"]
+    assert (block["ran"], block["failed_at"]) == ("no", "create_weights")
+    assert "require b12x on SM12x at vllm/model_executor/layers/quantization/" \
+           "modelopt_block_quant.py:" in block["reason"]
+
+
+def test_mx_fp6_emulation_runs_with_amd_quark(tmp_path):
+    """vLLM's MX-FP6 emulation dequantizes with amd-quark (quantization/utils/mxfp6_utils.py),
+    which the Makefile installs: with it the kernel runs the whole pipeline on CPU, as
+    committed."""
+    import importlib.util
+
+    if importlib.util.find_spec("quark") is None:
+        msg = ("amd-quark is not installed (the Makefile's vLLM environment installs it: "
+               "pip install -c requirements/vllm-constraints.txt amd-quark==0.13)")
+        if os.environ.get("GRAPHTRACE_REQUIRE_VLLM") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    proc = _run("--kernel", "EmulationMxfp6LinearKernel", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = _rows(tmp_path / "vllm_kernel_audit.csv")["EmulationMxfp6LinearKernel"]
+    assert row["ran"] == "yes", row["reason"]
+    committed = _rows(COMMITTED)["EmulationMxfp6LinearKernel"]
+    assert {c: row[c] for c in COMPARED} == {c: committed[c] for c in COMPARED}
+    assert "amd-quark 0.13" in (tmp_path / "vllm_kernel_audit.md").read_text()
 
 
 def test_row_without_a_backend_says_what_amx_would_pick(rerun, comparable):
