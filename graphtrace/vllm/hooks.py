@@ -41,7 +41,7 @@ without raising: calls nested inside another, and ``load_weights`` inside an ope
 session, fire nothing (the model is half-updated until the session finishes). What the
 guard does with them: Note [check before serve] in graphtrace/vllm/serve.py, which also
 explains the wrapped ``EngineCore.step`` / ``collective_rpc``, ``LLMEngine.step`` and
-``AsyncLLM.generate``.
+``AsyncLLM.generate`` / ``encode``.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ _TARGETS = {
     ],
     "vllm.v1.engine.async_llm": [
         ("AsyncLLM", "generate", "client_stream", None),
+        ("AsyncLLM", "encode", "client_stream", None),  # pooling models
     ],
     "vllm.model_executor.model_loader.utils": [
         # verl runs it itself once after its buckets (None: a module-level function)
@@ -250,7 +251,7 @@ def _wrap_serve(cls, method: str, role: str) -> None:
     """The engine's per-step and per-RPC points of Note [check before serve]
     (graphtrace/vllm/serve.py): ``step`` may be refused before it schedules anything,
     ``rpc`` marks an update pending, ``client_step`` (``LLMEngine.step``) and
-    ``client_stream`` (``AsyncLLM.generate``) raise a refusal in the client."""
+    ``client_stream`` (``AsyncLLM.generate`` and ``encode``) raise a refusal in the client."""
     original = cls.__dict__.get(method)
     if original is None or getattr(original, "__graphtrace_wrapped__", False):
         return
@@ -277,7 +278,11 @@ def _wrap_serve(cls, method: str, role: str) -> None:
                     serve.mark_remote_update(self, method)
     else:
         def wrapper(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
+            try:
+                result = original(self, *args, **kwargs)
+            except BaseException:
+                serve.client_step_failed(self)
+                raise
             with clock.section("serve: after client step"):
                 serve.after_client_step(self, result)
             return result

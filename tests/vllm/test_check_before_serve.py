@@ -201,6 +201,72 @@ def test_async_llm_client_gets_stale_graph_error(tiny_llama_dir, changed_llama, 
     assert all(g["ok"] for g in result["final"]) and not result["errored"]
 
 
+@pytest.fixture(scope="module")
+def tiny_tok_llama(tmp_path_factory):
+    """The tiny Llama with a tokenizer (an ``LLM`` of a pooling model builds its pooling IO
+    processors with one), and its changed checkpoint."""
+    from graphtrace.vllm import tiny
+
+    model = tiny.make_tiny_llama(tmp_path_factory.mktemp("tiny-pool"), seed=0, tokenizer=True)
+    return model, tiny.write_changed_checkpoint(model, tmp_path_factory.mktemp("tiny-pool-changed"))
+
+
+@pytest.mark.parametrize("client", ["async", "llm", "llm_mp"])
+def test_pooling_client_gets_stale_graph_error(tiny_tok_llama, tmp_path, client,
+                                               run_result_script):
+    """A pooling engine (the tiny Llama run as an embedding model: ``runner="pooling",
+    convert="embed"``; pool_run.py), verl's update: ``async for out in
+    engine.encode(...)`` of ``AsyncLLM`` (``async``) and ``llm.embed`` / ``llm.encode``
+    (``llm``: engine core in this process; ``llm_mp``: in its own) get `StaleGraphError`
+    itself after a stale update, naming the holder; one check per clean update; the engine
+    stays alive and serves again after a correct update. Before the pooling fix of `_refuse`
+    (graphtrace/vllm/serve.py) the refused requests' outputs, with no pooling output, tripped
+    ``assert req_state.detokenizer is not None`` in vLLM's output processor: ``llm.embed``
+    raised AssertionError (and the next, correct call the stale refusal), ``AsyncLLM.encode``
+    EngineGenerateError, and the engine was dead (EngineDeadError) from then on."""
+    from graphtrace.vllm import tiny
+
+    model, changed = tiny_tok_llama
+    r = _run(run_result_script, model, changed, tmp_path, "plugin_pool", "", script="pool_run.py",
+             extra=(client,), multiprocessing=client != "llm")
+    assert r["runner"] == "pooling" and r["holder"] == HOLDER
+    assert (r["client_pid"] == r["worker_pid"]) == (client == "llm")
+    n = len(tiny.PROMPTS)
+    calls = ("embed",) if client == "async" else ("embed", "encode")
+
+    def results(step: dict, call: str) -> list[dict]:
+        v = step[call]
+        return v if isinstance(v, list) else [v]  # async: one result per request
+
+    for name in ("clean", "fixed"):  # one check, before the first forward; it serves
+        step = r[name]
+        assert step["sync"]["ok"], step["sync"]
+        for call in calls:
+            assert all(g["ok"] for g in results(step, call)), (name, call, step[call])
+        assert step["checks"] == 1, (name, step["after_embed"])
+        assert step["after_embed"]["last"]["ok"] and not step["after_embed"]["dirty"]
+    assert r["fixed"]["embed"] == r["clean"]["embed"] and r["fixed"]["holder_is_captured"]
+    assert r["clean"]["embed"] != r["baseline"]  # the update changed the embeddings
+    stale = r["stale"]
+    assert stale["sync"]["ok"] and stale["after_sync"]["dirty"]  # nothing raised in the sync
+    for call in calls:
+        for gen in results(stale, call):  # the error itself, hiding nothing, naming the holder
+            assert not gen["ok"]
+            assert gen["type"] == "StaleGraphError", (call, gen)
+            assert gen["context"] is None and gen["cause"] is None, gen
+            assert gen["owners"] == [HOLDER] and HOLDER in gen["message"], gen
+    # one check per refused call (in another process: the requests may reach it in n steps)
+    if client == "llm":
+        assert stale["checks"] == len(calls), stale["after_embed"]
+    else:
+        assert len(calls) <= stale["checks"] <= len(calls) * n, stale["after_embed"]
+    last = stale["after_embed"]["last"]
+    assert not last["ok"] and last["owners"] == [HOLDER] and last["verdicts"] == ["stale"]
+    assert stale["after_embed"]["dirty"] and not stale["holder_is_captured"]
+    if client == "async":
+        assert not (r["clean"]["errored"] or stale["errored"] or r["fixed"]["errored"])
+
+
 def test_vllm_serve_http_client_sees_the_refusal(tmp_path_factory, tmp_path, run_result_script):
     """``vllm serve`` (the OpenAI server's ``AsyncLLM`` in the API server process, the plugin
     loaded there too): verl's update through the dev-mode ``POST /collective_rpc``. The
