@@ -300,3 +300,76 @@ def test_vllm_serve_http_client_sees_the_refusal(tmp_path_factory, tmp_path, run
     assert events[0]["error"]["code"] == 500 and HOLDER in events[0]["error"]["message"]
     assert "StaleGraphError" in events[0]["error"]["message"]
     assert stale["status"]["dirty"] and not stale["status"]["last"]["ok"]
+
+
+def test_weight_transfer_session(tiny_llama_dir, changed_llama, tmp_path, run_result_script):
+    """vLLM 0.32's weight-transfer session (``LLM.init_weight_transfer_engine``,
+    ``start_weight_update`` .. chunks .. ``finish_weight_update``: the real ``Worker`` methods
+    through ``collective_rpc``; xfer_run.py), plugin guard, engine core in this process.
+
+    No backend vLLM 0.32 registers (vllm/distributed/weight_transfer/factory.py) moves
+    tensors on CPU: ``nccl`` and ``sparse_nccl`` receive by NCCL broadcast on a
+    ``PyNcclCommunicator`` (nccl_common.py:145-176, nccl_engine.py:225,
+    sparse_nccl_engine.py:162: CUDA streams); ``nccl_m2n`` needs NVIDIA's nccl-extensions
+    (m2n_common.py:70-86); ``sharded_rdt`` needs the Ray executor and NIXL
+    (sharded_rdt_engine.py:315); ``modelexpress`` is an outside package; ``ipc`` rebuilds the
+    trainer's tensors from CUDA IPC handles: ``receive_weights`` calls
+    ``torch.cuda.get_device_properties`` (ipc_engine.py:222) and ``rebuild_cuda_tensor``
+    (:237; packed: packed_tensor.py:426, 471), and ``WeightTransferEngine.update_weights``
+    then ``torch.accelerator.synchronize()`` (base.py:502). So the engine is built with the
+    real ``IPCWeightTransferEngine``, and on CPU everything of the session runs but that
+    transport: ``init_weight_transfer_engine``, ``start_weight_update``
+    (``initialize_layerwise_reload``), each chunk's ``model.load_weights(weights)`` as
+    ``receive_weights`` calls it (ipc_engine.py:240-245; tensors read from the checkpoint,
+    serve_ext `graphtrace_test_receive`) and ``finish_weight_update``
+    (``finalize_layerwise_reload``). The chunks carry the tensors a CPU engine takes
+    (serve_ext); the stale holder is rebound at the session's end.
+
+    A clean session: no check inside (the guard dirty from the start), one check when it
+    finishes, it serves. A stale one: ``finish_weight_update`` raises `StaleGraphError`
+    naming the holder, and every forward is refused until a correct session passes. Then
+    vLLM's own ``update_weights``: on CPU it fails at ipc_engine.py:222 ("Torch not
+    compiled with CUDA enabled"); vLLM ends its session (gpu_worker.py:1581-1585), so a
+    later ``load_weights`` is an update of its own (before the fix of graphtrace/vllm/
+    hooks.py it stayed a silent part of a session no ``finish`` would close), and the
+    next forward is refused: the failed chunk left the layers that ``initialize_layerwise_
+    reload`` restored on meta tensors (nothing undoes it), so their captured storages moved."""
+    r = _run(run_result_script, tiny_llama_dir, changed_llama, tmp_path, "plugin_xfer", "",
+             script="xfer_run.py")
+    assert r["transfer"] == {"engine": "IPCWeightTransferEngine", "active": False}
+    assert r["holder"] == HOLDER and r["init"]["ok"]
+    for name in ("clean", "stale", "fixed"):
+        s = r[name]
+        assert s["start"]["ok"], s["start"]
+        assert len(s["inside"]) == 2 and all(  # no check inside the session
+            c["checks"] == 0 and c["dirty"] and c["active"] for c in s["inside"]), s["inside"]
+    for name in ("clean", "fixed"):  # one check, at the session's end; it serves
+        s = r[name]
+        assert s["finish"]["ok"] and s["generate"]["ok"], s
+        assert s["checks"] == 1 and s["holder_is_captured"]
+        last = s["after_generate"]["last"]
+        assert last["ok"] and last["trigger"] == "finish_weight_update"
+        assert last["updates"] == ["start_weight_update"] and not s["after_generate"]["dirty"]
+    assert r["fixed"]["generate"]["value"] == r["clean"]["generate"]["value"]
+    assert r["clean"]["generate"]["value"] != r["baseline"]  # the session changed the weights
+    stale = r["stale"]
+    for call in ("finish", "generate", "generate_again"):  # the error itself, naming the holder
+        e = stale[call]
+        assert e["type"] == "StaleGraphError" and e["context"] is None, (call, e)
+        assert e["owners"] == [HOLDER] and HOLDER in e["message"], (call, e)
+    assert stale["after_finish"]["last"]["trigger"] == "finish_weight_update"
+    assert stale["checks"] == 2  # at the end of the session, then before the refused forward
+    assert stale["after_generate"]["dirty"] and not stale["holder_is_captured"]
+    # vLLM's own chunk call on CPU
+    a = r["aborted"]
+    assert a["start"]["ok"]
+    assert a["update"]["type"] == "AssertionError", a["update"]
+    assert a["update"]["message"] == "Torch not compiled with CUDA enabled"
+    assert "ipc_engine.py" in a["update"]["traceback"] and "get_device_properties" in a["update"]["traceback"]
+    assert a["transfer"]["active"] is False  # vLLM ended its session
+    assert a["finish"]["type"] == "RuntimeError"
+    assert a["load"]["ok"]
+    assert a["after_load"]["updates"] == ["start_weight_update", "load_weights"], a["after_load"]
+    gen = a["generate"]
+    assert gen["type"] == "StaleGraphError" and "model.layers.0.input_layernorm.weight" in gen["owners"]
+    assert a["checks"] == 1 and a["after_generate"]["dirty"]
