@@ -2,7 +2,8 @@
 (``LLM.start_weight_update`` .. chunks .. ``finish_weight_update``, each a ``collective_rpc`` to
 the real ``Worker`` methods) on the tiny fp32 Llama built with ``weight_transfer_config=
 {"backend": "ipc"}`` (the real ``IPCWeightTransferEngine``), guarded by the plugin
-(``GRAPHTRACE_VLLM=guard``), engine core in this process. Prints one JSON line.
+(``GRAPHTRACE_VLLM=guard``), the engine core in this process or (``VLLM_ENABLE_V1_
+MULTIPROCESSING=1``) in its own. Prints one JSON line.
 
 No weight-transfer backend of vLLM 0.32 moves tensors on CPU (test_check_before_serve.py,
 `test_weight_transfer_session`); what runs here: ``init_weight_transfer_engine``,
