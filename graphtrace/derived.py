@@ -48,7 +48,11 @@ _CHUNK = 1 << 14
 
 
 def fingerprint(tensor: torch.Tensor) -> tuple:
-    """(version counter, value hash) of `tensor` (Note [derived copies])."""
+    """(version counter, value hash) of `tensor` (Note [derived copies]). A meta tensor has no
+    values (vLLM's layerwise reload leaves layers on meta tensors when a weight-transfer chunk
+    fails): its hash is a marker no real tensor's equals."""
+    if tensor.is_meta:
+        return version_counter(tensor), ("meta", tuple(tensor.shape))
     with disable_current_modes(), torch.no_grad():
         flat = tensor.detach().reshape(-1)
         if flat.numel() > SAMPLE:

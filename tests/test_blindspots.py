@@ -145,6 +145,18 @@ def test_copy_not_rebuilt_after_new_values_is_its_own_finding():
     assert set(edges.owners) == {"packed"}
 
 
+def test_a_source_left_on_the_meta_device_is_fingerprinted_without_values():
+    """vLLM's layerwise reload leaves layers on meta tensors when a weight-transfer chunk
+    fails (tests/vllm/test_check_before_serve.py): the diff (strict) still runs, and the
+    graph's reads of the replaced tensors are stale."""
+    model = Packed()
+    t = _captured(model)
+    model.weight = nn.Parameter(torch.empty(4, 3, device="meta"), requires_grad=False)
+    model.packed = torch.empty(3, 4, device="meta")  # rebuilt: fingerprinted again
+    report = t.diff()
+    assert "packed" in set(report.stale["owners"].astype(str))
+
+
 def test_copy_not_rebuilt_after_same_values_is_latent():
     model = Packed()
     t = _captured(model)

@@ -211,3 +211,32 @@ def test_in_place_writes_are_seen_with_and_without_the_native_sum(native):
         assert not sg.written_in_place()  # once per write
     finally:
         sg.close()
+
+
+def test_a_client_step_that_raises_drops_its_refusal():
+    """The client's ``LLMEngine.step`` (wrapped as in vLLM) raised after the in-process engine
+    core refused the step: the refusal is dropped, so the client's next call does not raise a
+    stale one (seen before the pooling fix: a refused ``llm.embed`` raised vLLM's
+    AssertionError, and the next, correct call the old StaleGraphError)."""
+    from graphtrace.guard import StaleGraphError, empty_problems
+
+    class LLMEngine:  # vLLM's shape: llm_engine.engine_core (client).engine_core (EngineCore)
+        def __init__(self, fail):
+            self.fail = fail
+            self.engine_core = type("Client", (), {})()
+            self.engine_core.engine_core = type("EngineCore", (), {})()
+
+        def step(self):
+            refused = StaleGraphError("refused", empty_problems())
+            self.engine_core.engine_core.__dict__["_graphtrace_refused"] = refused
+            if self.fail:
+                raise AssertionError("the output processor failed")
+            return []
+
+    hooks._wrap_serve(LLMEngine, "step", "client_step")
+    failing = LLMEngine(fail=True)
+    with pytest.raises(AssertionError):
+        failing.step()
+    assert "_graphtrace_refused" not in failing.engine_core.engine_core.__dict__
+    with pytest.raises(StaleGraphError):  # a step that returns raises its refusal
+        LLMEngine(fail=False).step()

@@ -29,8 +29,9 @@ Note [weight updates]
 ~~~~~~~~~~~~~~~~~~~~~
 vLLM 0.32 changes a worker's weights through: ``Worker.reload_weights`` (layerwise reload; it
 calls ``model.load_weights`` inside), the weight-transfer session ``Worker.start_weight_update``
-.. ``update_weights`` (per chunk) .. ``finish_weight_update`` (RL trainers; ``update_weights``
-calls ``model.load_weights`` per chunk), a bare ``model.load_weights(weights)`` (TRL colocate
+(or ``start_draft_weight_update``) .. ``update_weights`` (per chunk) .. ``finish_weight_update``
+(RL trainers; ``update_weights`` calls ``model.load_weights`` per chunk; a chunk that fails
+ends the session, as vLLM's worker does), a bare ``model.load_weights(weights)`` (TRL colocate
 calls it on the worker's model directly, OpenRLHF and verl through ``collective_rpc``), and
 ``vllm.model_executor.model_loader.utils.process_weights_after_loading``, which verl calls
 itself once after its buckets (wrapped as a module attribute: a caller that imported the name
@@ -41,7 +42,7 @@ without raising: calls nested inside another, and ``load_weights`` inside an ope
 session, fire nothing (the model is half-updated until the session finishes). What the
 guard does with them: Note [check before serve] in graphtrace/vllm/serve.py, which also
 explains the wrapped ``EngineCore.step`` / ``collective_rpc``, ``LLMEngine.step`` and
-``AsyncLLM.generate``.
+``AsyncLLM.generate`` / ``encode``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ _TARGETS = {
         ("Worker", "shutdown", "shutdown", None),
         ("Worker", "reload_weights", "update", "call"),
         ("Worker", "start_weight_update", "update", "start"),
+        ("Worker", "start_draft_weight_update", "update", "start"),
+        ("Worker", "update_weights", "update", "chunk"),
         ("Worker", "finish_weight_update", "update", "finish"),
     ],
     "vllm.v1.worker.cpu_worker": [
@@ -99,6 +102,7 @@ _TARGETS = {
     ],
     "vllm.v1.engine.async_llm": [
         ("AsyncLLM", "generate", "client_stream", None),
+        ("AsyncLLM", "encode", "client_stream", None),  # pooling models
     ],
     "vllm.model_executor.model_loader.utils": [
         # verl runs it itself once after its buckets (None: a module-level function)
@@ -158,7 +162,7 @@ _update_state = _UpdateState()
 
 def _wrap_update(cls, method: str, role: str) -> None:
     """Wrap one weight-update entry point (Note [weight updates]); `role`: "call" (a whole
-    update), "start" or "finish" (a transfer session's ends)."""
+    update), "start", "chunk" or "finish" (a transfer session's calls)."""
     original = cls.__dict__.get(method)
     if original is None or getattr(original, "__graphtrace_wrapped__", False):
         return
@@ -167,7 +171,7 @@ def _wrap_update(cls, method: str, role: str) -> None:
     def wrapper(self, *args, **kwargs):
         state = _update_state
         outer = state.depth == 0 and not state.session
-        if outer and role != "finish":
+        if outer and role not in ("chunk", "finish"):
             _fire("before_update", self, method)
         state.depth += 1
         ok = False
@@ -177,18 +181,28 @@ def _wrap_update(cls, method: str, role: str) -> None:
             ok = True
         finally:
             state.depth -= 1
-            if ok and state.depth == 0:
-                if role == "start":
-                    state.session = True
-                elif role == "finish":
-                    state.session = False
-        if ok and state.depth == 0 and not state.session and role != "start":
+            if state.depth == 0 and role in ("start", "chunk", "finish"):
+                state.session = _session_open(self, role, ok, state.session)
+        if ok and state.depth == 0 and not state.session and role not in ("start", "chunk"):
             _fire("after_update", self, method)
         return result
 
     wrapper.__graphtrace_wrapped__ = True
     wrapper.__graphtrace_original__ = original
     setattr(cls, method, wrapper)
+
+
+def _session_open(worker, role: str, ok: bool, was_open: bool) -> bool:
+    """Is a transfer session open after ``role`` ran? The worker's own record
+    (``Worker._weight_update_active``, vLLM 0.32): a chunk that fails ends vLLM's session
+    (``update_weights`` resets it before re-raising), and a later ``load_weights`` must be an
+    update of its own again, not a silent part of a session that no ``finish`` will close."""
+    active = getattr(worker, "_weight_update_active", None)
+    if isinstance(active, bool):
+        return active
+    if not ok:
+        return was_open
+    return {"start": True, "finish": False}.get(role, was_open)
 
 
 def wrap_model_updates(model) -> None:
@@ -250,7 +264,7 @@ def _wrap_serve(cls, method: str, role: str) -> None:
     """The engine's per-step and per-RPC points of Note [check before serve]
     (graphtrace/vllm/serve.py): ``step`` may be refused before it schedules anything,
     ``rpc`` marks an update pending, ``client_step`` (``LLMEngine.step``) and
-    ``client_stream`` (``AsyncLLM.generate``) raise a refusal in the client."""
+    ``client_stream`` (``AsyncLLM.generate`` and ``encode``) raise a refusal in the client."""
     original = cls.__dict__.get(method)
     if original is None or getattr(original, "__graphtrace_wrapped__", False):
         return
@@ -277,7 +291,11 @@ def _wrap_serve(cls, method: str, role: str) -> None:
                     serve.mark_remote_update(self, method)
     else:
         def wrapper(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
+            try:
+                result = original(self, *args, **kwargs)
+            except BaseException:
+                serve.client_step_failed(self)
+                raise
             with clock.section("serve: after client step"):
                 serve.after_client_step(self, result)
             return result

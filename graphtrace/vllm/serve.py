@@ -71,7 +71,11 @@ capture-time owners first, if graphs were captured since) and the check runs onc
    (vllm/entrypoints/serve/exception_handling/error_response.py), or, streamed, one ``data:
    {"error": ...}`` event; the message starts with ``StaleGraphError:`` (`REFUSED`) and
    names the holder (without the plugin in the client, vLLM's own answer to
-   ``finish_reason="error"``: HTTP 500 "Internal server error").
+   ``finish_reason="error"``: HTTP 500 "Internal server error"). A pooling model's
+   ``AsyncLLM.encode`` is wrapped the same way; a refused pooling request ends with an empty
+   pooling output, the marker `_errored` reads (`_refuse` gives it one, as vLLM's abort does:
+   without it vLLM's output processor asserts the request has a detokenizer, and the
+   AsyncLLM's output handler dies with the engine).
 
 Note [in-place writes]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -116,7 +120,7 @@ from typing import Callable
 logger = logging.getLogger("graphtrace.vllm")
 
 __all__ = ["ServeGuard", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDATES", "local_guards", "before_step",
-           "drain_step", "DRAIN", "after_client_step", "client_stream", "mark_remote_update",
+           "drain_step", "DRAIN", "after_client_step", "client_step_failed", "client_stream", "mark_remote_update",
            "REFUSED"]
 
 ACTIONS = ("raise", "warn", "recapture")
@@ -546,17 +550,22 @@ def _refuse(core) -> dict:
     """Finish every unfinished request with FINISHED_ERROR; the step's outputs for them."""
     from collections import defaultdict
 
+    import torch
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
     from vllm.v1.request import RequestStatus
 
     finished = core.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR) or []
-    by_client: dict[int, list[str]] = defaultdict(list)
+    by_client: dict[int, list] = defaultdict(list)
     for request in finished:
-        by_client[getattr(request, "client_index", 0)].append(request.request_id)
-    return {client: EngineCoreOutputs(
-                finished_requests=set(ids),
-                outputs=[EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR) for rid in ids])
-            for client, ids in by_client.items()}
+        # a pooling request's error output carries an empty pooling output, as vLLM's own
+        # abort does (v1/engine/output_processor.py, abort_requests): with none the client's
+        # output processor asserts it has a detokenizer, which pooling requests lack
+        pooled = torch.empty(0) if getattr(request, "pooling_params", None) is not None else None
+        by_client[getattr(request, "client_index", 0)].append(EngineCoreOutput(
+            request.request_id, [], finish_reason=FinishReason.ERROR, pooling_output=pooled))
+    return {client: EngineCoreOutputs(finished_requests={o.request_id for o in outs},
+                                      outputs=outs)
+            for client, outs in by_client.items()}
 
 
 def after_client_step(llm_engine, outputs) -> None:
@@ -585,10 +594,27 @@ def after_client_step(llm_engine, outputs) -> None:
         raise state.pop("_graphtrace_refused")
 
 
+def client_step_failed(llm_engine) -> None:
+    """The client's ``LLMEngine.step`` raised before `after_client_step`: drop the engine
+    core's refusal of that step (in process), else the client's next, unrelated call would
+    raise it (a refusal that still stands is raised again by the next refused step)."""
+    client = getattr(llm_engine, "engine_core", None)
+    core = getattr(client, "engine_core", None)
+    if core is not None and hasattr(core, "__dict__"):
+        core.__dict__.pop("_graphtrace_refused", None)
+
+
 def _errored(output) -> bool:
+    """A request's final output says it failed: a completion with ``finish_reason="error"``,
+    or a pooling output whose data is empty (how `_refuse` and vLLM's abort end a pooling
+    request; a pooling model's real output is never empty)."""
+    if not getattr(output, "finished", False):
+        return False
     completions = getattr(output, "outputs", None)
-    return bool(getattr(output, "finished", False)) and isinstance(completions, list) and any(
-        getattr(c, "finish_reason", None) == "error" for c in completions)
+    if isinstance(completions, list):
+        return any(getattr(c, "finish_reason", None) == "error" for c in completions)
+    data = getattr(completions, "data", None)  # PoolingOutput
+    return data is not None and hasattr(data, "numel") and data.numel() == 0
 
 
 def _ask_refusal(llm_engine):
@@ -626,9 +652,10 @@ REFUSED = "StaleGraphError: the engine refuses to serve until a correct weight u
 # -- the async client (Note [check before serve], 5.) ------------------------------------------
 
 def client_stream(engine, stream):
-    """``AsyncLLM.generate``'s output ``stream`` for one request, as its caller iterates it:
-    unchanged, except that a final output finished with ``finish_reason="error"`` while the
-    workers' refusal stands is replaced by raising that `StaleGraphError`."""
+    """``AsyncLLM.generate``'s (or ``encode``'s) output ``stream`` for one request, as its
+    caller iterates it: unchanged, except that a final output that says the request failed
+    (`_errored`) while the workers' refusal stands is replaced by raising that
+    `StaleGraphError`."""
     if not _remote["on"]:
         return stream
     return _refusing_stream(engine, stream)

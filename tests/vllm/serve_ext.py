@@ -124,6 +124,48 @@ class ServeTestExtension:
         layer = _layer(self)
         return layer.injected_scale is _FIRST[id(layer)]
 
+    # -- vLLM's weight-transfer session (xfer_run.py) ----------------------------------------
+    def graphtrace_test_transfer(self) -> dict:
+        """The worker's weight-transfer engine and vLLM's record of an open session."""
+        engine = self.weight_transfer_engine
+        return {"engine": type(engine).__name__ if engine is not None else None,
+                "active": self._weight_update_active}
+
+    def graphtrace_test_session_derive(self) -> None:
+        """The session's final processing derives the holder again (`_derive`), after vLLM's
+        own (``finalize_layerwise_reload``): the rebinding comes at the session's end, as
+        verl's comes in its final ``process_weights_after_loading``. (The chunks below carry
+        no linear weight, so ``finalize_layerwise_reload`` puts the linear layers' kernel
+        tensors back without running their weight processing.)"""
+        engine = self.weight_transfer_engine
+        if "finish_weight_update" in engine.__dict__:
+            return
+        finish = engine.finish_weight_update
+        layer = _layer(self)
+
+        def finish_weight_update():
+            finish()
+            _derive(layer)
+
+        engine.finish_weight_update = finish_weight_update
+
+    def graphtrace_test_receive(self, names: list[str], folder: str) -> int:
+        """One chunk of a session, the CPU half of ``IPCWeightTransferEngine.receive_weights``
+        (vllm/distributed/weight_transfer/ipc_engine.py): its transport rebuilds the trainer's
+        tensors from CUDA IPC handles (``torch.cuda.get_device_properties``,
+        ``rebuild_cuda_tensor``), which needs a GPU; here they are read from the checkpoint
+        ``folder``. What it does with them is this, verbatim: ``self.model.load_weights(weights)``
+        under ``disable_mtp_completeness_check()``, on the engine's model."""
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        tensors = _checkpoint(folder)
+        weights = [(name, tensors[name]) for name in names]
+        with disable_mtp_completeness_check():
+            self.weight_transfer_engine.model.load_weights(weights)
+        return len(weights)
+
     # -- the clients' weight sync, worker side ----------------------------------------------
     def update_weight(self, name: str, folder: str) -> int:
         """OpenRLHF's ``WorkerWrap.update_weight``: one tensor per call (here read from the

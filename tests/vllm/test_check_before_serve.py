@@ -201,6 +201,72 @@ def test_async_llm_client_gets_stale_graph_error(tiny_llama_dir, changed_llama, 
     assert all(g["ok"] for g in result["final"]) and not result["errored"]
 
 
+@pytest.fixture(scope="module")
+def tiny_tok_llama(tmp_path_factory):
+    """The tiny Llama with a tokenizer (an ``LLM`` of a pooling model builds its pooling IO
+    processors with one), and its changed checkpoint."""
+    from graphtrace.vllm import tiny
+
+    model = tiny.make_tiny_llama(tmp_path_factory.mktemp("tiny-pool"), seed=0, tokenizer=True)
+    return model, tiny.write_changed_checkpoint(model, tmp_path_factory.mktemp("tiny-pool-changed"))
+
+
+@pytest.mark.parametrize("client", ["async", "llm", "llm_mp"])
+def test_pooling_client_gets_stale_graph_error(tiny_tok_llama, tmp_path, client,
+                                               run_result_script):
+    """A pooling engine (the tiny Llama run as an embedding model: ``runner="pooling",
+    convert="embed"``; pool_run.py), verl's update: ``async for out in
+    engine.encode(...)`` of ``AsyncLLM`` (``async``) and ``llm.embed`` / ``llm.encode``
+    (``llm``: engine core in this process; ``llm_mp``: in its own) get `StaleGraphError`
+    itself after a stale update, naming the holder; one check per clean update; the engine
+    stays alive and serves again after a correct update. Before the pooling fix of `_refuse`
+    (graphtrace/vllm/serve.py) the refused requests' outputs, with no pooling output, tripped
+    ``assert req_state.detokenizer is not None`` in vLLM's output processor: ``llm.embed``
+    raised AssertionError (and the next, correct call the stale refusal), ``AsyncLLM.encode``
+    EngineGenerateError, and the engine was dead (EngineDeadError) from then on."""
+    from graphtrace.vllm import tiny
+
+    model, changed = tiny_tok_llama
+    r = _run(run_result_script, model, changed, tmp_path, "plugin_pool", "", script="pool_run.py",
+             extra=(client,), multiprocessing=client != "llm")
+    assert r["runner"] == "pooling" and r["holder"] == HOLDER
+    assert (r["client_pid"] == r["worker_pid"]) == (client == "llm")
+    n = len(tiny.PROMPTS)
+    calls = ("embed",) if client == "async" else ("embed", "encode")
+
+    def results(step: dict, call: str) -> list[dict]:
+        v = step[call]
+        return v if isinstance(v, list) else [v]  # async: one result per request
+
+    for name in ("clean", "fixed"):  # one check, before the first forward; it serves
+        step = r[name]
+        assert step["sync"]["ok"], step["sync"]
+        for call in calls:
+            assert all(g["ok"] for g in results(step, call)), (name, call, step[call])
+        assert step["checks"] == 1, (name, step["after_embed"])
+        assert step["after_embed"]["last"]["ok"] and not step["after_embed"]["dirty"]
+    assert r["fixed"]["embed"] == r["clean"]["embed"] and r["fixed"]["holder_is_captured"]
+    assert r["clean"]["embed"] != r["baseline"]  # the update changed the embeddings
+    stale = r["stale"]
+    assert stale["sync"]["ok"] and stale["after_sync"]["dirty"]  # nothing raised in the sync
+    for call in calls:
+        for gen in results(stale, call):  # the error itself, hiding nothing, naming the holder
+            assert not gen["ok"]
+            assert gen["type"] == "StaleGraphError", (call, gen)
+            assert gen["context"] is None and gen["cause"] is None, gen
+            assert gen["owners"] == [HOLDER] and HOLDER in gen["message"], gen
+    # one check per refused call (in another process: the requests may reach it in n steps)
+    if client == "llm":
+        assert stale["checks"] == len(calls), stale["after_embed"]
+    else:
+        assert len(calls) <= stale["checks"] <= len(calls) * n, stale["after_embed"]
+    last = stale["after_embed"]["last"]
+    assert not last["ok"] and last["owners"] == [HOLDER] and last["verdicts"] == ["stale"]
+    assert stale["after_embed"]["dirty"] and not stale["holder_is_captured"]
+    if client == "async":
+        assert not (r["clean"]["errored"] or stale["errored"] or r["fixed"]["errored"])
+
+
 def test_vllm_serve_http_client_sees_the_refusal(tmp_path_factory, tmp_path, run_result_script):
     """``vllm serve`` (the OpenAI server's ``AsyncLLM`` in the API server process, the plugin
     loaded there too): verl's update through the dev-mode ``POST /collective_rpc``. The
@@ -234,3 +300,92 @@ def test_vllm_serve_http_client_sees_the_refusal(tmp_path_factory, tmp_path, run
     assert events[0]["error"]["code"] == 500 and HOLDER in events[0]["error"]["message"]
     assert "StaleGraphError" in events[0]["error"]["message"]
     assert stale["status"]["dirty"] and not stale["status"]["last"]["ok"]
+
+
+@pytest.mark.parametrize("engine_core", ["in_process", "own_process"])
+def test_weight_transfer_session(tiny_llama_dir, changed_llama, tmp_path, engine_core,
+                                 run_result_script):
+    """vLLM 0.32's weight-transfer session (``LLM.init_weight_transfer_engine``,
+    ``start_weight_update`` .. chunks .. ``finish_weight_update``: the real ``Worker`` methods
+    through ``collective_rpc``; xfer_run.py), plugin guard, the engine core in the client's
+    process or in its own (then vLLM hands the client an ``Exception`` carrying a failed
+    RPC's text, and ``llm.generate`` raises the workers' `StaleGraphError`).
+
+    No backend vLLM 0.32 registers (vllm/distributed/weight_transfer/factory.py) moves
+    tensors on CPU: ``nccl`` and ``sparse_nccl`` receive by NCCL broadcast on a
+    ``PyNcclCommunicator`` (nccl_common.py:145-176, nccl_engine.py:225,
+    sparse_nccl_engine.py:162: CUDA streams); ``nccl_m2n`` needs NVIDIA's nccl-extensions
+    (m2n_common.py:70-86); ``sharded_rdt`` needs the Ray executor and NIXL
+    (sharded_rdt_engine.py:315); ``modelexpress`` is an outside package; ``ipc`` rebuilds the
+    trainer's tensors from CUDA IPC handles: ``receive_weights`` calls
+    ``torch.cuda.get_device_properties`` (ipc_engine.py:222) and ``rebuild_cuda_tensor``
+    (:237; packed: packed_tensor.py:426, 471), and ``WeightTransferEngine.update_weights``
+    then ``torch.accelerator.synchronize()`` (base.py:502). So the engine is built with the
+    real ``IPCWeightTransferEngine``, and on CPU everything of the session runs but that
+    transport: ``init_weight_transfer_engine``, ``start_weight_update``
+    (``initialize_layerwise_reload``), each chunk's ``model.load_weights(weights)`` as
+    ``receive_weights`` calls it (ipc_engine.py:240-245; tensors read from the checkpoint,
+    serve_ext `graphtrace_test_receive`) and ``finish_weight_update``
+    (``finalize_layerwise_reload``). The chunks carry the tensors a CPU engine takes
+    (serve_ext); the stale holder is rebound at the session's end.
+
+    A clean session: no check inside (the guard dirty from the start), one check when it
+    finishes, it serves. A stale one: ``finish_weight_update`` raises `StaleGraphError`
+    naming the holder, and every forward is refused until a correct session passes. Then
+    vLLM's own ``update_weights``: on CPU it fails at ipc_engine.py:222 ("Torch not
+    compiled with CUDA enabled"); vLLM ends its session (gpu_worker.py:1581-1585), so a
+    later ``load_weights`` is an update of its own (before the fix of graphtrace/vllm/
+    hooks.py it stayed a silent part of a session no ``finish`` would close), and the
+    next forward is refused: the failed chunk left the layers that ``initialize_layerwise_
+    reload`` restored on meta tensors (nothing undoes it), so their captured storages moved."""
+    from graphtrace.vllm import tiny
+
+    one = engine_core == "in_process"
+    r = _run(run_result_script, tiny_llama_dir, changed_llama, tmp_path, "plugin_xfer", "",
+             script="xfer_run.py", multiprocessing=not one)
+    n = len(tiny.PROMPTS)
+    assert r["transfer"] == {"engine": "IPCWeightTransferEngine", "active": False}
+    assert r["holder"] == HOLDER and r["init"]["ok"]
+    for name in ("clean", "stale", "fixed"):
+        s = r[name]
+        assert s["start"]["ok"], s["start"]
+        assert len(s["inside"]) == 2 and all(  # no check inside the session
+            c["checks"] == 0 and c["dirty"] and c["active"] for c in s["inside"]), s["inside"]
+    for name in ("clean", "fixed"):  # one check, at the session's end; it serves
+        s = r[name]
+        assert s["finish"]["ok"] and s["generate"]["ok"], s
+        assert s["checks"] == 1 and s["holder_is_captured"]
+        last = s["after_generate"]["last"]
+        assert last["ok"] and last["trigger"] == "finish_weight_update"
+        assert last["updates"] == ["start_weight_update"] and not s["after_generate"]["dirty"]
+    assert r["fixed"]["generate"]["value"] == r["clean"]["generate"]["value"]
+    assert r["clean"]["generate"]["value"] != r["baseline"]  # the session changed the weights
+    stale = r["stale"]
+    # the error itself, naming the holder (the finish RPC's, from another process: its text)
+    for call in ("finish", "generate", "generate_again") if one else ("generate", "generate_again"):
+        e = stale[call]
+        assert e["type"] == "StaleGraphError" and e["context"] is None, (call, e)
+        assert e["owners"] == [HOLDER] and HOLDER in e["message"], (call, e)
+    if not one:
+        assert stale["finish"]["type"] == "Exception" and HOLDER in stale["finish"]["message"]
+        assert "graphtrace guard" in stale["finish"]["message"]
+    assert stale["after_finish"]["last"]["trigger"] == "finish_weight_update"
+    # at the end of the session, then before the refused forward (from another process the
+    # requests may reach the engine core in up to n steps, each refused and checked)
+    assert 2 <= stale["checks"] <= (2 if one else 1 + n), stale["after_generate"]
+    assert stale["after_generate"]["dirty"] and not stale["holder_is_captured"]
+    # vLLM's own chunk call on CPU
+    a = r["aborted"]
+    assert a["start"]["ok"]
+    assert "Torch not compiled with CUDA enabled" in a["update"]["message"], a["update"]
+    if one:
+        assert a["update"]["type"] == "AssertionError", a["update"]
+        assert "ipc_engine.py" in a["update"]["traceback"]
+        assert "get_device_properties" in a["update"]["traceback"]
+    assert a["transfer"]["active"] is False  # vLLM ended its session
+    assert "without a matching start_weight_update" in a["finish"]["message"]
+    assert a["load"]["ok"]
+    assert a["after_load"]["updates"] == ["start_weight_update", "load_weights"], a["after_load"]
+    gen = a["generate"]
+    assert gen["type"] == "StaleGraphError" and "model.layers.0.input_layernorm.weight" in gen["owners"]
+    assert 1 <= a["checks"] <= (1 if one else n) and a["after_generate"]["dirty"]
