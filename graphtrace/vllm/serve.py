@@ -119,9 +119,9 @@ from typing import Callable
 
 logger = logging.getLogger("graphtrace.vllm")
 
-__all__ = ["ServeGuard", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDATES", "local_guards", "before_step",
-           "drain_step", "DRAIN", "after_client_step", "client_step_failed", "client_stream", "mark_remote_update",
-           "REFUSED"]
+__all__ = ["ServeGuard", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDATES", "local_guards",
+           "before_step", "drain_step", "DRAIN", "after_client_step", "client_step_failed",
+           "client_stream", "mark_remote_update", "REFUSED"]
 
 ACTIONS = ("raise", "warn", "recapture")
 # Blind-spot kinds the engine's guard accepts (Note [blind spots in the guard], graphtrace/guard.py):
