@@ -99,13 +99,14 @@ def _build() -> ModuleType:
     # without torch's builder, which takes the folder's lock and runs ninja every time. Look
     # first where the builder would have put it, worked out without importing the builder
     # (it imports setuptools: ~0.1 s of every traced process's start).
-    for where in (extension_build_directory_guess, extension_build_directory):
-        built = Path(where(name)) / f"{name}.so"
-        if built.exists():
-            try:
-                return _import(name, built)
-            except ImportError:
-                break  # a partial or foreign file: build it again
+    built = Path(extension_build_directory_guess(name)) / f"{name}.so"
+    if not built.exists():  # not there: a torch whose builder puts it elsewhere, or unbuilt
+        built = Path(extension_build_directory(name)) / f"{name}.so"
+    if built.exists():
+        try:
+            return _import(name, built)
+        except ImportError:
+            pass  # a partial or foreign file: build it again
     from torch.utils.cpp_extension import load
 
     folder = Path(extension_build_directory(name))
