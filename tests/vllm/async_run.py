@@ -16,11 +16,10 @@ import asyncio
 import json
 import os
 import sys
-import traceback
 
 
 async def run(model_dir: str, changed_dir: str, paths: str, backend: str) -> dict:
-    from serve_ext import ASYNC_SYNCS
+    from serve_ext import ASYNC_SYNCS, failure
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -43,14 +42,6 @@ async def run(model_dir: str, changed_dir: str, paths: str, backend: str) -> dic
         if "error" in reasons:  # a refused step the client did not raise (the old client side)
             raise RuntimeError(f"finish_reason error: {reasons}")
         return tokens
-
-    def failure(exc: BaseException) -> dict:
-        problems = getattr(exc, "problems", None)
-        return {"ok": False, "type": type(exc).__name__, "message": str(exc)[:3000],
-                "owners": sorted(set(problems["owners"])) if problems is not None else None,
-                "context": type(exc.__context__).__name__ if exc.__context__ else None,
-                "cause": type(exc.__cause__).__name__ if exc.__cause__ else None,
-                "traceback": "".join(traceback.format_exception(exc))[-2000:]}
 
     async def gen() -> list[dict]:
         """One request per prompt, all at once: each one's own result."""

@@ -16,18 +16,8 @@ import asyncio
 import json
 import os
 import sys
-import traceback
 
 STEPS = [("clean", "copy", 1), ("stale", "rebind", 0), ("fixed", "copy", 1)]  # folder index
-
-
-def failure(exc: BaseException) -> dict:
-    problems = getattr(exc, "problems", None)
-    return {"ok": False, "type": type(exc).__name__, "message": str(exc)[:3000],
-            "owners": sorted(set(problems["owners"])) if problems is not None else None,
-            "context": type(exc.__context__).__name__ if exc.__context__ else None,
-            "cause": type(exc.__cause__).__name__ if exc.__cause__ else None,
-            "traceback": "".join(traceback.format_exception(exc))[-2000:]}
 
 
 def summary(data) -> list[float]:
@@ -44,7 +34,7 @@ def kwargs(model_dir: str) -> dict:
 
 
 async def run_async(model_dir: str, folders: list[str]) -> dict:
-    from serve_ext import ASYNC_SYNCS
+    from serve_ext import ASYNC_SYNCS, failure
     from vllm import PoolingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -97,7 +87,7 @@ async def run_async(model_dir: str, folders: list[str]) -> dict:
 
 
 def run_llm(model_dir: str, folders: list[str]) -> dict:
-    from serve_ext import SYNCS
+    from serve_ext import SYNCS, failure
     from vllm import LLM, PoolingParams
 
     from graphtrace.vllm import tiny

@@ -38,6 +38,19 @@ from __future__ import annotations
 import torch
 
 HOLDER = "model.layers.0.self_attn.qkv_proj.injected_scale"
+
+
+def failure(exc: BaseException) -> dict:
+    """An exception as the *_run.py scripts report it: its type and message, the problems'
+    owners (`StaleGraphError`), what it hides or was raised from, and its traceback's tail."""
+    import traceback
+
+    problems = getattr(exc, "problems", None)
+    return {"ok": False, "type": type(exc).__name__, "message": str(exc)[:3000],
+            "owners": sorted(set(problems["owners"])) if problems is not None else None,
+            "context": type(exc.__context__).__name__ if exc.__context__ else None,
+            "cause": type(exc.__cause__).__name__ if exc.__cause__ else None,
+            "traceback": "".join(traceback.format_exception(exc))[-3000:]}
 _FIRST: dict[int, torch.Tensor] = {}  # the tensor the graphs captured, per layer
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 
 
 def main() -> None:
     model_dir, changed_dir, mode, paths = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-    from serve_ext import SYNCS
+    from serve_ext import SYNCS, failure
     from vllm import LLM, SamplingParams
 
     import graphtrace.vllm as gv
@@ -49,11 +48,7 @@ def main() -> None:
         try:
             return {"ok": True, "value": fn(*args)}
         except Exception as exc:
-            problems = getattr(exc, "problems", None)
-            return {"ok": False, "type": type(exc).__name__, "message": str(exc)[:3000],
-                    "owners": sorted(set(problems["owners"])) if problems is not None else None,
-                    "context": type(exc.__context__).__name__ if exc.__context__ else None,
-                    "traceback": traceback.format_exc()[-2000:]}
+            return failure(exc)
 
     def check():
         return vt.check() if vt is not None else llm.collective_rpc("graphtrace_check")[0]

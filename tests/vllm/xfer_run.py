@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 
 STEPS = [("clean", "copy", 1), ("stale", "rebind", 0), ("fixed", "copy", 1)]  # folder index
 
@@ -27,7 +26,7 @@ STEPS = [("clean", "copy", 1), ("stale", "rebind", 0), ("fixed", "copy", 1)]  # 
 def main() -> None:
     model_dir, changed_dir = sys.argv[1:3]
     folders = [model_dir, changed_dir]
-    from serve_ext import _checkpoint
+    from serve_ext import _checkpoint, failure
     from vllm import LLM, SamplingParams
 
     from graphtrace.vllm import tiny
@@ -46,11 +45,7 @@ def main() -> None:
         try:
             return {"ok": True, "value": fn(*args)}
         except Exception as exc:
-            problems = getattr(exc, "problems", None)
-            return {"ok": False, "type": type(exc).__name__, "message": str(exc)[:3000],
-                    "owners": sorted(set(problems["owners"])) if problems is not None else None,
-                    "context": type(exc.__context__).__name__ if exc.__context__ else None,
-                    "traceback": traceback.format_exc()[-3000:]}
+            return failure(exc)
 
     def rpc(method, **kw):
         return llm.collective_rpc(method, kwargs=kw or None)[0]
