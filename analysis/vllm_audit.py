@@ -148,7 +148,7 @@ def case_section(res: dict) -> str:
         out += [f"Stale-like edges of graph `{stale['graph'].iloc[0]}` "
                 f"({len(stale)} over all graphs):", "", md_table(t), ""]
     else:
-        out += ["No stale, dangling, diverged or orphaned edge.", ""]
+        out += ["No stale-like (stale, dangling, diverged, unrefreshed) or orphaned edge.", ""]
     # parameter coverage: is each registered tensor read by a graph, and with which verdict?
     read = {}
     for owners, verdict in zip(e["owners"], e["verdict"]):

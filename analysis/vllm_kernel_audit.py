@@ -2229,7 +2229,7 @@ def write_markdown(table: list[dict], outcomes: list[Outcome], path: Path,
                          f"({row['reason']})")
             lines.append(f"  - `{src}`: {what}.")
     if not findings and not RELOAD_FAILURES:
-        lines.append("No stale, dangling or diverged edge in any kernel that ran.")
+        lines.append("No stale-like edge (stale, dangling, diverged, unrefreshed) in any kernel that ran.")
     findings = [r for r in table if r["stale_owners"] or r["reload_dropped"]]
     for r in findings:
         lines.append(f"- **{r['kernel']}** ({r['family']}): {r['stale_owners'] or 'no stale edge'}")

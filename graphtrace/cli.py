@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--width", type=int, default=100, metavar="COLS",
                     help="line width of the text report (default 100)")
     rp.add_argument("--fail-on-stale", action="store_true",
-                    help="exit 1 when the report has stale, dangling or diverged edges")
+                    help="exit 1 when the report has stale-like edges (stale, dangling, diverged, unrefreshed)")
 
     sub.add_parser("demo", add_help=False, help="run the reproduction demo (needs torch); "
                                                 "'graphtrace demo --help' for its options")

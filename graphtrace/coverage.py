@@ -39,7 +39,7 @@ import pandas as pd
 
 __all__ = [
     "KernelNode", "POINTER_COLUMNS", "TIERS", "ATTRIBUTED_TIERS", "param_words", "scan_words",
-    "pointer_frame", "node_frame", "locate", "storage_ranges", "classify", "kernel_coverage", "graph_coverage",
+    "pointer_frame", "node_frame", "locate", "classify", "kernel_coverage", "graph_coverage",
     "CoverageResult", "triton_arg_access", "short_kernel_name", "format_coverage",
 ]
 
@@ -224,14 +224,6 @@ def locate(values, starts, sizes) -> np.ndarray:
         if len(cand):
             out[i] = order[cand[np.argmax(s[cand])]]
     return out
-
-
-def storage_ranges(storages: pd.DataFrame, *, alive: bool | None = True) -> pd.DataFrame:
-    """`storages` rows usable as ranges: `alive=True` live only, `False` freed only, None all."""
-    df = storages
-    if alive is not None and "alive" in df.columns:
-        df = df[df["alive"].astype(bool) == alive]
-    return df
 
 
 # --------------------------------------------------------------------------------------

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import pandas as pd
 
 from graphtrace.report.canonical import is_na
-from graphtrace.report.core import Report
 from graphtrace.report.grouping import split_joined
 from graphtrace.vocab import STALE_VERDICTS, VERDICTS
+
+if TYPE_CHECKING:  # a Report is only read here; core.py imports this module
+    from graphtrace.report.core import Report
 
 __all__ = ["assert_no_stale"]
 
@@ -47,7 +49,7 @@ def _allowed_mask(edges: pd.DataFrame, allow: Iterable[str]) -> pd.Series:
 
 def assert_no_stale(report: Report, *, allow: Iterable[str] | str = (),
                     limit: int = 50) -> None:
-    """Fail (``AssertionError``) when the report has stale, dangling or diverged edges.
+    """Fail (``AssertionError``) when the report has stale-like edges (``STALE_VERDICTS``).
 
     The message lists each offending edge: graph, verdict, impact, ops and its owners
     with kind and status. ``allow`` accepts known ones: verdict names (``"latent"`` is

@@ -19,6 +19,7 @@ from graphtrace.report.canonical import (
     _plain_meta,
     is_na,
 )
+from graphtrace.report.check import assert_no_stale
 from graphtrace.report.grouping import _crosstab
 from graphtrace.report.io import (
     FORMAT_VERSION,
@@ -129,7 +130,7 @@ class Report:
 
     @property
     def stale(self) -> pd.DataFrame:
-        """Rows of ``edges`` whose verdict is stale, dangling or diverged (index kept)."""
+        """Rows of ``edges`` whose verdict is stale-like (``STALE_VERDICTS``; index kept)."""
         e = self.edges
         return e[e["verdict"].astype(object).isin(STALE_VERDICTS)]
 
@@ -371,8 +372,6 @@ class Report:
     # ---- checks
     def check(self, *, allow: Iterable[str] | str = ()) -> None:
         """``assert_no_stale(self, allow=allow)``."""
-        from graphtrace.report.check import assert_no_stale  # check.py imports this module
-
         assert_no_stale(self, allow=allow)
 
     # ---- display

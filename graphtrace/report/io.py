@@ -74,10 +74,6 @@ STAGE_PREFIX = ".graphtrace-write-"
 _CHECKSUM = "checksum"
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
 def _own_files() -> tuple[str, ...]:
     """The file names a report folder's writer owns (and replaces), the manifest last."""
     return (*(f"{name}.csv" for name in FRAMES), GRAPHML, MANIFEST)
