@@ -17,7 +17,7 @@ serve (N marks + one check), and with a check after every call (old); the table 
 each adds to base. Also the per-step cost of the pre-step test when nothing is pending, and of
 the part of it that looks for in-place writes (the watched parameters' version counters
 compared with their sum after the last check: Note [in-place writes] in
-graphtrace/vllm/serve.py).
+graphtrace/serving.py).
 
     python analysis/bench_sync.py [--out analysis/results/bench_sync.txt]
     python analysis/bench_sync.py --quick      # small sizes (tests)

@@ -248,15 +248,20 @@ ABOVE_CORE = ("graphtrace.tracing", "graphtrace.cli", "graphtrace.__main__", "gr
 TRACE_INTERNALS = {"recorder", "owner_snapshot", "compiled_regions", "derived"}
 
 
-def _imported(path: Path) -> set[str]:
-    """Every graphtrace module a file imports, at any depth (lazy imports included)."""
+def _all_imports(path: Path) -> set[str]:
+    """Every module a file imports by absolute name, at any depth (lazy imports included)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-    return {m for m in found if m == "graphtrace" or m.startswith("graphtrace.")}
+    return found
+
+
+def _imported(path: Path) -> set[str]:
+    """Every graphtrace module a file imports, at any depth (lazy imports included)."""
+    return {m for m in _all_imports(path) if m == "graphtrace" or m.startswith("graphtrace.")}
 
 
 def _is_core(module: str) -> bool:
@@ -319,11 +324,10 @@ def _import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1)
 
 
-# Import circles that still exist, each to be broken by the serving-core split (issue #40);
-# a new circle fails the test, and so does one listed here that no longer exists.
-KNOWN_CYCLES = [
-    ["graphtrace.vllm.adapter", "graphtrace.vllm.hooks", "graphtrace.vllm.serve"],
-]
+# Import circles that still exist; a new circle fails the test, and so does one listed here
+# that no longer exists. (The vLLM adapter/hooks/serve circle went with the serving core,
+# issue #40: the hooks hand the engine's points to serve through `hooks.serve_through`.)
+KNOWN_CYCLES: list[list[str]] = []
 
 
 def test_no_import_cycles():
@@ -334,3 +338,72 @@ def test_the_cycle_check_finds_a_cycle():
     edges = {"graphtrace.a": {"graphtrace.b"}, "graphtrace.b": {"graphtrace.a"},
              "graphtrace.c": {"graphtrace.a"}}
     assert _import_cycles(edges) == [["graphtrace.a", "graphtrace.b"]]
+
+
+# -- the serving core and its engine adapters (issue #40, item 2; docs/internals.md) ----------
+# The core owns check before serve for any engine; an adapter supplies the engine's side and
+# uses only the core's public surface (its __all__); the core imports no engine.
+SERVING = "graphtrace.serving"
+ADAPTERS = ("graphtrace.vllm", "graphtrace.sglang")
+ENGINES = ("vllm", "sglang", "tensorrt_llm", "lmdeploy")
+
+
+def _listed(path: Path) -> set[str]:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__"
+                                                for t in node.targets):
+            return {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
+    return set()
+
+
+def _serving_names(path: Path, surface: set[str]):
+    """(line, name) for every name an adapter takes from the serving core outside
+    ``surface``: imported from it, or read as an attribute of the module."""
+    tree = ast.parse(path.read_text(), str(path))
+    bound = {SERVING}  # names (or dotted chains) that are the serving module here
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == SERVING:
+            for a in node.names:
+                if a.name not in surface:
+                    yield node.lineno, a.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "graphtrace":
+            bound.update(a.asname or a.name for a in node.names if a.name == "serving")
+        elif isinstance(node, ast.Import):
+            bound.update(a.asname for a in node.names if a.name == SERVING and a.asname)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _attribute_chain(node.value) in bound \
+                and node.attr not in surface:
+            yield node.lineno, node.attr
+
+
+def _engine_imports(path: Path) -> set[str]:
+    """The engines and engine adapters a file imports."""
+    return {m for m in _all_imports(path) if m.split(".")[0] in ENGINES or m.startswith(ADAPTERS)}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(ADAPTERS)))
+def test_adapters_use_only_the_serving_cores_public_surface(module):
+    surface = _listed(MODULES[SERVING])
+    bad = [f"line {line}: {name}" for line, name in _serving_names(MODULES[module], surface)]
+    assert not bad, f"{module} uses names of {SERVING} outside its __all__: {bad}"
+
+
+def test_the_serving_core_imports_no_engine():
+    assert not _engine_imports(MODULES[SERVING])
+    assert not _imported(MODULES[SERVING]) & (SESSION | {"graphtrace"})
+
+
+def test_the_serving_checks_find_what_they_look_for(tmp_path):
+    adapter = tmp_path / "adapter.py"
+    adapter.write_text("import graphtrace.serving as core\n"
+                       "from graphtrace import serving\n"
+                       "from graphtrace.serving import ServingCore, _cores\n"
+                       "core.strict()\ncore._lock\nserving.pending()\nserving._any\n"
+                       "graphtrace.serving.logger\n")
+    surface = _listed(MODULES[SERVING])
+    assert [n for _, n in _serving_names(adapter, surface)] == ["_cores", "_lock", "_any",
+                                                                "logger"]
+    core = tmp_path / "core.py"
+    core.write_text("import vllm.distributed\nfrom sglang.srt import x\nimport torch\n"
+                    "from graphtrace.vllm import hooks\n")
+    assert _engine_imports(core) == {"vllm.distributed", "sglang.srt", "graphtrace.vllm"}

@@ -430,6 +430,28 @@ class VllmTrace:
             raise GraphtraceError("no vLLM worker is watched yet")
         return capture_dummy_run(self, self.worker, label, num_tokens, uniform_decode)
 
+    def recapture(self, captures: list) -> bool:
+        """Record ``captures`` again on the updated model (the serving core's ``recapture``,
+        graphtrace.serving; ``guard="recapture"``); False when they cannot be.
+
+        vLLM 0.32 exposes no public way to re-capture its CUDA graphs (``capture_model`` and
+        ``CUDAGraphWrapper.clear_all_graphs`` are runner internals, used at startup): on CUDA
+        the problems stand. On CPU the emulated graphs of vLLM's dummy run
+        (``GRAPHTRACE_VLLM_EMULATE``, ``graphtrace_capture_dummy``, ``vt.capture_dummy``) are
+        dropped and recorded again; graphs of armed forwards are dropped (they need a new
+        request to record).
+        """
+        if any(c.kind == "cuda" for c in captures):
+            logger.error("graphtrace: recapture: vLLM 0.32 has no public API to re-capture "
+                         "CUDA graphs; the problems stand")
+            return False
+        self.trace.models_changed()  # the updated model's
+        dummy = [c.label for c in captures if c.info.get("dummy_run")]
+        self.graphs.clear()  # the emulated graphs: the old storages die with them
+        for label in dict.fromkeys(dummy):
+            capture_dummy_run(self, self.worker, label, None, True)
+        return True
+
     # -- engine helpers ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]] | None = None, max_tokens: int = 4) -> list[list[int]]:
         """Greedy generation from token-id prompts; returns the new token ids per prompt."""

@@ -57,10 +57,12 @@ import threading
 from typing import Callable
 
 from graphtrace import clock
+from graphtrace.serving import strict
 
 __all__ = [
     "EVENTS", "add_listener", "remove_listener", "install", "uninstall", "wake_on_signals",
-    "worker_model", "worker_rank", "wrap_model_updates",
+    "worker_model", "worker_rank", "wrap_model_updates", "serve_through", "SERVE_POINTS",
+    "DRAIN",
 ]
 
 logger = logging.getLogger("graphtrace.vllm")
@@ -126,10 +128,6 @@ def remove_listener(event: str, fn: Callable) -> None:
             _listeners[event] = tuple(f for f in _listeners[event] if f != fn)
 
 
-def _strict() -> bool:
-    return os.environ.get("GRAPHTRACE_STRICT") == "1"
-
-
 def _fire(event: str, worker, *args) -> None:
     for fn in _listeners[event]:
         try:
@@ -139,7 +137,7 @@ def _fire(event: str, worker, *args) -> None:
                 with clock.CLOCK.section(f"{event}: {getattr(fn, '__qualname__', fn)}"):
                     fn(worker, *args)
         except Exception as exc:
-            if _strict() or _fails_closed(exc):
+            if strict() or _fails_closed(exc):
                 raise
             logger.exception("graphtrace: %s listener %r failed (ignored)", event, fn)
 
@@ -260,6 +258,25 @@ def _wrap(cls, method: str, before: str | None, after: str | None) -> None:
     setattr(cls, method, wrapper)
 
 
+# The engine's per-step and per-RPC points of Note [check before serve]
+# (graphtrace/vllm/serve.py), handed over by that module when it is imported
+# (`serve_through`): the hooks never import it, so adapter, hooks and serve form no circle.
+# Until then (no guard in this process) the wrapped methods only call the originals.
+SERVE_POINTS = ("before_step", "drain_step", "mark_remote_update", "after_client_step",
+                "client_step_failed", "client_stream")
+_serve: dict[str, Callable] = {}
+DRAIN = object()  # before_step's answer while batches are in flight
+
+
+def serve_through(**points: Callable) -> None:
+    """Route the wrapped engine points to ``points`` (names: `SERVE_POINTS`)."""
+    unknown = sorted(set(points) - set(SERVE_POINTS))
+    if unknown:
+        raise ValueError(f"unknown serve points {unknown}; points: {', '.join(SERVE_POINTS)}")
+    with _lock:
+        _serve.update(points)
+
+
 def _wrap_serve(cls, method: str, role: str) -> None:
     """The engine's per-step and per-RPC points of Note [check before serve]
     (graphtrace/vllm/serve.py): ``step`` may be refused before it schedules anything,
@@ -268,36 +285,45 @@ def _wrap_serve(cls, method: str, role: str) -> None:
     original = cls.__dict__.get(method)
     if original is None or getattr(original, "__graphtrace_wrapped__", False):
         return
-    from graphtrace.vllm import serve
-
     if role == "step":
         def wrapper(self, *args, **kwargs):
+            before = _serve.get("before_step")
+            if before is None:
+                return original(self, *args, **kwargs)
             with clock.section("serve: before step"):
-                refused = serve.before_step(self)
-            if refused is serve.DRAIN:
-                return serve.drain_step(self, original)
+                refused = before(self)
+            if refused is DRAIN:
+                return _serve["drain_step"](self, original)
             if refused is not None:
                 return refused
             return original(self, *args, **kwargs)
     elif role == "client_stream":  # an async generator function: its stream, wrapped
         def wrapper(self, *args, **kwargs):
-            return serve.client_stream(self, original(self, *args, **kwargs))
+            stream = original(self, *args, **kwargs)
+            through = _serve.get("client_stream")
+            return stream if through is None else through(self, stream)
     elif role == "rpc":
         def wrapper(self, method, *args, **kwargs):
             try:
                 return original(self, method, *args, **kwargs)
             finally:
-                with clock.section("serve: rpc"):
-                    serve.mark_remote_update(self, method)
+                mark = _serve.get("mark_remote_update")
+                if mark is not None:
+                    with clock.section("serve: rpc"):
+                        mark(self, method)
     else:
         def wrapper(self, *args, **kwargs):
             try:
                 result = original(self, *args, **kwargs)
             except BaseException:
-                serve.client_step_failed(self)
+                failed = _serve.get("client_step_failed")
+                if failed is not None:
+                    failed(self)
                 raise
-            with clock.section("serve: after client step"):
-                serve.after_client_step(self, result)
+            after = _serve.get("after_client_step")
+            if after is not None:
+                with clock.section("serve: after client step"):
+                    after(self, result)
             return result
     functools.update_wrapper(wrapper, original)
     wrapper.__graphtrace_wrapped__ = True

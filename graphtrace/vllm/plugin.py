@@ -37,7 +37,7 @@ updates] in graphtrace.vllm.hooks) marks the worker dirty; the check runs when
 that call raises `graphtrace.StaleGraphError`; before a forward, the engine refuses the step,
 finishing its requests with ``finish_reason="error"``, until a correct update passes),
 ``warn`` (logged; it serves) or ``recapture`` (the graphs are captured again, then checked:
-`graphtrace.vllm.serve.ServeGuard._recapture`). An internal error of the guard itself is
+`graphtrace.vllm.VllmTrace.recapture`). An internal error of the guard itself is
 logged and counted, never raised (fail open), unless ``GRAPHTRACE_STRICT=1``.
 
 From the client (string method names work across processes without pickling code)::
@@ -61,16 +61,18 @@ import os
 import threading
 from pathlib import Path
 
+from graphtrace.serving import ACTIONS, STRICT_ENV, strict
+
 logger = logging.getLogger("graphtrace.vllm")
 
 ENV_ON = "GRAPHTRACE_VLLM"
 ENV_DIR = "GRAPHTRACE_VLLM_DIR"
 ENV_EMULATE = "GRAPHTRACE_VLLM_EMULATE"
-ENV_STRICT = "GRAPHTRACE_STRICT"
+ENV_STRICT = STRICT_ENV
 ENV_MODULES = "GRAPHTRACE_MODULES"
 ENV_GUARD = "GRAPHTRACE_GUARD"
 DEFAULT_DIR = "graphtrace-vllm"
-GUARD_ACTIONS = ("raise", "warn", "recapture")
+GUARD_ACTIONS = ACTIONS
 
 _session = None          # the VllmTrace of this process (one per worker process)
 _lock = threading.RLock()
@@ -138,10 +140,6 @@ def _register() -> None:
     logger.info("graphtrace: vLLM plugin registered in pid %d", os.getpid())
 
 
-def _strict() -> bool:
-    return os.environ.get(ENV_STRICT) == "1"
-
-
 def modules_setting() -> str:
     """``GRAPHTRACE_MODULES``; "forward" when unset, or (with a warning) not understood."""
     from graphtrace.attribution import MODES
@@ -173,7 +171,7 @@ def _before_load(worker) -> None:
             logger.warning("graphtrace: a trace is already open in pid %d (graphtrace.vllm."
                            "trace_llm?); the plugin leaves this worker to it", os.getpid())
             return
-        vt = VllmTrace(strict=_strict(), modules=modules_setting(), in_process=False,
+        vt = VllmTrace(strict=strict(), modules=modules_setting(), in_process=False,
                        guard=guard_action if guard_mode() else None, guard_dir=_guard_folder)
         vt.__enter__()  # watches the worker's model right after load_model
         _session = vt
@@ -274,7 +272,7 @@ def _final_report(worker, trigger: str) -> None:
             return
         write_report(worker, tag="shutdown", trigger=trigger)
     except Exception:
-        if _strict():
+        if strict():
             raise
         logger.exception("graphtrace: could not write the shutdown report")
 

@@ -1,9 +1,13 @@
-"""Check before serve: the guard's unit is the weight update, not the call.
+"""Check before serve in vLLM: the adapter of the serving core (graphtrace.serving).
 
 One implementation for the worker plugin (``GRAPHTRACE_VLLM=guard``) and the in-process
-``graphtrace.vllm.trace_llm(guard="raise")``: a :class:`ServeGuard` belongs to one
-`VllmTrace`; the weight-update hooks of graphtrace.vllm.hooks mark it dirty; it is checked
-once when the update is complete (Note [check before serve]).
+``graphtrace.vllm.trace_llm(guard="raise")``: a :class:`ServeGuard` (a
+`graphtrace.serving.ServingCore`) belongs to one `VllmTrace`; the weight-update hooks of
+graphtrace.vllm.hooks fire into it and mark it dirty; it is checked once when the update is
+complete (Note [check before serve]). The core owns the update lifecycle, the check, the
+refusal and its record, and the ranks' agreement; this module supplies what is vLLM's: the
+whole updates, the world group, and how a refusal reaches vLLM's clients (the engine core's
+step, ``LLMEngine.step``, ``AsyncLLM.generate``).
 
 Note [check before serve]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -77,28 +81,11 @@ capture-time owners first, if graphs were captured since) and the check runs onc
    without it vLLM's output processor asserts the request has a detokenizer, and the
    AsyncLLM's output handler dies with the engine).
 
-Note [in-place writes]
-~~~~~~~~~~~~~~~~~~~~~~
-A client may write the weights in place without any of the hooked entry points (its own
-function, a direct ``p.copy_(new)`` on the worker's model). Each in-place op bumps the
-tensor's version counter (autograd's; writes through ``p.data`` do not: ``.data`` has a
-counter of its own). So before every step, a ServeGuard that is not dirty compares the sum of
-its watched parameters' version counters (every parameter of the trace's models, held weakly;
-a freed one counts as a change) with the sum taken when the model was loaded or after its
-last check (or, for a guard made later, at its first step): a difference marks
-the engine dirty ("in-place write") and the check runs before that step. The sum is taken
-again after each check, so a hooked update that also bumps counters is checked once. The
-parameters are walked (``model.parameters()``: milliseconds on an 80-layer model) when the
-model is loaded and again only when a watched one was freed (an update that rebinds them,
-as vLLM's reload does); a parameter rebound while the old one stays alive elsewhere is not
-watched until then (its owners moving is the guard's own check). The sum
-is taken in C++ (``versions_sum`` of graphtrace/csrc/recorder.cpp) when the trace records
-natively, in Python otherwise. The test runs where the guard's worker is: in the engine core's
-pre-step test when the worker shares its process (one process; the default single-worker
-executor with the engine core in its own process); workers in processes of their own
-(tensor parallelism) rely on a ``collective_rpc`` marking the update pending.
-An in-place write is not itself stale (the graph reads the same storage); what it catches is
-the rebinding that a client's own weight processing may do along with it.
+In-place writes (a client's own ``p.copy_(new)``, no hooked entry point) are seen by the
+parameters' version counters (Note [in-place writes] in graphtrace/serving.py) in the engine
+core's pre-step test when the worker shares its process (one process; the default
+single-worker executor with the engine core in its own process); workers in processes of
+their own (tensor parallelism) rely on a ``collective_rpc`` marking the update pending.
 
 The dirty flag is cleared only by a passing check (``raise``), or once the problems were
 logged (``warn``) or re-captured away (``recapture``). So a refused engine refuses every
@@ -109,21 +96,19 @@ is logged and counted and the engine serves (fail open), unless ``GRAPHTRACE_STR
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import threading
-import time
 import weakref
-from pathlib import Path
-from typing import Callable
+
+from graphtrace import serving
+from graphtrace.serving import ACTIONS, Ranks, ServingCore, strict
+from graphtrace.vllm import hooks
+from graphtrace.vllm.hooks import DRAIN
 
 logger = logging.getLogger("graphtrace.vllm")
 
-__all__ = ["ServeGuard", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDATES", "local_guards",
+__all__ = ["ServeGuard", "VllmEngine", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDATES",
            "before_step", "drain_step", "DRAIN", "after_client_step", "client_step_failed",
-           "client_stream", "mark_remote_update", "REFUSED"]
+           "client_stream", "mark_remote_update", "world_ranks", "REFUSED"]
 
-ACTIONS = ("raise", "warn", "recapture")
 # Blind-spot kinds the engine's guard accepts (Note [blind spots in the guard], graphtrace/guard.py):
 # "forward context": attention ops fetch the KV cache by layer name inside the op; a weight
 # update never touches the KV cache, and no holder can be checked, so it would fail every
@@ -136,17 +121,36 @@ GUARD_ACCEPT = ("forward context", "opaque handle", "packed copy")
 # Entry points that are a whole update by themselves: checked when they return.
 COMPLETE_UPDATES = frozenset({"reload_weights", "finish_weight_update"})
 
-_guards: "weakref.WeakSet[ServeGuard]" = weakref.WeakSet()
-_lock = threading.RLock()
+
+class VllmEngine:
+    """What the serving core asks of a `VllmTrace` (`graphtrace.serving.ServedEngine`),
+    held weakly: its trace, the worker's rank, re-capturing its graphs (``vt.recapture``)."""
+
+    def __init__(self, vt):
+        self._vt = weakref.ref(vt)
+
+    @property
+    def vt(self):
+        return self._vt()
+
+    @property
+    def trace(self):
+        vt = self._vt()
+        return vt.trace if vt is not None else None
+
+    def rank(self) -> int:
+        vt = self._vt()
+        worker = vt.worker if vt is not None else None
+        return hooks.worker_rank(worker) if worker is not None else 0
+
+    def recapture(self, captures: list) -> bool:
+        return self._vt().recapture(captures)
 
 
-def local_guards() -> list["ServeGuard"]:
-    """The ServeGuards of this process (one per guarded VllmTrace)."""
-    return list(_guards)
-
-
-class ServeGuard:
-    """The update state of one guarded `VllmTrace` (Note [check before serve]).
+class ServeGuard(ServingCore):
+    """The serving core (graphtrace.serving) of one guarded `VllmTrace`: its weight-update
+    hooks (graphtrace.vllm.hooks) fire ``before_update`` / ``after_update`` into it; the whole
+    updates are `COMPLETE_UPDATES`; the ranks agree over vLLM's world group (`world_ranks`).
 
     ``action``: ``raise``, ``warn`` or ``recapture``, or a callable returning one (the plugin
     reads ``GRAPHTRACE_GUARD`` at each check). ``folder``: where ``guard.json``,
@@ -154,308 +158,13 @@ class ServeGuard:
     entries are kept in ``history``).
     """
 
-    def __init__(self, vt, action: str | Callable[[], str] = "raise",
-                 folder: Callable[[], Path | None] | None = None):
-        if isinstance(action, str) and action not in ACTIONS:
-            raise ValueError(f"guard action {action!r} is not one of {', '.join(ACTIONS)}")
-        self._vt = weakref.ref(vt)
-        self._action = action
-        self._folder = folder
-        self.guard = None
-        self.n_graphs = 0       # captures the guard covers
-        self.first_graph = 0    # graphs captured before a recapture are gone
-        self.checks = 0
-        self.errors = 0
-        self.dirty = False
-        self.updates: list[str] = []  # the entry points that mutated weights since the last pass
-        self.last: dict | None = None
-        self.history: list[dict] = []
-        self.refusal = None     # the StaleGraphError of the last check, while it stands
-        # Note [in-place writes]: the watched parameters (weakly) and their version counters' sum
-        self._watched: list | None = None
-        self._versions = 0
-        self._sum = None  # the native versions_sum, when the trace records natively
-        with _lock:
-            _guards.add(self)
+    def __init__(self, vt, action="raise", folder=None):
+        super().__init__(VllmEngine(vt), action, folder, accept=GUARD_ACCEPT,
+                         complete=COMPLETE_UPDATES, collective=world_ranks, log=logger)
 
-    # -- state -----------------------------------------------------------------------------
     @property
     def vt(self):
-        return self._vt()
-
-    def action(self) -> str:
-        value = self._action() if callable(self._action) else self._action
-        return value if value in ACTIONS else "raise"
-
-    def close(self) -> None:
-        """Its trace ended: the engine's steps no longer consult it."""
-        with _lock:
-            _guards.discard(self)
-
-    def folder(self) -> Path | None:
-        return self._folder() if self._folder is not None else None
-
-    def refresh(self):
-        """The guard of the graphs captured so far (rebuilt when graphs were captured since)."""
-        vt = self.vt
-        captures = vt.trace.captures
-        if self.guard is None or len(captures) != self.n_graphs:
-            if len(captures) <= self.first_graph:
-                self.guard = None
-            else:
-                self.guard = vt.trace.guard(first_graph=self.first_graph, accept=GUARD_ACCEPT)
-                folder = self.folder()
-                if folder is not None:
-                    folder.mkdir(parents=True, exist_ok=True)
-                    self.guard.to_json(folder / "guard.json")
-            self.n_graphs = len(captures)
-        return self.guard
-
-    def mark(self, method: str) -> None:
-        """A weight update starts (or goes on): the engine is dirty until a check passes. The
-        guard is built now, from the capture-time owners, before the update moves them."""
-        if self.dirty:  # the common case, once per call of a per-tensor sync: no lock
-            updates = self.updates
-            if not updates or updates[-1] != method:
-                updates.append(method)
-            return
-        if self.vt is None:  # the trace is gone
-            return
-        with _lock:
-            if not self.dirty:
-                try:
-                    if self.refresh() is None:
-                        return  # no graph captured yet: nothing can read a stale storage
-                except Exception:
-                    self._failed("building the guard before " + method)
-            self.dirty = True
-            if not self.updates or self.updates[-1] != method:
-                self.updates.append(method)
-
-    # -- the check ---------------------------------------------------------------------------
-    def check(self, trigger: str, *, force: bool = False) -> dict:
-        """Check once if dirty (or ``force``): returns the check's entry ({"ok": True,
-        "checked": False} when clean); raises `StaleGraphError` under ``raise`` (in the last
-        rank, for all ranks: Note [one rank raises] in graphtrace.vllm.plugin)."""
-        from graphtrace.guard import StaleGraphError, describe, empty_problems
-
-        vt = self.vt
-        several = _world_group() is not None
-        if several:  # the ranks agree (every rank takes part): every rank checks, or none
-            if not (_any_rank(self.dirty) or force) or vt is None:
-                return {"ok": True, "checked": False}
-        elif vt is None or not (self.dirty or force):
-            return {"ok": True, "checked": False}
-        action = self.action()
-        problems, failure = empty_problems(), None
-        with _lock:
-            try:
-                guard = self.refresh()
-                if guard is not None:
-                    problems = guard.check()
-            except Exception:
-                failure = sys.exc_info()
-                self._failed("checking the guard (" + trigger + ")")
-            if action == "recapture" and (_any_rank(len(problems) > 0) if several else len(problems)):
-                try:  # a dummy run is collective under tensor parallelism: all ranks re-capture
-                    problems = self._recapture(problems)
-                except Exception:
-                    failure = failure or sys.exc_info()
-                    self._failed("re-capturing (" + trigger + ")")
-            entry = self._record(trigger, problems, action)
-            try:  # graphs captured from now on: their owners from a fresh walk
-                vt.trace.models_changed()
-            except Exception:
-                self._failed("refreshing owners (" + trigger + ")")
-            ranks = _gather_problems(problems, self.rank()) if several else None
-            bad = any(len(f) for _, f in ranks) if several else bool(len(problems))
-            what = self._what(trigger)
-            if action != "raise" or not bad:  # all ranks agree: they stay dirty together
-                self.dirty = False
-                self.updates = []
-        self._rebase_versions()  # writes from now on are the next update's
-        self.refusal = None
-        try:
-            if action == "warn":
-                if len(problems):
-                    logger.warning("graphtrace guard (rank %s, %s): %s", self.rank(), what,
-                                   describe(problems))
-            elif not several:
-                if len(problems):
-                    raise StaleGraphError(f"graphtrace guard (rank {self.rank()}, {what}): "
-                                          f"{describe(problems)}", problems)
-            else:
-                _raise_for_all_ranks(ranks, problems, what, self.rank())
-        except StaleGraphError as exc:
-            self.refusal = exc  # what a client in another process asks for (refusal_info)
-            raise
-        if failure is not None and _strict():
-            raise failure[1].with_traceback(failure[2])
-        return entry
-
-    # -- in-place writes (Note [in-place writes]) ---------------------------------------------
-    def watch_versions(self) -> None:
-        """Take the watched parameters (those of the trace's models, weakly) and the sum of
-        their version counters: the baseline `written_in_place` compares with."""
-        try:
-            vt = self.vt
-            watched, total, seen = [], 0, set()
-            for model in (vt.trace.models.values() if vt is not None else ()):
-                for p in model.parameters():
-                    if id(p) in seen:
-                        continue
-                    seen.add(id(p))
-                    try:
-                        version = p._version  # inference tensors have no version counter
-                    except RuntimeError:
-                        continue
-                    watched.append(weakref.ref(p))
-                    total += version
-            self._watched, self._versions = watched, total
-            native = getattr(vt.trace, "native", None) if vt is not None else None
-            self._sum = getattr(native, "versions_sum", None)
-        except Exception:
-            self._watched = []
-            self._failed("taking the parameters' version counters")
-
-    def written_in_place(self) -> bool:
-        """Was a watched parameter written in place (its version counter moved) or freed
-        since `watch_versions`? Then the engine is marked dirty (once per such write)."""
-        watched = self._watched
-        if watched is None:  # the first step: the baseline
-            self.watch_versions()
-            return False
-        if self._total(watched) == self._versions:
-            return False
-        self.mark("in-place write")
-        self._rebase_versions()  # one mark per write, even while no graph is captured
-        return True
-
-    def _total(self, watched: list) -> int:
-        """The sum of the watched parameters' version counters; -1 when one was freed."""
-        total = self._sum(watched) if self._sum is not None else None
-        if total is None:
-            total = 0
-            for ref in watched:
-                p = ref()
-                if p is None:
-                    return -1
-                total += p._version
-        return total
-
-    def _rebase_versions(self) -> None:
-        """A new baseline: the sum again over the same parameters (microseconds), or a walk of
-        the models' parameters (milliseconds on a big model) when one of them was freed."""
-        watched = self._watched
-        total = self._total(watched) if watched else -1
-        if total < 0:
-            self.watch_versions()
-        else:
-            self._versions = total
-
-    def refusal_info(self) -> dict | None:
-        """The standing refusal as plain data (it crosses vLLM's msgpack RPC): message,
-        problems' rows and columns; None when the last check refused nothing."""
-        exc = self.refusal
-        if exc is None or not self.dirty:
-            return None
-        import json
-
-        problems = exc.problems
-        return {"message": str(exc), "columns": list(problems.columns),
-                "rows": json.loads(problems.to_json(orient="values", default_handler=str))}
-
-    def _what(self, trigger: str) -> str:
-        updates = ", ".join(self.updates) or "no update"
-        return f"{trigger} after {updates}" if trigger not in self.updates else f"after {updates}"
-
-    def rank(self) -> int:
-        from graphtrace.vllm import hooks
-
-        vt = self.vt
-        worker = vt.worker if vt is not None else None
-        return hooks.worker_rank(worker) if worker is not None else 0
-
-    def _failed(self, where: str) -> None:
-        self.errors += 1
-        logger.exception("graphtrace: guard error %s (fail open)", where)
-
-    def _record(self, trigger: str, problems, action: str) -> dict:
-        """One entry per check: in ``history``, and a line of ``checks.jsonl`` (with the
-        problems in ``problems-<N>.csv``) when the guard has a folder."""
-        import json
-
-        self.checks += 1
-        n = int(len(problems))
-        entry = {"check": self.checks, "pid": os.getpid(), "rank": self.rank(),
-                 "trigger": trigger, "updates": list(self.updates), "action": action,
-                 "ok": not n, "checked": True, "n_problems": n,
-                 "verdicts": sorted(set(problems["verdict"])) if n else [],
-                 "owners": sorted(set(problems["owners"])) if n else [],
-                 "graphs": len(self.guard.graphs) if self.guard is not None else 0,
-                 "storages": len(self.guard) if self.guard is not None else 0,
-                 "time": time.time()}
-        folder = self.folder()
-        if folder is not None and self.guard is not None:
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                if n:
-                    problems.to_csv(folder / f"problems-{self.checks}.csv", index=False)
-                    entry["problems_csv"] = f"problems-{self.checks}.csv"
-                with open(folder / "checks.jsonl", "a") as f:
-                    f.write(json.dumps(entry) + "\n")
-            except Exception:
-                self._failed("writing the guard check (" + trigger + ")")
-        self.last = entry
-        self.history.append(entry)
-        del self.history[:-100]
-        return entry
-
-    def _recapture(self, problems):
-        """``recapture``: capture the graphs again on the updated model, then check.
-
-        vLLM 0.32 exposes no public way to re-capture its CUDA graphs (``capture_model`` and
-        ``CUDAGraphWrapper.clear_all_graphs`` are runner internals, used at startup): on CUDA
-        the problems stand. On CPU the emulated graphs of vLLM's dummy run
-        (``GRAPHTRACE_VLLM_EMULATE``, ``graphtrace_capture_dummy``, ``vt.capture_dummy``) are
-        dropped and recorded again; graphs of armed forwards are dropped (they need a new
-        request to record). The guard then covers the new graphs only.
-        """
-        from graphtrace.vllm.adapter import capture_dummy_run
-
-        vt = self.vt
-        captures = vt.trace.captures
-        if any(c.kind == "cuda" for c in captures[self.first_graph:]):
-            logger.error("graphtrace: recapture: vLLM 0.32 has no public API to re-capture "
-                         "CUDA graphs; the problems stand")
-            return problems
-        vt.trace.models_changed()  # the updated model's
-        dummy = [c.label for c in captures[self.first_graph:] if c.info.get("dummy_run")]
-        vt.graphs.clear()  # the emulated graphs: the old storages die with them
-        self.first_graph = len(captures)
-        for label in dict.fromkeys(dummy):
-            capture_dummy_run(vt, vt.worker, label, None, True)
-        self.guard = None
-        guard = self.refresh()
-        if guard is None:
-            logger.warning("graphtrace: recapture: no graph could be re-recorded; nothing to guard")
-            return problems.iloc[0:0]
-        logger.info("graphtrace: recaptured %d graph(s) after a weight update", len(guard.graphs))
-        return guard.check()
-
-    def status(self) -> dict:
-        return {"pid": os.getpid(), "action": self.action(), "dirty": self.dirty,
-                "updates": list(self.updates), "checks": self.checks, "errors": self.errors,
-                "storages": len(self.guard) if self.guard is not None else 0,
-                "watched": len(self._watched or ()), "last": self.last, "folder": str(self.folder() or "")}
-
-    # -- hook listeners (graphtrace.vllm.hooks events) ---------------------------------------
-    def before_update(self, obj, method: str) -> None:
-        self.mark(method)
-
-    def after_update(self, obj, method: str) -> None:
-        if method in COMPLETE_UPDATES:
-            self.check(method)
+        return self.engine.vt
 
 
 # -- the engine core (Note [check before serve], 3.) -------------------------------------------
@@ -482,7 +191,7 @@ def mark_remote_update(core, method) -> None:
 def before_step(core):
     """Before ``EngineCore.step`` schedules anything: None to go on, or the step's result
     (outputs finishing every unfinished request with an error) to refuse it."""
-    local = [g for g in _guards if g.dirty or _written(g)] if _guards else ()
+    local = serving.pending()
     pending = core.__dict__.get("_graphtrace_pending", False)
     if not local and not pending:
         return None
@@ -508,7 +217,7 @@ def before_step(core):
         refused = exc
     except Exception as exc:  # from workers in other processes: the executor's own wrapper
         if "StaleGraphError" not in f"{type(exc).__name__}: {exc}" and "graphtrace guard" not in str(exc):
-            if _strict():
+            if strict():
                 raise
             logger.exception("graphtrace: checking the workers before a step failed (fail open)")
             core.__dict__["_graphtrace_pending"] = False
@@ -518,19 +227,6 @@ def before_step(core):
     outputs = _refuse(core)
     core.__dict__["_graphtrace_refused"] = refused
     return outputs, False
-
-
-def _written(guard: ServeGuard) -> bool:
-    try:
-        return guard.written_in_place()
-    except Exception:
-        if _strict():
-            raise
-        guard._failed("comparing version counters")
-        return False
-
-
-DRAIN = object()  # before_step's answer while batches are in flight
 
 
 def drain_step(core, step):
@@ -623,7 +319,7 @@ def _ask_refusal(llm_engine):
     try:
         answers = llm_engine.collective_rpc("graphtrace_refusal")
     except Exception:
-        if _strict():
+        if strict():
             raise
         logger.exception("graphtrace: asking the workers why a step failed (ignored)")
         return None
@@ -694,7 +390,7 @@ async def _ask_refusal_async(engine):
     try:
         answers = await asyncio.shield(query)  # a cancelled waiter leaves it to the others
     except Exception:
-        if _strict():
+        if strict():
             raise
         logger.exception("graphtrace: asking the workers why a request failed (ignored)")
         return None
@@ -703,8 +399,21 @@ async def _ask_refusal_async(engine):
 
 # -- several ranks (Note [one rank raises] in graphtrace/vllm/plugin.py) -----------------------
 
-def _strict() -> bool:
-    return os.environ.get("GRAPHTRACE_STRICT") == "1"
+def world_ranks() -> Ranks | None:
+    """The serving core's collective in vLLM: the world group's ranks, agreeing through an
+    all_gather_object over its CPU group; None with one rank (or no distributed state)."""
+    group = _world_group()
+    if group is None:
+        return None
+
+    def gather(value) -> list:
+        import torch.distributed as dist
+
+        gathered: list = [None] * group.world_size
+        dist.all_gather_object(gathered, value, group=group.cpu_group)
+        return gathered
+
+    return Ranks(group.rank_in_group, group.world_size, gather)
 
 
 def _world_group():
@@ -717,48 +426,7 @@ def _world_group():
     return group if getattr(group, "world_size", 1) > 1 else None
 
 
-def _is_last_rank() -> bool:
-    group = _world_group()
-    return group is None or group.rank_in_group == group.world_size - 1
-
-
-def _any_rank(flag: bool) -> bool:
-    """True on every rank if it is True on any (an all_gather over the world CPU group)."""
-    import torch.distributed as dist
-
-    group = _world_group()
-    gathered: list = [None] * group.world_size
-    dist.all_gather_object(gathered, bool(flag), group=group.cpu_group)
-    return any(gathered)
-
-
-def _gather_problems(problems, rank: int):
-    """[(rank, problems)] of every rank of the world group."""
-    import pandas as pd
-    import torch.distributed as dist
-
-    group = _world_group()
-    mine = (rank, problems.to_dict("records"), list(problems.columns))
-    gathered: list = [None] * group.world_size
-    dist.all_gather_object(gathered, mine, group=group.cpu_group)
-    return [(r, pd.DataFrame(rows, columns=columns)) for r, rows, columns in gathered]
-
-
-def _raise_for_all_ranks(ranks, problems, what: str, rank: int) -> None:
-    """Note [one rank raises] in graphtrace/vllm/plugin.py; `ranks`: `_gather_problems`."""
-    from graphtrace.guard import StaleGraphError, describe
-
-    bad = {r: frame for r, frame in ranks if len(frame)}
-    if not bad:
-        return
-    if not _is_last_rank():
-        if len(problems):
-            logger.error("graphtrace guard (rank %s, %s): %s (the last rank raises for all "
-                         "ranks)", rank, what, describe(problems))
-        return
-    import pandas as pd
-
-    text = "\n".join(f"rank {r}: {describe(frame)}" for r, frame in bad.items())
-    merged = pd.concat([f.assign(rank=r) for r, f in bad.items()], ignore_index=True)
-    raise StaleGraphError(f"graphtrace guard ({what}), problems in rank(s) "
-                          f"{', '.join(map(str, bad))} of {len(ranks)}:\n{text}", merged)
+# the engine's step and RPC points reach this module through the hooks (no import circle)
+hooks.serve_through(before_step=before_step, drain_step=drain_step,
+                    mark_remote_update=mark_remote_update, after_client_step=after_client_step,
+                    client_step_failed=client_step_failed, client_stream=client_stream)

@@ -271,7 +271,7 @@ def inplace_sync(llm, folder: str) -> int:
     written in place into the worker model's parameter (``p.copy_``, under no_grad), then its
     own weight processing derives the holder again (`_derive`: a new tensor under "rebind").
     Only the parameters' version counters see it (Note [in-place writes] in
-    graphtrace/vllm/serve.py)."""
+    graphtrace/serving.py)."""
     worker = llm.llm_engine.model_executor.driver_worker
     params = dict(worker.model_runner.model.named_parameters())
     n = 0
