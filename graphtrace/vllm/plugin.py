@@ -78,7 +78,8 @@ _registered = False
 _written: dict[str, str] = {}
 _counter = 0
 
-__all__ = ["register", "enabled", "guard_mode", "guard_action", "rpc_guard_status", "rpc_check",
+__all__ = ["register", "enabled", "guard_mode", "guard_action", "guard_folder", "rpc_guard_status",
+           "rpc_check",
            "rpc_refusal",
            "serve_guard", "session",
            "modules_setting", "write_report", "rpc_write_report", "rpc_capture", "rpc_capture_dummy", "rpc_status", "WORKER_METHODS"]
@@ -182,11 +183,17 @@ def _before_load(worker) -> None:
 # -- guard mode (Note [check before serve] in graphtrace/vllm/serve.py) -------------------------
 
 def _guard_folder() -> Path | None:
-    from graphtrace.vllm import hooks
-
     if _session is None:
         return None
-    rank = hooks.worker_rank(_session.worker) if _session.worker is not None else 0
+    return guard_folder(_session.worker)
+
+
+def guard_folder(worker=None) -> Path:
+    """``$GRAPHTRACE_VLLM_DIR/guard/rank<R>``: where a worker's guard writes its checks (the
+    plugin's, and ``trace_llm()``'s when the environment turned its guard on)."""
+    from graphtrace.vllm import hooks
+
+    rank = hooks.worker_rank(worker) if worker is not None else 0
     return out_dir() / "guard" / f"rank{rank}"
 
 
