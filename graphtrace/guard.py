@@ -151,6 +151,7 @@ class Guard:
         self._derived: dict[int, Derived] = {i: s["derived"] for i, s in enumerate(storages)
                                              if s.get("derived") is not None}
         self._lineage = weakref.ref(lineage) if lineage is not None else None
+        self._late = lineage.late if lineage is not None else 0  # Note [derived during updates]
         self._fresh_paths: dict | None = None  # model -> (paths, PathSet), made on first use
         self._fresh_impacts: dict[int, str] = {}  # the last check's unrefreshed -> impact
         # Note [guard freshness fast path]: the lineage clock of the last freshness pass that
@@ -255,6 +256,7 @@ class Guard:
         (columns: graphtrace.vocab.GUARD_COLUMNS; verdicts: GUARD_PROBLEMS); empty when
         every captured storage is still where its owners point."""
         models = self._live_models()
+        self._adopt_late()
         if self._nothing_moved(models):  # every owner still holds its storage
             unrefreshed = self._unrefreshed(models, set()) if self._derived else set()
             freed = self._freed(models, set()) if self._derived else {}
@@ -286,6 +288,23 @@ class Guard:
             return empty_problems()
         return self._problems(bad | unrefreshed | set(freed), statuses, live_ptrs, tensors,
                               unrefreshed, blind, freed)
+
+    def _adopt_late(self) -> None:
+        """Note [derived during updates] in graphtrace/lineage.py: the `Derived` lineage made
+        since for storages this guard holds with none (its trace matches first)."""
+        lineage = self._lineage() if self._lineage is not None else None
+        if lineage is None:
+            return
+        lineage.catch_up()
+        if lineage.late == self._late:
+            return
+        self._late = lineage.late
+        captured = lineage.captured
+        for i, sid in enumerate(self._sids):
+            if i not in self._derived and sid in captured:
+                self._derived[i] = captured[sid]
+                self._fresh_paths = self._fresh_sources = None  # made again with it
+                self._fresh_clean = _NO_CLEAN_PASS
 
     def _nothing_moved(self, models: Mapping[str, torch.nn.Module]) -> bool:
         """Does every owner path still reach the storage it reached at capture? Answered by

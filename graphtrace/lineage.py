@@ -65,6 +65,29 @@ __all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "Handle"
 # made while provenance is paused or off, and anything inside a capture region (a graph
 # that rewrites a storage every replay is `internal`: Note [write before read]).
 
+# Note [derived during updates]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Matching after a capture names the sources a captured storage had *then*. A storage the
+# graph captured made from no weight (a scale a kernel method keeps, set up when the test or
+# the engine built it) may first be written from a weight during a later weight update: an
+# RL client's per-tensor sync (TRL's `sync_weights`, OpenRLHF's `update_weight`) calls a
+# weight loader that refreshes it in place from the weight it just loaded. Lineage records
+# that write (it records during updates), but no `Derived` existed to judge it, so a later
+# update that loads a new weight and leaves the storage alone went unseen: the graph reads
+# the old value at the same address, identity holds. So the trace matches again, late
+# (`match_late`, through `catch_up`, before each diff, guard build and guard check, and only
+# when lineage's clock moved since the last time): every captured storage that has no
+# `Derived` yet and that lineage saw written since from a registered parameter or buffer (the
+# cached walk of them; a write from a checkpoint tensor alone, a load, is passed over) gets
+# one, taken as at a capture's match (sources and their clocks from the write, the owners'
+# version counters now, `stale` when a source was written after it). The freshness rule then
+# judges it like any derived storage (Note [freshness] in graphtrace/verdict.py): the next
+# update that writes the source and not the storage makes it `unrefreshed`, `derived_from`
+# naming the source. Cost: a set intersection of the captured storages with lineage's nodes
+# per clock move, and an owner walk only when a storage is matched. What it cannot see: a
+# storage captured with no owner that becomes derived later (the guard keeps only the
+# storages that were owned or derived when it was built).
+
 # Note [non-idempotent steps]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A process step that updates a registered parameter or buffer in place from its own value
@@ -341,6 +364,11 @@ class Lineage:
         self.first_load = 0
         self.reload_clock = 0
         self.carried: dict[tuple, list] = {}
+        # Note [derived during updates]: the trace's late match (a weak callable), lineage's
+        # clock at its last run, and how many `Derived` it made in all
+        self.rematch: Callable[[], None] | None = None
+        self._late_clock = 0
+        self.late = 0
 
     # -- recording (the per-op hook) -----------------------------------------------------
     def _node(self, storage: torch.UntypedStorage, address: int) -> list:
@@ -873,7 +901,6 @@ class Lineage:
         """A `Derived` for each storage `storages` (the recorder's StorageTable) registered
         since the last call that has recorded sources reaching a parameter or buffer of
         `models` (through `snapshot`'s cached owner walks, graphtrace.owners)."""
-        from graphtrace.owners import resolve_path
 
         self._registered = None  # walked again when next needed (Note [non-idempotent steps])
         new = storages.registered_since(self._matched)
@@ -887,8 +914,15 @@ class Lineage:
                 if sid is not None and new.first <= sid < new.end:
                     found.append((sid, a))
         found.sort()
-        if not found:
-            return
+        if found:
+            self._match_found(found, snapshot, models)
+
+    def _match_found(self, found: list, snapshot, models: Mapping[str, torch.nn.Module]) -> int:
+        """A `Derived` for each (storage id, address) of `found` whose recorded sources reach a
+        parameter or buffer of `models`; returns how many were made."""
+        from graphtrace.owners import resolve_path
+
+        made = 0
         walks = {}
         for name, model in models.items():
             try:
@@ -947,6 +981,39 @@ class Lineage:
                     versions[(m, p)] = t._version
             self.captured[sid] = Derived(tuple(sorted(sources, key=lambda s: (s.model, s.path))),
                                          versions, stale, node[1], handle is not None)
+            made += 1
+        return made
+
+    def catch_up(self) -> None:
+        """Note [derived during updates]: let the trace match what lineage saw written since
+        the last look (nothing to do while its clock has not moved)."""
+        if self.rematch is not None and self.clock != self._late_clock:
+            self.rematch()
+
+    def match_late(self, storages, snapshot, models: Mapping[str, torch.nn.Module]) -> int:
+        """Note [derived during updates]: a `Derived` for each storage captured earlier with
+        none yet that lineage saw written, since the last call, from a parameter or buffer of
+        `models`. Returns how many were made (`late` counts them all)."""
+        since, self._late_clock = self._late_clock, self.clock
+        if not self._matched or since == self.clock:
+            return 0
+        nodes, captured = self.nodes, self.captured
+        registered = self._registered_tensors(False)
+        done = storages.registered_since(0)
+        found = []
+        for a in done.handle_set & nodes.keys():  # the captured storages lineage knows
+            node = nodes[a]
+            if node[1] <= since or not node[2] or registered.keys().isdisjoint(node[2]):
+                continue  # not written since, or from no registered tensor (a load)
+            sid = storages.find(a)
+            if sid is not None and sid < self._matched and sid not in captured:
+                found.append((sid, a))
+        if not found:
+            return 0
+        found.sort()
+        made = self._match_found(found, snapshot, models)
+        self.late += made
+        return made
 
     def meta(self) -> dict:
         return {"enabled": True, "ops": self.n_ops, "nodes": len(self.nodes),

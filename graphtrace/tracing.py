@@ -547,6 +547,9 @@ class Trace:
             trace = weakref.ref(self)  # no cycle: the lineage names handles' sources by it
             self.provenance.lineage.models = lambda: (trace().models if trace() is not None
                                                       else {})
+            # Note [derived during updates] in graphtrace/lineage.py
+            self.provenance.lineage.rematch = lambda: (trace()._match_late()
+                                                       if trace() is not None else None)
         # when provenance and lineage pause themselves (Note [recording while serving])
         self.record = record
         self._auto_paused = False  # paused by that rule: the next update resumes it
@@ -1049,6 +1052,8 @@ class Trace:
         from graphtrace.diff import diff
 
         models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
+        if self.lineage is not None:  # Note [derived during updates] in graphtrace/lineage.py
+            self.lineage.catch_up()
         spots = list(self.blind_spots)
         if self.derived.pairs:
             spots += self.derived.check(models)
@@ -1062,6 +1067,16 @@ class Trace:
             spots += [s for s in blind_spots(rows) if s.text not in known]
         return diff(self.recorder, self.owner_snapshot, models, spots,
                     provenance=self.provenance, extra_meta=extra, lineage=self.lineage)
+
+    def _match_late(self) -> None:
+        """Note [derived during updates] in graphtrace/lineage.py (fail open)."""
+        lineage = self.lineage
+        if lineage is None or not self.recorder.captures:
+            return
+        try:
+            lineage.match_late(self.recorder.storages, self.owner_snapshot, self.models)
+        except Exception as exc:
+            self.recorder.fail("lineage late match", exc)
 
     def _compiled_rows(self) -> list[dict]:
         """graphtrace.compiled.region_ownership of the captures ([] without compiled regions)."""
@@ -1100,6 +1115,8 @@ class Trace:
 
         accept = accepted_kinds(accept)
         models = self._live_models() if self.recorder.captures else self.models
+        if self.lineage is not None:  # Note [derived during updates] in graphtrace/lineage.py
+            self.lineage.catch_up()
         spots = list(self.blind_spots)
         if self.recorder.captures:
             try:

@@ -422,3 +422,77 @@ def test_clean_checks_skip_the_freshness_pass_until_a_source_changes(monkeypatch
     assert set(problems["verdict"]) == {"unrefreshed"}
     assert set(problems["derived_from"]) == {"layers.0.A_log"}
     del keep
+
+
+class _KeptScale(nn.Module):
+    """A linear layer whose method keeps a scale the forward reads; the scale is made from
+    no weight, and a weight loader may refresh it in place from `norm` (Note [derived during
+    updates] in graphtrace/lineage.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.Parameter(torch.ones(8))
+        self.method = type("Method", (), {})()
+        self.method.scale = torch.ones(8)
+
+    def forward(self, x):
+        return self.proj(x) * self.method.scale
+
+    def load(self, norm: torch.Tensor, refresh: bool) -> None:
+        """One update: the norm's loader writes the new weight, and (`refresh`) the scale
+        from it, in place."""
+        self.norm.copy_(norm)
+        if refresh:
+            self.method.scale.copy_(1 + 1e-3 * self.norm.mean() * torch.ones(8))
+
+
+@pytest.mark.parametrize("guard_first", [True, False], ids=["guard-built-before", "guard-after"])
+def test_a_storage_first_derived_during_an_update_is_judged_at_the_next(guard_first):
+    """A captured storage made from no weight, refreshed in place from a weight during one
+    update and left alone by the next, which loads a new weight: `unrefreshed` in diff and
+    guard, naming the weight (the guard built before either update, as vLLM's is)."""
+    model = _KeptScale().eval()
+    x = torch.rand(2, 8)
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            model(x)
+        guard = t.guard() if guard_first else None
+        with t.updating():
+            model.load(torch.full((8,), 2.0), refresh=True)
+        assert (guard or t.guard()).check().empty
+        e = t.diff().edges
+        row = e[e["owners"].astype(str) == "method.scale"]
+        assert list(row["verdict"]) == ["stable"] and list(row["derived_from"]) == ["norm"]
+        with t.updating():
+            model.load(torch.full((8,), 3.0), refresh=False)  # a new weight; scale left alone
+        problems = (guard or t.guard()).check()
+        assert list(problems["verdict"]) == ["unrefreshed"], problems
+        assert list(problems["derived_from"]) == ["norm"]
+        e = t.diff().edges
+        row = e[e["owners"].astype(str) == "method.scale"]
+        assert list(row["verdict"]) == ["unrefreshed"] and list(row["derived_from"]) == ["norm"]
+        with t.updating():
+            model.load(torch.full((8,), 4.0), refresh=True)
+        assert (guard or t.guard()).check().empty
+    assert t.lineage.late == 1
+    del g
+
+
+def test_a_load_during_an_update_derives_nothing():
+    """Weights written from checkpoint tensors (a load) get no `Derived`, and an update that
+    touches no captured storage makes no late match."""
+    model = _KeptScale().eval()
+    x = torch.rand(2, 8)
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        with gt.capture("g") as g:
+            model(x)
+        with t.updating():
+            model.proj.weight.copy_(torch.rand(8, 8))
+            model.load(torch.full((8,), 2.0), refresh=False)
+        report = t.diff()
+        assert set(report.edges["verdict"].astype(str)) == {"stable", "unowned"}  # x, out
+        assert set(report.edges["derived_from"].astype(str)) == {""}
+        assert t.guard().check().empty
+    assert t.lineage.late == 0
+    del g

@@ -290,6 +290,7 @@ class VllmTrace:
         self.in_process = in_process
         self._env_set = False
         self.serve_guard = None
+        self._said_unguarded = False
         if guard is not None:
             from graphtrace.vllm.serve import ServeGuard
 
@@ -327,6 +328,8 @@ class VllmTrace:
         out = [("after_load", self._on_load)]
         if self.serve_guard is not None:
             out.append(("before_update", self.serve_guard.before_update))
+        else:
+            out.append(("before_update", self._unguarded_update))
         if self.pause_provenance:
             out.append(("after_warmup", self._provenance_off))
             out += [("before_update", self._provenance_on),  # Note [weight updates] in hooks
@@ -334,6 +337,17 @@ class VllmTrace:
         if self.serve_guard is not None:  # last: a raise there skips the listeners after it
             out.append(("after_update", self.serve_guard.after_update))
         return out
+
+    def _unguarded_update(self, worker=None, method: str = "") -> None:
+        """A weight update in a trace with no guard: said once (Note [one guard switch])."""
+        if self._said_unguarded or active_trace() is not self.trace:
+            return
+        self._said_unguarded = True
+        logger.warning(
+            "graphtrace: a weight update (%s) ran in pid %d under a vLLM trace with no guard: "
+            "nothing checks it before the engine serves from it (turn the guard on with "
+            "trace_llm(guard='raise') or %s=guard; vt.diff() still reports). Said once per "
+            "trace.", method or "?", os.getpid(), _ENV_ON)
 
     def _provenance_off(self, worker=None, *args) -> None:
         if active_trace() is self.trace:
@@ -354,10 +368,10 @@ class VllmTrace:
         if active_trace() is not self.trace:
             return
         self.watch_worker(worker)
-        if self.serve_guard is not None:  # a bare load_weights is an update too
-            model = hooks.worker_model(worker)
-            if model is not None:
-                hooks.wrap_model_updates(model)
+        model = hooks.worker_model(worker)  # a bare load_weights is an update too: lineage
+        if model is not None:              # records it (provenance resumed), the guard checks it
+            hooks.wrap_model_updates(model)
+        if self.serve_guard is not None:
             self.serve_guard.watch_versions()  # Note [in-place writes]: the loaded weights
 
     # -- models ------------------------------------------------------------------------------
@@ -577,7 +591,64 @@ def _plain(obj):
     return json.loads(json.dumps(obj, default=str))
 
 
-def trace_llm(**kwargs) -> VllmTrace:
+# Note [one guard switch]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# The plugin turns its guard on from the environment (GRAPHTRACE_VLLM=guard, the action from
+# GRAPHTRACE_GUARD); a user who set that environment and wrapped an in-process engine in
+# `trace_llm()` (for its report) must get the same guard, not silently none: in one process
+# the plugin leaves the worker to the open trace. So `trace_llm()` reads the same variables
+# when `guard=` is not given: guard mode gives it the plugin's guard (the action read at each
+# check, as the plugin does; checks written under $GRAPHTRACE_VLLM_DIR/guard/rank<R> unless
+# `guard_dir=` is given). Explicit arguments win where the environment says nothing about
+# them; where both speak and disagree -- `guard=None` (or False) under GRAPHTRACE_VLLM=guard,
+# an action other than a GRAPHTRACE_GUARD that is set -- `trace_llm` raises GraphtraceError
+# naming both, before anything is opened. A `VllmTrace` with no guard logs one warning at the
+# first weight update it sees, so an unguarded engine is never silent about it.
+
+_ENV_ON = "GRAPHTRACE_VLLM"       # graphtrace.vllm.env.ENV_ON, ENV_GUARD (the plugin's)
+_ENV_GUARD = "GRAPHTRACE_GUARD"
+_GUARD_UNSET = object()
+
+
+def _env_guard(guard, guard_dir):
+    """(guard, guard_dir, from the environment?) for `trace_llm` (Note [one guard switch])."""
+    from graphtrace.vllm import env
+
+    mode = os.environ.get(_ENV_ON, "")
+    action = os.environ.get(_ENV_GUARD, "").strip().lower()
+    on = mode == "guard"
+    if guard is _GUARD_UNSET:
+        return (env.guard_action, guard_dir, True) if on else (None, guard_dir, False)
+    if (guard is None or guard is False) and on:
+        raise GraphtraceError(
+            f"trace_llm(guard={guard!r}) turns the guard off, but the environment turns it on "
+            f"({_ENV_ON}=guard): unset {_ENV_ON} (or set it to 1) for a trace with no guard, "
+            "or leave guard= out to use the environment's guard")
+    if isinstance(guard, str) and action in env.GUARD_ACTIONS and guard != action:
+        raise GraphtraceError(
+            f"trace_llm(guard={guard!r}) contradicts {_ENV_GUARD}={action} in the environment: "
+            f"pass guard={action!r}, leave guard= out, or change {_ENV_GUARD}")
+    return (None if guard is False else guard), guard_dir, False
+
+
+def trace_llm(*, guard=_GUARD_UNSET, guard_dir=None, **kwargs) -> VllmTrace:
     """``with trace_llm() as vt: llm = LLM(...)``: see :class:`VllmTrace` (its keyword
-    arguments; in-process mode is set on entry)."""
-    return VllmTrace(**kwargs)
+    arguments; in-process mode is set on entry). With ``guard=`` left out, the guard is the
+    plugin's environment's (``GRAPHTRACE_VLLM=guard``, ``GRAPHTRACE_GUARD``); an explicit
+    ``guard=`` that contradicts it raises `GraphtraceError` (Note [one guard switch])."""
+    guard, guard_dir, from_env = _env_guard(guard, guard_dir)
+    if not from_env or guard_dir is not None:
+        return VllmTrace(guard=guard, guard_dir=guard_dir, **kwargs)
+    import weakref
+
+    from graphtrace.vllm import env
+
+    made: list = []  # the trace, weakly: its guard's folder names its worker's rank
+
+    def folder():
+        vt = made[0]() if made else None
+        return env.guard_folder(vt.worker if vt is not None else None)
+
+    vt = VllmTrace(guard=guard, guard_dir=folder, **kwargs)
+    made.append(weakref.ref(vt))
+    return vt

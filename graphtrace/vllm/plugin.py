@@ -61,18 +61,27 @@ import os
 import threading
 from pathlib import Path
 
-from graphtrace.serving import ACTIONS, STRICT_ENV, strict
+from graphtrace.serving import STRICT_ENV, strict
+from graphtrace.vllm.env import (  # noqa: F401 - the names stay importable from here
+    DEFAULT_DIR,
+    ENV_DIR,
+    ENV_GUARD,
+    ENV_ON,
+    GUARD_ACTIONS,
+    enabled,
+    guard_action,
+    guard_folder,
+    guard_mode,
+    out_dir,
+)
 
 logger = logging.getLogger("graphtrace.vllm")
 
-ENV_ON = "GRAPHTRACE_VLLM"
-ENV_DIR = "GRAPHTRACE_VLLM_DIR"
 ENV_EMULATE = "GRAPHTRACE_VLLM_EMULATE"
 ENV_STRICT = STRICT_ENV
 ENV_MODULES = "GRAPHTRACE_MODULES"
-ENV_GUARD = "GRAPHTRACE_GUARD"
-DEFAULT_DIR = "graphtrace-vllm"
-GUARD_ACTIONS = ACTIONS
+# ENV_ON, ENV_DIR, ENV_GUARD, DEFAULT_DIR, GUARD_ACTIONS, enabled, guard_mode, guard_action,
+# out_dir, guard_folder: graphtrace.vllm.env (shared with trace_llm), importable from here
 
 _session = None          # the VllmTrace of this process (one per worker process)
 _lock = threading.RLock()
@@ -80,29 +89,11 @@ _registered = False
 _written: dict[str, str] = {}
 _counter = 0
 
-__all__ = ["register", "enabled", "guard_mode", "guard_action", "rpc_guard_status", "rpc_check",
+__all__ = ["register", "enabled", "guard_mode", "guard_action", "guard_folder", "rpc_guard_status",
+           "rpc_check",
            "rpc_refusal",
            "serve_guard", "session",
            "modules_setting", "write_report", "rpc_write_report", "rpc_capture", "rpc_capture_dummy", "rpc_status", "WORKER_METHODS"]
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV_ON, "") in ("1", "guard")
-
-
-def guard_mode() -> bool:
-    """``GRAPHTRACE_VLLM=guard``: check every weight update (see the module doc)."""
-    return os.environ.get(ENV_ON, "") == "guard"
-
-
-def guard_action() -> str:
-    """``GRAPHTRACE_GUARD``: raise (default), warn or recapture."""
-    value = os.environ.get(ENV_GUARD, "").strip().lower() or "raise"
-    if value not in GUARD_ACTIONS:
-        logger.warning("graphtrace: %s=%r is not one of %s; using 'raise'", ENV_GUARD, value,
-                       ", ".join(GUARD_ACTIONS))
-        return "raise"
-    return value
 
 
 def session():
@@ -180,12 +171,9 @@ def _before_load(worker) -> None:
 # -- guard mode (Note [check before serve] in graphtrace/vllm/serve.py) -------------------------
 
 def _guard_folder() -> Path | None:
-    from graphtrace.vllm import hooks
-
     if _session is None:
         return None
-    rank = hooks.worker_rank(_session.worker) if _session.worker is not None else 0
-    return out_dir() / "guard" / f"rank{rank}"
+    return guard_folder(_session.worker)
 
 
 def serve_guard():
@@ -275,10 +263,6 @@ def _final_report(worker, trigger: str) -> None:
         if strict():
             raise
         logger.exception("graphtrace: could not write the shutdown report")
-
-
-def out_dir(override: str | os.PathLike | None = None) -> Path:
-    return Path(override or os.environ.get(ENV_DIR) or DEFAULT_DIR)
 
 
 def write_report(worker=None, tag: str | None = None,

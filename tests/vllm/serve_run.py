@@ -4,8 +4,9 @@ core in this process) guarded by ``trace_llm(guard="raise")`` or by the plugin
 stale one and a correct one; prints one JSON line.
 
 usage: python serve_run.py MODEL_DIR CHANGED_DIR MODE PATHS
-  MODE: trace_llm, plugin (engine core in this process) or plugin_mp (multiprocessing on:
-  the TRL path needs the worker in this process); PATHS: comma-separated keys of serve_ext.SYNCS
+  MODE: trace_llm, trace_llm_env (``trace_llm()`` under the plugin's guard environment),
+  plugin (engine core in this process) or plugin_mp (multiprocessing on: the TRL path needs
+  the worker in this process); PATHS: comma-separated keys of serve_ext.SYNCS
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main() -> None:
     vt = None
     if mode == "trace_llm":
         vt = gv.trace_llm(guard="raise", strict=True).__enter__()
+    elif mode == "trace_llm_env":  # the guard from the plugin's environment (GRAPHTRACE_VLLM=guard)
+        vt = gv.trace_llm(strict=True).__enter__()
     llm = LLM(**kw)
     if vt is not None:
         vt.attach(llm)
@@ -41,6 +44,8 @@ def main() -> None:
 
     def status():
         if vt is not None:
+            if vt.serve_guard is None:  # no guard: nothing checked, ever
+                return {"checks": 0, "dirty": False, "last": None, "updates": []}
             return vt.serve_guard.status()
         return llm.collective_rpc("graphtrace_guard_status")[0]
 

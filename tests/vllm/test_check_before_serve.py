@@ -44,7 +44,7 @@ def _run(run_result_script, model_dir, changed, tmp_path: Path, mode: str, paths
     env.update(GRAPHTRACE_STRICT="1", GRAPHTRACE_VLLM_DIR=str(tmp_path / "out"),
                PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")]))
     env.pop("GRAPHTRACE_GUARD", None)  # the default: raise
-    if mode.startswith("plugin"):
+    if mode.startswith("plugin") or mode == "trace_llm_env":
         env["GRAPHTRACE_VLLM"] = "guard"
     else:
         env.pop("GRAPHTRACE_VLLM", None)
@@ -142,6 +142,26 @@ def test_client_paths_in_one_process(tiny_llama_dir, changed_llama, tmp_path, mo
         checks = [json.loads(ln) for ln in lines]
         assert checks[0]["trigger"] == "before_forward" and checks[0]["updates"] == ["load_weights"]
         assert any(c["trigger"] == "graphtrace_check" for c in checks)
+
+
+def test_trace_llm_takes_the_guard_from_the_plugins_environment(tiny_llama_dir, changed_llama,
+                                                                  tmp_path, run_result_script):
+    """Note [one guard switch] in graphtrace/vllm/adapter.py: ``trace_llm()`` with no
+    ``guard=``, in a process whose environment says ``GRAPHTRACE_VLLM=guard``, guards as the
+    plugin does: each clean update checked once, the stale one refused at the next
+    ``generate`` with `StaleGraphError` naming the holder, served again after a correct one;
+    its checks written where the plugin writes them."""
+    _need_trl()
+    result = _run(run_result_script, tiny_llama_dir, changed_llama, tmp_path, "trace_llm_env",
+                  "trl,openrlhf")
+    assert result["holder"] == HOLDER
+    for path in ("trl", "openrlhf"):
+        _assert_client_path(result["paths"][path], path, in_process=True)
+    assert result["final"]["ok"]
+    lines = (tmp_path / "out" / "guard" / "rank0" / "checks.jsonl").read_text().splitlines()
+    checks = [json.loads(ln) for ln in lines]
+    assert checks[0]["trigger"] == "before_forward" and checks[0]["action"] == "raise"
+    assert sum(not c["ok"] for c in checks) >= 2  # a stale update refused on each path
 
 
 def test_client_paths_engine_core_in_another_process(tiny_llama_dir, changed_llama, tmp_path,
