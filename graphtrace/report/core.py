@@ -108,7 +108,7 @@ class Report:
                           manifest=read.manifest)
         except ReportError as e:
             raise _fail_in_frame(folder, read, e) from None
-        if "stack" not in report._meta:  # older than meta["stack"] (Note [fix texts])
+        if not report._meta.get("stack"):  # older than meta["stack"] (Note [fix texts])
             _neutral_fixes(report._frames["edges"])
         return report
 
