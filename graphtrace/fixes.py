@@ -194,14 +194,11 @@ def detect_stack(models: Iterable[object] = ()) -> Stack:
     imported in this process (vLLM's or SGLang's model executor), else plain PyTorch."""
     found: set[str] = set()
     for model in models:
-        try:
-            modules = model.modules()
+        try:  # a model whose walk raises says nothing (fail open: the diff goes on)
+            tops = {type(m).__module__.partition(".")[0] for m in model.modules()}
         except Exception:
             continue
-        for m in modules:
-            top = type(m).__module__.partition(".")[0]
-            if top in ("vllm", "sglang", "transformers"):
-                found.add(top)
+        found |= tops & {"vllm", "sglang", "transformers"}
     for name, package in _PACKAGES:
         if name in found:
             return Stack(name, _release(package), "model classes")

@@ -62,7 +62,9 @@ def test_a_transformers_llama_reloaded_with_assign_names_no_vllm_api(tmp_path, c
     assert _named(text, VLLM_WORDS + SGLANG_WORDS) == []
     folder = tmp_path / "out"
     report.to_csv(folder)
-    assert gt.load_report(folder).meta["stack"]["name"] == "transformers"  # kept when saved
+    saved = gt.load_report(folder).meta["stack"]  # kept when saved
+    assert Stack.from_json(saved) == detect_stack([model]) == Stack(**report.meta["stack"])
+    assert Stack.from_json(None) is None and Stack.from_json({"name": "jax"}) is None
     main(["report", str(folder)])
     out = capsys.readouterr().out
     assert "load_state_dict" in out and "fix:" in out
