@@ -31,6 +31,7 @@ from graphtrace import __version__
 from graphtrace.blindspots import BlindSpot
 from graphtrace.edges import CaptureEdges, capture_edges
 from graphtrace.encoding import VIEW
+from graphtrace.fixes import detect_stack
 from graphtrace.frames import accesses_frame, raw_accesses, view_table
 from graphtrace.owners import OwnerSnapshot, gc_paused, resolve_path
 from graphtrace.provenance import Provenance, edge_columns
@@ -521,7 +522,8 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     edges["impact"] = _impacts(rec, verdict, sids, raw["view"][view_row], moved_to, moved_by,
                                snapshot, notes, fresh_impacts)
     _add(spots, notes)
-    edges.update(edge_columns(provenance, table, sids, verdict, owners, moved_to))
+    stack = detect_stack(models.values())  # whose fix texts (Note [fix texts], fixes.py)
+    edges.update(edge_columns(provenance, table, sids, verdict, owners, moved_to, stack))
     texts = [""] + sorted(set(derived_from.values()))
     code = {t: i for i, t in enumerate(texts)}
     per_storage = np.zeros(n_storages, dtype=np.int64)  # per storage, then onto the edges
@@ -555,6 +557,7 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
         "graphs": [{"graph_id": c.graph_id, "label": c.label, "kind": c.kind, "n_ops": c.n_ops,
                     "n_accesses": c.n_accesses, "thread": c.thread} for c in rec.captures],
         "models": list(models),
+        "stack": stack.to_json(),
         "provenance": provenance.meta() if provenance is not None else {"enabled": False},
         "findings": lineage_findings(lineage, models, rec.fail),
     }

@@ -36,8 +36,9 @@ from graphtrace._compat import (
 )
 from graphtrace._schema import tensors_in
 from graphtrace.clock import CLOCK
+from graphtrace.fixes import Stack, fix_text
 from graphtrace.sites import format_site, suggest_fix
-from graphtrace.vocab import BEFORE_TRACE, FIXES, NOT_RECORDED, STALE_VERDICTS
+from graphtrace.vocab import BEFORE_TRACE, NOT_RECORDED, STALE_VERDICTS
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -501,11 +502,12 @@ def _op_name(func) -> str:
 
 
 def edge_columns(provenance: Provenance | None, storages, sids: np.ndarray, verdict,
-                 owners: pd.DataFrame, moved_to: Mapping[int, torch.Tensor]) -> dict:
+                 owners: pd.DataFrame, moved_to: Mapping[int, torch.Tensor],
+                 stack: Stack | None = None) -> dict:
     """`created_at`, `live_created_at` and `fix` for each edge (storage ids `sids`, verdicts
     `verdict`), from the owners frame of the diff and the live tensor each moved storage's
     owner holds now (`moved_to`). Owned edges only; "" elsewhere, and everywhere when
-    provenance is off (`fix` is still given)."""
+    provenance is off (`fix` is still given, its text for `stack`: graphtrace.fixes)."""
     import pandas as pd
 
     n = len(sids)
@@ -551,7 +553,7 @@ def edge_columns(provenance: Provenance | None, storages, sids: np.ndarray, verd
     fixes = []
     for sid, v in zip(owned_list, of_owned):
         key = suggest_fix(v, rows.get(sid, ())) if sid in stale_like else ""
-        fixes.append(FIXES[key] if key else "")
+        fixes.append(fix_text(key, stack))
     at = np.searchsorted(owned, sids) if len(owned) else np.zeros(n, dtype=np.int64)
     hit = (at < len(owned)) & (owned[np.minimum(at, max(len(owned) - 1, 0))] == sids) \
         if len(owned) else np.zeros(n, dtype=bool)

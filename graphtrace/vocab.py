@@ -41,14 +41,14 @@ BEFORE_TRACE = "before trace"   # the storage was alive when the trace opened (a
 NOT_RECORDED = "not recorded"   # made while the trace was open where provenance could not see it
 PROVENANCE_MARKS = (BEFORE_TRACE, NOT_RECORDED)
 # `fix`: the suggested fix of a stale-like edge, chosen from its moved holders and verdict
-# (graphtrace.sites.suggest_fix); the column holds the text.
+# (graphtrace.sites.suggest_fix); the column holds the text. These are the neutral texts,
+# naming torch alone; graphtrace.fixes picks a stack's own text where it has one.
 FIXES: dict[str, str] = {
     "read-through-layer": "register it on the layer and read it through the layer at apply "
                           "time (not bound into a partial or closure), refreshed in place "
                           "on reload",
-    "copy-in-place": "copy the new values into the registered tensor's storage "
-                     "(replace_parameter(..., prefer_copy=True)) instead of registering "
-                     "a new one",
+    "copy-in-place": "copy the new values into the registered tensor's storage (copy_) "
+                     "instead of registering a new tensor under its name",
     "register-or-copy": "register the attribute as a parameter or buffer, or copy_ the new "
                         "values into the old tensor instead of rebinding it",
     "recapture": "the captured storage was freed: re-capture the graphs after the update, "

@@ -15,6 +15,7 @@ import graphtrace as gt
 from graphtrace.demo import kernels
 from graphtrace.demo import reload as demo_reload
 from graphtrace.demo.runner import _perm_edges, run_scenario
+from graphtrace.fixes import fix_text
 from graphtrace.provenance import ProvenanceMode
 from graphtrace.sites import Frame, format_site, parse_site, suggest_fix
 from graphtrace.vocab import BEFORE_TRACE, FIXES, NOT_RECORDED
@@ -76,7 +77,7 @@ def test_fixed_kernel_has_sites_and_no_fix():
 def test_marlin_plain_attributes_get_register_or_copy():
     edges = _scenario("marlin").report.edges
     stale = edges[edges["verdict"].astype(str) == "stale"]
-    assert len(stale) and set(stale["fix"].astype(str)) == {FIXES["register-or-copy"]}
+    assert len(stale) and set(stale["fix"].astype(str)) == {fix_text("register-or-copy", "pytorch")}
     workspace = stale[stale["owners"].astype(str).str.endswith("kernel.workspace")]
     zeros = _line_of(kernels.MarlinStyleKernel.process_weights_after_loading, "torch.zeros")
     for text in list(workspace["created_at"]) + list(workspace["live_created_at"]):
@@ -116,7 +117,10 @@ def test_built_before_the_trace_says_so_and_never_guesses():
     stale = owned[owned["verdict"].astype(str) == "stale"]
     assert len(stale) == 2 and set(stale["live_created_at"].astype(str)) == {NOT_RECORDED}
     fixes = dict(zip(stale["owners"].astype(str), stale["fix"].astype(str)))
-    assert fixes == {"w": FIXES["copy-in-place"], "plain": FIXES["register-or-copy"]}
+    # a plain PyTorch model: the stack's own texts (graphtrace.fixes)
+    assert report.meta["stack"]["name"] == "pytorch"
+    assert fixes == {"w": fix_text("copy-in-place", "pytorch"),
+                     "plain": fix_text("register-or-copy", "pytorch")}
 
 
 def test_replacements_made_in_the_trace_point_at_this_file():
@@ -139,8 +143,8 @@ def test_provenance_off(how, monkeypatch):
                                         provenance=False if how == "argument" else None)
     e = report.edges
     assert set(e["created_at"].astype(str)) == {""} == set(e["live_created_at"].astype(str))
-    assert set(report.stale["fix"].astype(str)) == {FIXES["copy-in-place"],
-                                                    FIXES["register-or-copy"]}
+    assert set(report.stale["fix"].astype(str)) == {fix_text("copy-in-place", "pytorch"),
+                                                    fix_text("register-or-copy", "pytorch")}
     assert report.meta["provenance"] == {"enabled": False}
 
 

@@ -52,6 +52,30 @@ def test_freshness_in_both_forms_of_the_rule():
         storage_verdicts(status, n_owners, alive, None, fresh[:-1])
 
 
+def test_a_freed_source_in_both_forms_of_the_rule():
+    """`source_freed` (a handle whose source the model now keeps elsewhere) is dangling
+    wherever the storage would be stable, unowned or unrefreshed, in both forms of the rule;
+    internal storages and identity problems come first."""
+    status = np.array([s for statuses, _ in CASES for s in statuses], dtype=object)
+    n_owners = np.array([len(statuses) for statuses, _ in CASES])
+    alive = np.array([a for _, a in CASES])
+    i = np.arange(len(CASES))
+    for internal in (np.zeros(len(CASES), dtype=bool), i % 5 == 0):
+        for fresh in (i % 2 == 0, i % 3 == 0):
+            freed = i % 4 < 2
+            got = storage_verdicts(status, n_owners, alive, internal, fresh, freed)
+            expected = [verdict_of(st, a, n, u, f)
+                        for (st, a), n, u, f in zip(CASES, internal, fresh, freed)]
+            assert list(got) == expected
+            plain = [verdict_of(st, a, n, u) for (st, a), n, u in zip(CASES, internal, fresh)]
+            for e, p, f, n in zip(expected, plain, freed, internal):
+                assert e == ("dangling" if f and not n and p in ("stable", "unowned",
+                                                                  "unrefreshed") else p)
+    assert {"dangling", "unrefreshed", "unowned"} <= set(expected)
+    with pytest.raises(ValueError, match="source_freed flag per storage"):
+        storage_verdicts(status, n_owners, alive, None, None, freed[:-1])
+
+
 @pytest.mark.parametrize("statuses,alive", CASES[:20])
 def test_one_storage_alone_gets_the_same_verdict(statuses, alive):
     got = storage_verdicts(np.array(statuses, dtype=object), [len(statuses)], [alive])

@@ -109,6 +109,8 @@ class Report:
                           manifest=read.manifest)
         except ReportError as e:
             raise _fail_in_frame(folder, read, e) from None
+        if not report._meta.get("stack"):  # older than meta["stack"] (Note [fix texts])
+            _neutral_fixes(report._frames["edges"])
         return report
 
     # ---- frames
@@ -410,6 +412,23 @@ def findings_frame(records: Iterable[Mapping]) -> pd.DataFrame:
     """A frame of finding records (dicts with `vocab.FINDING_FIELDS`; missing ones "")."""
     return pd.DataFrame([[str(r.get(c, "")) for c in FINDING_FIELDS] for r in records],
                         columns=list(FINDING_FIELDS), dtype=object)
+
+
+def _neutral_fixes(edges: pd.DataFrame) -> None:
+    """In the edges of a report without `meta["stack"]`, the neutral text in place of each
+    fix text of an earlier release that named one stack's API (graphtrace.fixes)."""
+    from graphtrace.fixes import LEGACY_TEXTS, neutral_text
+
+    if "fix" not in edges.columns or not len(edges):
+        return
+    legacy = {text: neutral_text(kind) for text, kind in LEGACY_TEXTS.items()}
+    col = edges["fix"]
+    values = col.astype(object)
+    if not values.isin(list(legacy)).any():
+        return
+    values = values.replace(legacy)
+    edges["fix"] = values.astype("category") if isinstance(col.dtype, pd.CategoricalDtype) \
+        else values
 
 
 def load_report(path: str | Path) -> Report:

@@ -97,7 +97,7 @@ def merge_reports(folder: str | Path | Iterable[str | Path], out: str | Path | N
                 meta["blind_spots"].append(b)
         meta["models"].extend(tag if x == "" else f"{tag}.{x}" for x in m.get("models", []))
         meta["ranks"].append({"rank": rank, "folder": str(path), "vllm": m.get("vllm", {})})
-        for key in ("graphtrace_version", "torch_version"):
+        for key in ("graphtrace_version", "torch_version", "stack"):
             meta.setdefault(key, m.get(key))
         n_graphs = max([len(rep.meta.get("graphs", []))]
                        + [int(x) + 1 for x in graph_ids]

@@ -74,7 +74,14 @@ def test_a_bare_load_weights_leaves_the_derived_handle_unrefreshed(llm_model):
     row = e.loc[HANDLE]
     assert row["verdict"] == "unrefreshed" and row["derived_from"] == "lm_head.weight"
     assert row["ops"] == "_C::onednn_mm"
-    assert row["fix"] != ""
+    # the fix names the API of the vLLM release that runs (graphtrace.fixes, issue 36 item 4)
+    import vllm
+
+    from graphtrace.fixes import Stack, fix_text
+    assert report.meta["stack"] == {"name": "vllm", "release": vllm.__version__,
+                                    "source": "model classes"}
+    assert row["fix"] == fix_text("recompute-in-place", Stack("vllm", vllm.__version__))
+    assert "process_weights_after_loading" in row["fix"]
     # the eager model serves the old prepacked weight too: the logits did not move
     assert torch.equal(eager, before)
     problems = t.guard().check()
