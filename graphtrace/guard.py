@@ -33,9 +33,17 @@ from graphtrace import __version__
 from graphtrace._compat import storage_from_weak_ref
 from graphtrace.blindspots import BlindSpot
 from graphtrace.errors import GraphtraceError
+from graphtrace.guardspots import (
+    BlindHolders,
+    accepted_kinds,
+    adopt_blind,
+    guarded_blind,
+    opaque_spots,
+)
+from graphtrace.guardspots import ptr_of as _ptr
+from graphtrace.guardspots import storage_or_none as _storage
 from graphtrace.lineage import Derived, Source
-from graphtrace.opaque import storage_of
-from graphtrace.owners import OwnerSnapshot, PathSet, gc_paused, resolve_path, resolve_value
+from graphtrace.owners import OwnerSnapshot, PathSet, gc_paused, resolve_path
 from graphtrace.recorder import Recorder
 from graphtrace.verdict import (
     View,
@@ -47,13 +55,11 @@ from graphtrace.verdict import (
     verdict_of,
 )
 from graphtrace.vocab import (
-    BLIND_SPOT_KINDS,
     GUARD_COLUMNS,
     GUARD_PROBLEMS,
     GUARD_UNCHECKED,
     HOLDS,
     MOVED,
-    ORPHANED,
 )
 
 __all__ = ["Guard", "StaleGraphError", "load_guard", "guard_of",
@@ -128,6 +134,8 @@ class Guard:
         blind-spot kinds the user accepts (`check()` leaves them out)."""
         self.accept = accept  # validated by the property
         self._blind: list[dict] = [dict(b) for b in blind_spots]
+        self._holders: BlindHolders | None = None  # made on first check (Note [one look
+        # per holder] in graphtrace/guardspots.py)
         self._model_names = list(models)
         self._models: dict[str, weakref.ref | None] = {n: None for n in self._model_names}
         self.graphs: dict[int, str] = dict(graphs)
@@ -196,7 +204,8 @@ class Guard:
 
     def _adopt(self, name: str, model: torch.nn.Module) -> None:
         self._adopt_sources(name, model)
-        _adopt_blind(self._blind, name, model)
+        adopt_blind(self._blind, name, model)
+        self._holders = None  # grouped again: adopted handles are part of a holder's key
         for i, m, path, _ in self._owners:
             if m != name or self._refs[i] is not None or self._dead[i]:
                 continue
@@ -255,11 +264,10 @@ class Guard:
         (columns: graphtrace.vocab.GUARD_COLUMNS; verdicts: GUARD_PROBLEMS); empty when
         every captured storage is still where its owners point."""
         models = self._live_models()
+        blind = self._blind_rows(models)
         if self._nothing_moved(models):  # every owner still holds its storage
             unrefreshed = self._unrefreshed(models, set()) if self._derived else set()
             freed = self._freed(models, set()) if self._derived else {}
-            blind = _blind_rows(self._blind, self._accept, models, self.graphs,
-                                self._owned_paths()) if self._blind else []
             if not unrefreshed and not blind and not freed:
                 return empty_problems()
         refs, ptrs, nbytes, dead = self._refs, self._ptrs, self._nbytes, self._dead
@@ -280,12 +288,19 @@ class Guard:
                 bad.add(i)
         unrefreshed = self._unrefreshed(models, bad) if self._derived else set()
         freed = self._freed(models, bad) if self._derived else {}
-        blind = _blind_rows(self._blind, self._accept, models, self.graphs,
-                            self._owned_paths()) if self._blind else []
         if not bad and not unrefreshed and not blind and not freed:
             return empty_problems()
         return self._problems(bad | unrefreshed | set(freed), statuses, live_ptrs, tensors,
                               unrefreshed, blind, freed)
+
+    def _blind_rows(self, models: Mapping[str, torch.nn.Module]) -> list[tuple]:
+        """The rows of the blind spots the update may have invalidated (Note [blind spots
+        in the guard]), one look per distinct holder (graphtrace/guardspots.py)."""
+        if not self._blind:
+            return []
+        if self._holders is None:
+            self._holders = BlindHolders(self._blind, {(m, p) for _, m, p, _ in self._owners})
+        return self._holders.rows(self._accept, models, self.graphs, self._native)
 
     def _nothing_moved(self, models: Mapping[str, torch.nn.Module]) -> bool:
         """Does every owner path still reach the storage it reached at capture? Answered by
@@ -610,9 +625,6 @@ class Guard:
     def accept(self, kinds: Iterable[str]) -> None:
         self._accept = accepted_kinds(kinds)
 
-    def _owned_paths(self) -> set[tuple[str, str]]:
-        return {(m, p) for _, m, p, _ in self._owners}
-
     @property
     def blind_spots(self) -> list[BlindSpot]:
         """The blind spots of the guarded graphs that `check()` looks at after each update."""
@@ -710,15 +722,6 @@ def _view_from_json(data: object, fail, where: str) -> View | None:
                    f"\"shape\" and \"stride\" (int lists of one length) and an int \"offset\"; "
                    f"got {data!r}") from None
     return View(dtype, tuple(shape), tuple(stride), offset)
-
-
-def _storage(tensor: torch.Tensor | None) -> torch.UntypedStorage | None:
-    if tensor is None:
-        return None
-    try:
-        return storage_of(tensor)
-    except Exception:
-        return None
 
 
 _EMPTY: pd.DataFrame | None = None
@@ -858,8 +861,8 @@ def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, acc
             "views": [View(*views[v]) for v in view_ids[edges].tolist()],
             "owners": sid_owners, "owner_views": owner_views, "derived": derived.get(sid)})
     graphs = {c.graph_id: c.label for c in rec.captures if c.graph_id >= first_graph}
-    spots = list(blind_spots) + _opaque_spots(rec, found, owners, first_graph)
-    blind = _guarded_blind(spots, graphs, models, values or {})
+    spots = list(blind_spots) + opaque_spots(rec, found, owners, first_graph)
+    blind = guarded_blind(spots, graphs, models, values or {})
     guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace",
                   lineage=lineage, blind_spots=blind, accept=accept)
     guard._native = rec.native  # check()'s fast path (a trace's guard: every storage by handle)
@@ -964,183 +967,6 @@ def _list(data: dict, key: str, fail) -> list:
     if not isinstance(value, list):
         raise fail(f"{key!r} must be a list")
     return value
-
-
-# -- blind spots (issue 25) ------------------------------------------------------------------
-
-# Note [blind spots in the guard]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# What the recording could not see (an opaque handle's packed tensors, a compiled-in constant
-# no model owns, a subclass that cannot be flattened, a walk cut short, KV-cache reads inside
-# an op) is a blind spot of the report; a guard that passed over them would pass exactly the
-# updates it cannot judge. So the guard keeps every blind spot that concerns its graphs (its
-# graph is one of them, or it names none) and fails closed: after an update `check()` gives
-# one row (verdict `unchecked`, `blind_spot` its kind, `note` its text, `owners` its holder,
-# `statuses` what the holder did) for each one the update may have invalidated:
-# - its holder (an owner path) reaches another storage or object now (`moved`), none
-#   (`orphaned`), or the same tensor written in place (`written`: its version counter
-#   moved, so what is behind it may have changed unseen), or for a baked scalar (Note
-#   [baked scalars] in graphtrace/scalars.py) a value other than the captured one
-#   (`changed`); a holder that owns a guarded
-#   storage and moved is already a stale or dangling row of that storage, so no second row;
-# - it has no holder, or its holder did not resolve when the guard was made: it cannot be
-#   checked at all (`statuses` empty).
-# A holder that still reaches the very storage, unwritten, is taken as unchanged. The user
-# accepts a kind with `t.guard(accept=[...])` / `guard.accept = [...]` / `load_guard(...,
-# accept=...)` (kinds: vocab.BLIND_SPOT_KINDS; an unknown one is a GraphtraceError): its rows
-# are left out of `check()`, so `enforce()` passes on them. The manifest keeps the records
-# (optional key "blind_spots": kind, text, holder, op, model, graph, graph_id, and the
-# holder's data_ptr/nbytes, adopted as a weak handle at attach time like the storages).
-
-_NOT_AT_CAPTURE = frozenset({"dtype/shape change", "packed copy not rebuilt"})  # diff's findings
-
-
-def accepted_kinds(kinds: Iterable[str]) -> frozenset[str]:
-    """`kinds` checked against vocab.BLIND_SPOT_KINDS: a GraphtraceError names a bad one."""
-    if isinstance(kinds, str):
-        raise GraphtraceError(f"accept takes a list of blind-spot kinds, got the string "
-                              f"{kinds!r}: write accept=[{kinds!r}]")
-    try:
-        kinds = frozenset(kinds)
-    except TypeError:
-        raise GraphtraceError(f"accept takes a list of blind-spot kinds, got "
-                              f"{type(kinds).__name__}") from None
-    unknown = sorted(k for k in kinds if k not in BLIND_SPOT_KINDS)
-    if unknown:
-        raise GraphtraceError(f"unknown blind-spot kind(s) {', '.join(map(repr, unknown))} in "
-                              f"accept (kinds: {', '.join(BLIND_SPOT_KINDS)})")
-    return kinds
-
-
-def _opaque_spots(rec, found, owners, first_graph: int) -> list[BlindSpot]:
-    """One record per opaque handle (torch.ScriptObject) a guarded graph reads, held by its
-    first owner path (what diff names per edge)."""
-    if not rec.opaque:
-        return []
-    labels = {c.graph_id: c.label for c in rec.captures}
-    out = []
-    for g, sid in sorted(set(zip(found.graph_id.tolist(), found.storage_id.tolist()))):
-        if g < first_graph or sid not in rec.opaque:
-            continue
-        held = sorted(owners.get(sid, ()))
-        out.append(BlindSpot(
-            "opaque handle", f"opaque handle {rec.opaque[sid]} (storage {sid}) read in graph "
-            f"{labels.get(g, '')!r}: the tensors packed inside it are not seen",
-            holder=held[0][1] if held else "", model=held[0][0] if held else "",
-            graph=labels.get(g, "")))
-    return out
-
-
-def _guarded_blind(spots: Iterable[BlindSpot], graphs: Mapping[int, str],
-                   models: Mapping[str, torch.nn.Module], values: Mapping) -> list[dict]:
-    """The records that concern the guarded `graphs`, each with its holder's identity now."""
-    ids = {label: g for g, label in graphs.items()}
-    out, seen = [], set()
-    for spot in spots:
-        if spot.kind in _NOT_AT_CAPTURE or (spot.graph and spot.graph not in ids):
-            continue
-        key = (spot.kind, spot.holder, spot.model, spot.op, spot.graph)
-        if key in seen:  # one row per holder and graph, however many texts
-            continue
-        seen.add(key)
-        entry = {"spot": spot, "graph_id": ids.get(spot.graph, -1), "ref": None,
-                 "data_ptr": None, "nbytes": None, "version": None,
-                 "value": values.get(spot)}  # a baked scalar's value at capture
-        model = models.get(spot.model) if spot.holder else None
-        if model is not None and entry["value"] is None:
-            _hold(entry, resolve_path(model, spot.holder))
-        out.append(entry)
-    return out
-
-
-def _ptr(storage: torch.UntypedStorage) -> int:
-    """A storage's data_ptr; 0 for a wrapper subclass's placeholder (reading it raises)."""
-    try:
-        return storage.data_ptr()
-    except Exception:
-        return 0
-
-
-def _hold(entry: dict, target: object) -> None:
-    """Remember `target` (what the holder reaches) as the blind spot's holder identity."""
-    storage = _storage(target)
-    if storage is None:
-        return
-    entry["ref"] = StorageWeakRef(storage)
-    entry["data_ptr"] = _ptr(storage)
-    entry["nbytes"] = storage.nbytes()
-    entry["version"] = target._version if isinstance(target, torch.Tensor) else None
-
-
-def _holder_status(entry: dict, target: object) -> str:
-    """What a blind spot's holder did since the guard was made: "holds", "moved", "orphaned",
-    "written", or "" (nothing to check: no holder identity)."""
-    if entry.get("value") is not None:  # a baked scalar: its holder's value (Note [baked scalars])
-        return HOLDS if target == entry["value"] else ORPHANED if target is None else "changed"
-    if entry["ref"] is None and entry["data_ptr"] is None:
-        return ""
-    if target is None:
-        return ORPHANED
-    storage = _storage(target)
-    if storage is None:
-        return MOVED
-    if entry["ref"] is not None:
-        same = storage._cdata == entry["ref"].cdata
-    else:
-        same = _ptr(storage) == entry["data_ptr"] and storage.nbytes() == entry["nbytes"]
-    if not same:
-        return MOVED
-    version = target._version if isinstance(target, torch.Tensor) else None
-    if entry["version"] is not None and version != entry["version"]:
-        return "written"
-    return HOLDS
-
-
-def _blind_rows(blind: list[dict], accept: frozenset, models: Mapping[str, torch.nn.Module],
-                graphs: Mapping[int, str], owned: set) -> list[tuple]:
-    """Guard rows (GUARD_COLUMNS) for the blind spots the update may have invalidated; a
-    holder that moved or is gone while it owns a guarded storage is left to that storage's
-    own rows (its edge verdict says it already)."""
-    rows = []
-    for entry in blind:
-        spot = entry["spot"]
-        if spot.kind in accept:
-            continue
-        model = models.get(spot.model)
-        resolve = resolve_value if entry.get("value") is not None else resolve_path
-        target = resolve(model, spot.holder) if (model is not None and spot.holder) else None
-        status = _holder_status(entry, target)
-        if status == HOLDS or (status in (MOVED, ORPHANED) and (spot.model, spot.holder) in owned
-                               and entry.get("value") is None):
-            continue
-        live = pd.NA
-        if status in (MOVED, "written") and entry.get("value") is None:
-            storage = _storage(target)
-            live = _ptr(storage) if storage is not None else pd.NA
-        g = entry["graph_id"]
-        rows.append((g, graphs.get(g, spot.graph), -1, entry["data_ptr"] or 0,
-                     entry["nbytes"] or 0, "", "", spot.holder, "", status, live,
-                     GUARD_UNCHECKED, pd.NA, "storage" if entry["ref"] is not None else
-                     "data_ptr", "", spot.kind, spot.text))
-    return rows
-
-
-def _adopt_blind(blind: list[dict], name: str, model: torch.nn.Module) -> None:
-    """A manifest's blind spots known by address: a weak handle (and version) taken where
-    the holder still reaches a storage of that address and size (Note [guard identity])."""
-    for entry in blind:
-        spot = entry["spot"]
-        if spot.model != name or not spot.holder or entry["ref"] is not None \
-                or entry["data_ptr"] is None:
-            continue
-        target = resolve_path(model, spot.holder)
-        storage = _storage(target)
-        if storage is None:
-            continue
-        if _ptr(storage) == entry["data_ptr"] and storage.nbytes() == entry["nbytes"]:
-            entry["ref"] = StorageWeakRef(storage)
-            if entry["version"] is None and isinstance(target, torch.Tensor):
-                entry["version"] = target._version
 
 
 def _blind_json(entry: dict) -> dict:

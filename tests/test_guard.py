@@ -425,3 +425,69 @@ def test_a_new_storage_at_the_freed_address_is_not_the_captured_one(holder):
     assert guard_problems(problems) == diff_problems(t.diff())
     with pytest.raises(gt.StaleGraphError, match=rf"dangling .* owned by {holder} \[moved\]"):
         guard.enforce()
+
+
+# -- one look per holder (issue 39; Note [one look per holder] in graphtrace/guardspots.py) ---
+
+class Norms(torch.nn.Module):
+    """Three Linear+LayerNorm blocks: each LayerNorm's `eps` is baked into every graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _norm_guard(n_graphs: int = 4):
+    model = Norms()
+    keep = []
+    with gt.trace(model, strict=True) as t:
+        for bs in range(1, n_graphs + 1):
+            with gt.capture(f"bs{bs}") as g:
+                model(torch.rand(bs, 8))
+            keep.append(g)
+    return model, t, keep, t.guard()
+
+
+@pytest.mark.parametrize("with_native", [True, False])
+def test_a_changed_eps_names_every_graph_after_one_look_per_holder(with_native, monkeypatch):
+    """A float held by a module and baked into 4 graphs is 4 records; a check looks at its
+    holder once (in C++ when the native module is there: no Python look on a clean check),
+    and the rows still name every graph, as the diff does."""
+    import pandas as pd
+
+    from graphtrace import guardspots, native
+
+    model, t, keep, guard = _norm_guard()
+    if with_native and native.load() is None:
+        pytest.skip("the native module does not build here")
+    if not with_native:
+        guard._native = None
+    assert len(guard.blind_spots) == 3 * 4  # one record per holder and graph
+    looks = []
+    resolve = guardspots.resolve_value
+    monkeypatch.setattr(guardspots, "resolve_value",
+                        lambda m, p: looks.append(p) or resolve(m, p))
+    assert guard.check().empty
+    assert sorted(looks) == ([] if with_native else [f"blocks.{i}.1.eps" for i in range(3)])
+    model.blocks[0][1].eps = float("1e-5")  # an equal float, another object: unchanged
+    assert guard.check().empty
+    looks.clear()
+    model.blocks[1][1].eps = 1e-3
+    rows = guard.check()
+    assert sorted(looks) == [f"blocks.{i}.1.eps" for i in range(3)]  # once each
+    assert sorted(rows["graph"]) == [f"bs{b}" for b in range(1, 5)]
+    assert set(rows["owners"]) == {"blocks.1.1.eps"} and set(rows["statuses"]) == {"changed"}
+    diff = {(b["graph"], b["holder"]) for b in t.diff().meta["blind_spots"]
+            if b["kind"] == "baked scalar"}
+    assert diff == set(zip(rows["graph"], rows["owners"]))
+    other = guard._native
+    guard._native = native.load() if other is None else None
+    pd.testing.assert_frame_equal(rows, guard.check())  # the other path, the same rows
+    guard.accept = ["baked scalar"]
+    assert guard.check().empty
