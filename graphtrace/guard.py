@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -29,7 +30,7 @@ import pandas as pd
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphtrace import __version__
+from graphtrace import __version__, stage
 from graphtrace._compat import storage_from_weak_ref
 from graphtrace.blindspots import BlindSpot
 from graphtrace.errors import GraphtraceError
@@ -109,6 +110,97 @@ class StaleGraphError(GraphtraceError):
         return (type(self), (str(self), self.problems))
 
 
+@dataclass(slots=True, eq=False)
+class Required:
+    """One storage the guarded graphs read, as the guard keeps it: its identity at capture
+    (`ref`, a weak handle; else `data_ptr` and `nbytes`: Note [guard identity]), whether it
+    was freed before the guard was made (`dead`), the graphs that read it and the View each
+    read (`views`), whether every graph writes it first (`internal`), its owners ((model,
+    path, kind), sorted) with their Views at capture, and its freshness baselines
+    (`derived`). `to_json` / `from_json`: its manifest entry (docs/guard.md)."""
+
+    storage_id: int
+    data_ptr: int
+    nbytes: int
+    device: str
+    dtype: str
+    shape: str
+    dead: bool
+    graphs: tuple[int, ...]
+    ref: StorageWeakRef | None = None
+    internal: bool = False
+    views: list = field(default_factory=list)
+    owners: list = field(default_factory=list)
+    owner_views: dict = field(default_factory=dict)
+    derived: Derived | None = None
+
+    @classmethod
+    def of(cls, s: "dict | Required") -> "Required":
+        """From the dict `Guard(storages=...)` documents."""
+        if isinstance(s, Required):
+            return s
+        return cls(s["storage_id"], int(s["data_ptr"]), int(s["nbytes"]), s["device"],
+                   s["dtype"], s["shape"], not s["alive"], tuple(s["graphs"]), s.get("ref"),
+                   bool(s.get("internal", False)),
+                   list(s.get("views") or [None] * len(s["graphs"])), list(s["owners"]),
+                   dict(s.get("owner_views") or {}), s.get("derived"))
+
+    def to_json(self, derived: Derived | None) -> dict:
+        """The manifest entry, with `derived` (the baselines now) as its "derived"."""
+        owners = []
+        for m, p, k in self.owners:
+            entry = {"model": m, "path": p, "kind": k}
+            view = self.owner_views.get((m, p))
+            if view is not None:
+                entry["view"] = _view_json(view)
+            owners.append(entry)
+        return {"storage_id": self.storage_id, "data_ptr": self.data_ptr, "nbytes": self.nbytes,
+                "device": self.device, "dtype": self.dtype, "shape": self.shape,
+                "alive": not self.dead, "graphs": list(self.graphs), "internal": self.internal,
+                "views": [_view_json(v) if v is not None else None for v in self.views],
+                "owners": owners,
+                **({"derived": _derived_json(derived)} if derived is not None else {})}
+
+    @classmethod
+    def from_json(cls, s: object, models: list, graphs: Mapping[int, str], fail) -> "Required":
+        """A manifest entry read back (weak handle none: `Guard.attach` adopts one);
+        `fail(what)` makes the error for a bad one."""
+        if not isinstance(s, dict):
+            raise fail(" is not an object")
+        for key, tp in _TYPES.items():
+            if not isinstance(s.get(key), tp):
+                raise fail(f"[{key!r}] must be {tp.__name__}, got {s.get(key)!r}")
+        if not all(g in graphs for g in s["graphs"]):
+            raise fail(" names a graph id not in \"graphs\"")
+        owners, owner_views = [], {}
+        for j, o in enumerate(s["owners"]):
+            if not (isinstance(o, dict) and o.get("model") in models
+                    and isinstance(o.get("path"), str) and isinstance(o.get("kind"), str)):
+                raise fail(f".owners[{j}] needs \"model\" (one of \"models\"), "
+                           "\"path\" and \"kind\"")
+            owners.append((o["model"], o["path"], o["kind"]))
+            view = _view_from_json(o.get("view"), fail, f".owners[{j}].view")
+            if view is not None:
+                owner_views[(o["model"], o["path"])] = view
+        derived = (_derived_from_json(s["derived"], models, fail, ".derived")
+                   if s.get("derived") is not None else None)
+        if not owners and derived is None:
+            raise fail(" has no owner")
+        if not isinstance(s.get("internal", False), bool):
+            raise fail(f"['internal'] must be bool, got {s['internal']!r}")
+        views = s.get("views")
+        if views is not None and not (isinstance(views, list) and len(views) == len(s["graphs"])):
+            raise fail("['views'] must be a list with one entry per graph")
+        views = [_view_from_json(v, fail, f".views[{j}]")
+                 for j, v in enumerate(views or [None] * len(s["graphs"]))]
+        return cls.of({**s, "owners": sorted(owners), "ref": None, "views": views,
+                       "owner_views": owner_views, "derived": derived})
+
+
+_TYPES = {"storage_id": int, "data_ptr": int, "nbytes": int, "device": str, "dtype": str,
+          "shape": str, "alive": bool, "graphs": list, "owners": list}
+
+
 class Guard:
     """The owned storages captured graphs read, their owners and graphs; see the module doc.
 
@@ -140,24 +232,13 @@ class Guard:
         self._models: dict[str, weakref.ref | None] = {n: None for n in self._model_names}
         self.graphs: dict[int, str] = dict(graphs)
         self.source = source
-        self._sids = [s["storage_id"] for s in storages]
-        self._ptrs = [int(s["data_ptr"]) for s in storages]
-        self._nbytes = [int(s["nbytes"]) for s in storages]
-        self._devices = [s["device"] for s in storages]
-        self._dtypes = [s["dtype"] for s in storages]
-        self._shapes = [s["shape"] for s in storages]
-        self._dead = [not s["alive"] for s in storages]  # freed before the guard was made
-        self._graph_ids = [tuple(s["graphs"]) for s in storages]
-        self._refs: list[StorageWeakRef | None] = [s.get("ref") for s in storages]
-        self._internal = [bool(s.get("internal", False)) for s in storages]
-        self._views: list[list[View | None]] = [
-            list(s.get("views") or [None] * len(s["graphs"])) for s in storages]
+        self._storages = [Required.of(s) for s in storages]
         # owner rows, flat: (storage index, model, path, kind); sorted by index, model, path
         self._owners: list[tuple[int, str, str, str]] = [
-            (i, m, p, k) for i, s in enumerate(storages) for m, p, k in s["owners"]]
+            (i, m, p, k) for i, r in enumerate(self._storages) for m, p, k in r.owners]
         # freshness (Note [freshness] in graphtrace/verdict.py): index -> Derived
-        self._derived: dict[int, Derived] = {i: s["derived"] for i, s in enumerate(storages)
-                                             if s.get("derived") is not None}
+        self._derived: dict[int, Derived] = {i: r.derived for i, r in enumerate(self._storages)
+                                             if r.derived is not None}
         self._lineage = weakref.ref(lineage) if lineage is not None else None
         self._fresh_paths: dict | None = None  # model -> (paths, PathSet), made on first use
         self._fresh_impacts: dict[int, str] = {}  # the last check's unrefreshed -> impact
@@ -167,7 +248,7 @@ class Guard:
         self._fresh_clean: object = _NO_CLEAN_PASS
         self._fresh_sources: dict | bool | None = None
         self._owner_views: list[View | None] = [
-            (s.get("owner_views") or {}).get((m, p)) for s in storages for m, p, _ in s["owners"]]
+            r.owner_views.get((m, p)) for r in self._storages for m, p, _ in r.owners]
         # per model: its owner paths resolved together, and the owner rows they answer
         rows: dict[str, list[int]] = {}
         for r, (_, m, _, _) in enumerate(self._owners):
@@ -176,10 +257,10 @@ class Guard:
         # the fast path of check(): the native module, and per model the StorageImpl each
         # owner path reached at capture (None when any storage is known by address only)
         self._native = None
-        refs = self._refs
+        req = self._storages
         self._expected: dict[str, list[int]] | None = (
-            {m: [refs[self._owners[r][0]].cdata for r in rs] for m, rs in rows.items()}
-            if all(ref is not None for ref in refs) else None)
+            {m: [req[self._owners[r][0]].ref.cdata for r in rs] for m, rs in rows.items()}
+            if all(r.ref is not None for r in req) else None)
 
     # -- models ------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, name: str | None = None) -> "Guard":
@@ -207,13 +288,14 @@ class Guard:
         adopt_blind(self._blind, name, model)
         self._holders = None  # grouped again: adopted handles are part of a holder's key
         for i, m, path, _ in self._owners:
-            if m != name or self._refs[i] is not None or self._dead[i]:
+            r = self._storages[i]
+            if m != name or r.ref is not None or r.dead:
                 continue
             tensor = resolve_path(model, path)
             storage = _storage(tensor)
-            if (storage is not None and _ptr(storage) == self._ptrs[i]
-                    and storage.nbytes() == self._nbytes[i]):
-                self._refs[i] = StorageWeakRef(storage)
+            if (storage is not None and _ptr(storage) == r.data_ptr
+                    and storage.nbytes() == r.nbytes):
+                r.ref = StorageWeakRef(storage)
 
     def _adopt_sources(self, name: str, model: torch.nn.Module) -> None:
         """Freshness baselines a manifest from another process cannot carry, taken now: a
@@ -270,7 +352,7 @@ class Guard:
             freed = self._freed(models, set()) if self._derived else {}
             if not unrefreshed and not blind and not freed:
                 return empty_problems()
-        refs, ptrs, nbytes, dead = self._refs, self._ptrs, self._nbytes, self._dead
+        req = self._storages
         tensors: list = [None] * len(self._owners)
         for name, (paths, rows) in self._paths.items():
             for r, tensor in zip(rows, paths.resolve(models[name])):
@@ -279,9 +361,9 @@ class Guard:
         live_ptrs: list[int | None] = []
         bad: set[int] = set()
         for (i, _, _, _), tensor in zip(self._owners, tensors):
-            ref = refs[i]
-            status, ptr = owner_status(tensor, ref.cdata if ref is not None else None,
-                                       data_ptr=ptrs[i], nbytes=nbytes[i], dead=dead[i])
+            r = req[i]
+            status, ptr = owner_status(tensor, r.ref.cdata if r.ref is not None else None,
+                                       data_ptr=r.data_ptr, nbytes=r.nbytes, dead=r.dead)
             statuses.append(status)
             live_ptrs.append(ptr)
             if status != HOLDS:
@@ -324,7 +406,7 @@ class Guard:
 
         out = {}
         for i, d in self._derived.items():
-            if not d.handle or i in bad or self._internal[i]:
+            if not d.handle or i in bad or self._storages[i].internal:
                 continue
             gone = freed_sources(d, resolve)
             if gone:
@@ -439,10 +521,10 @@ class Guard:
         out = set()
         self._fresh_impacts = {}
         for i, d in self._derived.items():
-            if i in bad or self._internal[i]:
+            if i in bad or self._storages[i].internal:
                 continue
-            ref = self._refs[i]
-            if (ref.expired() if ref is not None else self._dead[i]):
+            ref = self._storages[i].ref
+            if (ref.expired() if ref is not None else self._storages[i].dead):
                 continue
             if freshness_of(d, resolve, lineage, ref.cdata if ref is not None else None):
                 out.add(i)  # problems only: the impact's byte compare (Note [freshness])
@@ -498,19 +580,20 @@ class Guard:
         for row, (i, *_rest) in enumerate(self._owners):
             if i in bad:
                 by_storage.setdefault(i, []).append(row)
+        order = sorted(bad)
+        runs = [by_storage.get(i, []) for i in order]
+        live_of = self._live_pointers(order, runs, statuses, live_ptrs)
         rows = []
-        for i in sorted(bad):
-            owner_rows = by_storage.get(i, [])
+        for i, owner_rows in zip(order, runs):
             st = [statuses[r] for r in owner_rows]
-            ref = self._refs[i]
-            alive = (not ref.expired()) if ref is not None else not self._dead[i]
-            verdict = verdict_of(st, alive, self._internal[i], i in unrefreshed, i in freed)
+            req = self._storages[i]
+            ref = req.ref
+            alive = (not ref.expired()) if ref is not None else not req.dead
+            verdict = verdict_of(st, alive, req.internal, i in unrefreshed, i in freed)
             if verdict not in GUARD_PROBLEMS:
                 continue
             moved = [r for r in owner_rows if statuses[r] == MOVED]
-            moved_ptrs = [live_ptrs[r] for r in moved if live_ptrs[r] is not None]
-            known = [live_ptrs[r] for r in owner_rows if live_ptrs[r] is not None]
-            live = moved_ptrs[0] if moved_ptrs else (known[0] if known else pd.NA)
+            live = live_of.get(i, pd.NA)
             kinds = sorted({self._owners[r][3] for r in owner_rows})
             old = _upgrade(ref) if verdict in ("stale", "diverged") else None
             impacts: dict[View | None, str] = {}
@@ -518,7 +601,7 @@ class Guard:
             derived_from = derived.derived_from if derived is not None else ""
             if i in freed:
                 derived_from = derived.marked(freed[i])
-            for g, view in zip(self._graph_ids[i], self._views[i]):
+            for g, view in zip(req.graphs, req.views):
                 if verdict in ("stale", "diverged"):
                     if view not in impacts:
                         impacts[view] = (impact_of(old, view, tensors[moved[0]],
@@ -530,8 +613,8 @@ class Guard:
                     impact = self._fresh_impacts.get(i, "unknown")
                 else:
                     impact = "unknown" if verdict == "dangling" else pd.NA
-                rows.append((g, self.graphs.get(g, ""), self._sids[i], self._ptrs[i],
-                             self._nbytes[i], self._dtypes[i], self._shapes[i],
+                rows.append((g, self.graphs.get(g, ""), req.storage_id, req.data_ptr,
+                             req.nbytes, req.dtype, req.shape,
                              "; ".join(self._owners[r][2] for r in owner_rows),
                              ";".join(kinds), ";".join(st), live, verdict, impact,
                              "storage" if ref is not None else "data_ptr",
@@ -546,6 +629,22 @@ class Guard:
             columns[c] = np.asarray(columns[c], dtype=np.int64)
         return pd.DataFrame(columns, columns=GUARD_COLUMNS)
 
+    @staticmethod
+    def _live_pointers(order: list[int], runs: list[list[int]], statuses: list[str],
+                       live_ptrs: list) -> dict[int, object]:
+        """Per storage of `order` with owner rows (`runs`: its rows), where its graphs
+        should read now: the diff's rule (stage.live_pointer)."""
+        kept = [(i, rs) for i, rs in zip(order, runs) if rs]
+        if not kept:
+            return {}
+        flat = [r for _, rs in kept for r in rs]
+        starts = np.cumsum([0] + [len(rs) for _, rs in kept[:-1]])
+        known = np.array([live_ptrs[r] is not None for r in flat], dtype=bool)
+        ptrs = np.array([live_ptrs[r] or 0 for r in flat], dtype=np.int64)
+        moved = np.array([statuses[r] == MOVED for r in flat], dtype=bool)
+        picks = stage.live_pointer(ptrs, known, moved, starts).tolist()
+        return {i: live_ptrs[flat[k]] if k >= 0 else pd.NA for k, (i, _) in zip(picks, kept)}
+
     def enforce(self) -> None:
         """Raise `StaleGraphError` listing every problem `check()` finds (blind spots the
         update may have invalidated included, unless their kind is in `accept`); return if
@@ -559,21 +658,16 @@ class Guard:
     def manifest(self) -> pd.DataFrame:
         """The required storages, one row per (graph, owner): graph_id, graph, storage_id,
         model, path, kind, data_ptr, nbytes, device, dtype, shape (what the JSON holds)."""
-        rows = [(g, self.graphs.get(g, ""), self._sids[i], m, p, k, self._ptrs[i],
-                 self._nbytes[i], self._devices[i], self._dtypes[i], self._shapes[i])
-                for i, m, p, k in self._owners for g in self._graph_ids[i]]
+        req = self._storages
+        rows = [(g, self.graphs.get(g, ""), req[i].storage_id, m, p, k, req[i].data_ptr,
+                 req[i].nbytes, req[i].device, req[i].dtype, req[i].shape)
+                for i, m, p, k in self._owners for g in req[i].graphs]
         return pd.DataFrame(rows, columns=["graph_id", "graph", "storage_id", "model", "path",
                                            "kind", "data_ptr", "nbytes", "device", "dtype",
                                            "shape"])
 
     def to_dict(self) -> dict:
         """The manifest as plain JSON data (format in docs/guard.md)."""
-        owners: dict[int, list] = {}
-        for (i, m, p, k), view in zip(self._owners, self._owner_views):
-            entry = {"model": m, "path": p, "kind": k}
-            if view is not None:
-                entry["view"] = _view_json(view)
-            owners.setdefault(i, []).append(entry)
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -582,16 +676,7 @@ class Guard:
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "models": list(self._model_names),
             "graphs": [{"graph_id": g, "label": label} for g, label in self.graphs.items()],
-            "storages": [
-                {"storage_id": self._sids[i], "data_ptr": self._ptrs[i],
-                 "nbytes": self._nbytes[i], "device": self._devices[i],
-                 "dtype": self._dtypes[i], "shape": self._shapes[i],
-                 "alive": not self._dead[i], "graphs": list(self._graph_ids[i]),
-                 "internal": self._internal[i],
-                 "views": [_view_json(v) if v is not None else None for v in self._views[i]],
-                 "owners": owners.get(i, []),
-                 **({"derived": _derived_json(self._derived[i])} if i in self._derived else {})}
-                for i in range(len(self._sids))],
+            "storages": [r.to_json(self._derived.get(i)) for i, r in enumerate(self._storages)],
             **({"blind_spots": [_blind_json(b) for b in self._blind]} if self._blind else {}),
         }
 
@@ -613,7 +698,7 @@ class Guard:
     # -- misc --------------------------------------------------------------------------------
     def __len__(self) -> int:
         """The number of required storages."""
-        return len(self._sids)
+        return len(self._storages)
 
     @property
     def accept(self) -> frozenset[str]:
@@ -639,8 +724,8 @@ class Guard:
     def identity(self) -> dict[str, int]:
         """How many required storages are checked by weak handle ("storage") and how many by
         address and size only ("data_ptr"; Note [guard identity])."""
-        by_handle = sum(r is not None for r in self._refs)
-        return {"storage": by_handle, "data_ptr": len(self._refs) - by_handle}
+        by_handle = sum(r.ref is not None for r in self._storages)
+        return {"storage": by_handle, "data_ptr": len(self._storages) - by_handle}
 
     def __repr__(self) -> str:
         attached = [n for n, r in self._models.items() if r is not None and r() is not None]
@@ -817,16 +902,8 @@ def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, acc
     from graphtrace.frames import raw_accesses
 
     rec = recorder
-    if not rec.captures:
-        raise GraphtraceError("nothing to guard: the trace recorded no capture. Capture inside "
-                              "`with graphtrace.trace(...)` first")
-    if not models:
-        raise GraphtraceError("nothing to guard against: no model is watched. Pass the model to "
-                              "graphtrace.trace(model) or call t.watch(model)")
-    try:
-        snapshot.update(models, rec.storages)  # storages seen since the last snapshot
-    except Exception as exc:
-        rec.fail("owner snapshot", exc)
+    stage.require(rec, models, "guard")
+    cuts = stage.owner_cuts(snapshot, models, rec)  # storages seen since the last snapshot
     owners = snapshot.owners
     raw = raw_accesses(rec)
     table = rec.storages
@@ -861,7 +938,7 @@ def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, acc
             "views": [View(*views[v]) for v in view_ids[edges].tolist()],
             "owners": sid_owners, "owner_views": owner_views, "derived": derived.get(sid)})
     graphs = {c.graph_id: c.label for c in rec.captures if c.graph_id >= first_graph}
-    spots = list(blind_spots) + opaque_spots(rec, found, owners, first_graph)
+    spots = list(blind_spots) + cuts + opaque_spots(rec, found, owners, first_graph)
     blind = guarded_blind(spots, graphs, models, values or {})
     guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace",
                   lineage=lineage, blind_spots=blind, accept=accept)
@@ -922,40 +999,8 @@ def _from_dict(data: object, where: str) -> Guard:
                 and isinstance(g.get("label"), str)):
             raise fail(f"graphs[{k}] needs an int \"graph_id\" and a str \"label\"")
         graphs[g["graph_id"]] = g["label"]
-    storages = []
-    types = {"storage_id": int, "data_ptr": int, "nbytes": int, "device": str, "dtype": str,
-             "shape": str, "alive": bool, "graphs": list, "owners": list}
-    for k, s in enumerate(_list(data, "storages", fail)):
-        if not isinstance(s, dict):
-            raise fail(f"storages[{k}] is not an object")
-        for key, tp in types.items():
-            if not isinstance(s.get(key), tp):
-                raise fail(f"storages[{k}][{key!r}] must be {tp.__name__}, got {s.get(key)!r}")
-        if not all(g in graphs for g in s["graphs"]):
-            raise fail(f"storages[{k}] names a graph id not in \"graphs\"")
-        owners, owner_views = [], {}
-        for j, o in enumerate(s["owners"]):
-            if not (isinstance(o, dict) and o.get("model") in models
-                    and isinstance(o.get("path"), str) and isinstance(o.get("kind"), str)):
-                raise fail(f"storages[{k}].owners[{j}] needs \"model\" (one of \"models\"), "
-                           "\"path\" and \"kind\"")
-            owners.append((o["model"], o["path"], o["kind"]))
-            view = _view_from_json(o.get("view"), fail, f"storages[{k}].owners[{j}].view")
-            if view is not None:
-                owner_views[(o["model"], o["path"])] = view
-        derived = (_derived_from_json(s["derived"], models, fail, f"storages[{k}].derived")
-                   if s.get("derived") is not None else None)
-        if not owners and derived is None:
-            raise fail(f"storages[{k}] has no owner")
-        if not isinstance(s.get("internal", False), bool):
-            raise fail(f"storages[{k}]['internal'] must be bool, got {s['internal']!r}")
-        views = s.get("views")
-        if views is not None and not (isinstance(views, list) and len(views) == len(s["graphs"])):
-            raise fail(f"storages[{k}]['views'] must be a list with one entry per graph")
-        views = [_view_from_json(v, fail, f"storages[{k}].views[{j}]")
-                 for j, v in enumerate(views or [None] * len(s["graphs"]))]
-        storages.append({**s, "owners": sorted(owners), "ref": None, "views": views,
-                         "owner_views": owner_views, "derived": derived})
+    storages = [Required.from_json(st, models, graphs, lambda what, k=k: fail(
+        f"storages[{k}]{what}")) for k, st in enumerate(_list(data, "storages", fail))]
     blind = [_blind_from_json(b, models, graphs, fail, f"blind_spots[{k}]")
              for k, b in enumerate(data.get("blind_spots") or [])]  # optional (older: none)
     return Guard(models=models, graphs=graphs, storages=storages, source=where,

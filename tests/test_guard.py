@@ -313,16 +313,47 @@ def test_bad_input_is_one_clear_error(tmp_path):
         loaded.attach("not a model")
 
 
-def test_guard_needs_a_capture_and_a_model():
+def test_guard_and_diff_need_a_capture_and_a_model_and_say_so_alike():
+    """The same misuse raises the same error from t.guard() and t.diff(): a GraphtraceError
+    that is a ValueError too (what t.diff() raised before)."""
+    from graphtrace.errors import NothingToCheck
+
     with gt.trace(Model(0)) as t:
         pass
-    with pytest.raises(gt.GraphtraceError, match="no capture"):
-        t.guard()
+    for call in (t.guard, t.diff):
+        with pytest.raises(NothingToCheck, match="recorded no capture") as caught:
+            call()
+        assert isinstance(caught.value, gt.GraphtraceError) and isinstance(caught.value,
+                                                                            ValueError)
     with gt.trace() as t:
         with gt.capture("g"):
             Model(0)(X)
-    with pytest.raises(gt.GraphtraceError, match="no model is watched"):
-        t.guard()
+    for call in (t.guard, t.diff):
+        with pytest.raises(NothingToCheck, match="no model is watched"):
+            call()
+
+
+def test_guard_and_diff_pick_the_live_pointer_with_one_function(monkeypatch):
+    """Where a stale storage's graph should read now is decided by one function
+    (graphtrace.stage.live_pointer) for the guard and the diff alike (issue 40)."""
+    from graphtrace import stage
+
+    model, t, graphs, guard = run("stale")
+    calls = []
+    real = stage.live_pointer
+
+    def spy(*args):
+        calls.append(len(args[0]))
+        return real(*args)
+    monkeypatch.setattr(stage, "live_pointer", spy)
+    problems = guard.check()
+    assert calls, "the guard did not ask stage.live_pointer"
+    calls.clear()
+    edges = t.diff().edges.set_index(["graph_id", "storage_id"])
+    assert calls, "the diff did not ask stage.live_pointer"
+    for g, sid, live in zip(problems["graph_id"], problems["storage_id"],
+                            problems["live_data_ptr"]):
+        assert live == edges.loc[(g, sid), "live_data_ptr"]
 
 
 def test_two_models_by_name():
