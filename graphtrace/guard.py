@@ -41,7 +41,6 @@ from graphtrace.guardspots import (
     guarded_blind,
     opaque_spots,
 )
-from graphtrace.guardspots import ptr_of as _ptr
 from graphtrace.guardspots import storage_or_none as _storage
 from graphtrace.lineage import Derived, Source
 from graphtrace.owners import OwnerSnapshot, PathSet, gc_paused, resolve_path
@@ -293,8 +292,7 @@ class Guard:
                 continue
             tensor = resolve_path(model, path)
             storage = _storage(tensor)
-            if (storage is not None and _ptr(storage) == r.data_ptr
-                    and storage.nbytes() == r.nbytes):
+            if storage is not None and stage.same_storage(storage, None, r.data_ptr, r.nbytes):
                 r.ref = StorageWeakRef(storage)
 
     def _adopt_sources(self, name: str, model: torch.nn.Module) -> None:
@@ -308,8 +306,7 @@ class Guard:
                     tensor = resolve_path(model, src.path)
                     storage = _storage(tensor)
                     if (src.ref is None and storage is not None
-                            and storage.data_ptr() == src.data_ptr
-                            and storage.nbytes() == src.nbytes):
+                            and stage.same_storage(storage, None, src.data_ptr, src.nbytes)):
                         src = src._replace(ref=StorageWeakRef(storage))
                     if src.version is None and isinstance(tensor, torch.Tensor):
                         src = src._replace(version=tensor._version)
@@ -552,8 +549,8 @@ class Guard:
                 return
             try:
                 st = t.untyped_storage()
-                same = (st._cdata == s.ref.cdata if s.ref is not None else
-                        st.data_ptr() == s.data_ptr and st.nbytes() == s.nbytes)
+                same = stage.same_storage(st, s.ref.cdata if s.ref is not None else None,
+                                          s.data_ptr, s.nbytes)
                 version = t._version
             except Exception:
                 return

@@ -16,6 +16,7 @@ from graphtrace.blindspots import BlindSpot
 from graphtrace.errors import GraphtraceError
 from graphtrace.opaque import storage_of
 from graphtrace.owners import PathSet, resolve_path, resolve_value
+from graphtrace.stage import same_storage
 from graphtrace.vocab import BLIND_SPOT_KINDS, GUARD_UNCHECKED, HOLDS, MOVED, ORPHANED
 
 __all__ = ["BlindHolders", "accepted_kinds", "adopt_blind", "guarded_blind", "opaque_spots"]
@@ -137,11 +138,9 @@ def _holder_status(entry: dict, target: object) -> str:
     storage = storage_or_none(target)
     if storage is None:
         return MOVED
-    if entry["ref"] is not None:
-        same = storage._cdata == entry["ref"].cdata
-    else:
-        same = ptr_of(storage) == entry["data_ptr"] and storage.nbytes() == entry["nbytes"]
-    if not same:
+    ref = entry["ref"]
+    if not same_storage(storage, ref.cdata if ref is not None else None, entry["data_ptr"],
+                        entry["nbytes"]):
         return MOVED
     version = target._version if isinstance(target, torch.Tensor) else None
     if entry["version"] is not None and version != entry["version"]:
@@ -270,7 +269,7 @@ def adopt_blind(blind: list[dict], name: str, model: torch.nn.Module) -> None:
         storage = storage_or_none(target)
         if storage is None:
             continue
-        if ptr_of(storage) == entry["data_ptr"] and storage.nbytes() == entry["nbytes"]:
+        if same_storage(storage, None, entry["data_ptr"], entry["nbytes"]):
             entry["ref"] = StorageWeakRef(storage)
             if entry["version"] is None and isinstance(target, torch.Tensor):
                 entry["version"] = target._version

@@ -14,7 +14,7 @@ import torch
 from graphtrace.blindspots import BlindSpot
 from graphtrace.errors import NothingToCheck
 
-__all__ = ["require", "owner_cuts", "live_pointer"]
+__all__ = ["require", "owner_cuts", "live_pointer", "same_storage"]
 
 _VERB = {"diff": ("diff", "diff against"), "guard": ("guard", "guard against")}
 
@@ -42,6 +42,21 @@ def owner_cuts(snapshot, models: Mapping[str, torch.nn.Module], recorder) -> lis
         recorder.fail("owner snapshot", exc)
         return []
     return [c if isinstance(c, BlindSpot) else BlindSpot("walk cut", c) for c in cut]
+
+
+def same_storage(storage: torch.UntypedStorage, cdata: int | None, data_ptr: int | None,
+                 nbytes: int | None) -> bool:
+    """Is `storage` the captured one? The one place that decides it: by StorageImpl address
+    where a weak handle kept one unique (`cdata`: exact identity), else by data address and
+    size (a weaker answer: Note [guard identity] in graphtrace/guard.py). A storage whose
+    data address cannot be read (a wrapper subclass's placeholder) has address 0."""
+    if cdata is not None:
+        return storage._cdata == cdata
+    try:
+        ptr = storage.data_ptr()
+    except Exception:
+        ptr = 0
+    return ptr == data_ptr and storage.nbytes() == nbytes
 
 
 def live_pointer(ptrs: np.ndarray, known: np.ndarray, moved: np.ndarray,
