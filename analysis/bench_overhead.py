@@ -888,6 +888,9 @@ def time_workload(workload: Workload, rounds: int, say, core: bool = False) -> N
     gt_false, gt_true = Graphtrace(emulate=False), Graphtrace(emulate=True)
     recorders: list[Recorder] = [Baseline(), NoOp(), gt_false, gt_true]
     scripts = [ShortScript(False), ShortScript(True)] if workload.name == "script" else []
+    if scripts:  # one module call per op here: how much of the capture is attribution
+        recorders += [Graphtrace(emulate=False, modules="off"),
+                      Graphtrace(emulate=True, modules="off")]
     recorders += scripts
     if not core and not scripts:
         recorders += [Graphtrace(emulate=False, modules="hooks"),
@@ -906,7 +909,8 @@ def time_workload(workload: Workload, rounds: int, say, core: bool = False) -> N
     best = interleaved(recorders, model, inputs, rounds)
 
     say(f"## {HEADER}: {workload.name}")
-    say(f"workload: {workload.describe}, {n_caps} captures (batch sizes 1..{n_caps}), "
+    sizes = "each batch 4" if workload.name == "script" else f"batch sizes 1..{n_caps}"
+    say(f"workload: {workload.describe}, {n_caps} captures ({sizes}), "
         f"{fmt_int(ops_per_capture)} ops per capture, {fmt_int(total_ops)} ops per round")
     width = max(48, max(len(rec.name) for rec in recorders) + 2)
     say(f"{'recorder':<{width}}{'ms/round':>10}{'µs/op':>9}{'added µs/op':>13}{'added / no-op':>15}  note")
