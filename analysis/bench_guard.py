@@ -15,6 +15,7 @@ holder (detected by both).
 
     python analysis/bench_guard.py [--layers 80] [--graphs 67] [--out analysis/results/bench_guard.txt]
     python analysis/bench_guard.py --quick      # 4 layers, 3 graphs (tests)
+    python analysis/bench_guard.py --norm layernorm|llama-rms [--sizes vllm]
     python analysis/bench_guard.py --sizes vllm [--emulate 0|1] \
         [--out analysis/results/bench_guard_vllm_sizes.txt]
 
@@ -32,8 +33,13 @@ identity and freshness) and off (identity only), and the clean checks' medians c
 
     python analysis/bench_guard.py --freshness [--layers 80] [--graphs 67]
 
-Exit status 1 when the full-size run misses the targets: check <= 10 ms and >= 50x faster
-than diff (with ``--freshness``: the ratio at most 2).
+``--norm layernorm`` (nn.LayerNorm) / ``llama-rms`` (transformers' LlamaRMSNorm): norm modules
+that hold their epsilon as a float, which every graph bakes in (issue 39: 161 holders x 67
+graphs of baked-scalar records; vLLM's RMSNorm passes its epsilon as a float too).
+
+Exit status 1 when the full-size run misses the targets: check <= 10 ms (with ``--norm``
+layernorm or llama-rms: <= 1 ms clean, <= 5 ms after the update) and >= 50x faster than
+diff (with ``--freshness``: the ratio at most 2).
 """
 
 from __future__ import annotations
@@ -95,13 +101,27 @@ class MLP(nn.Module):
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def llama_rms_norm(d: int) -> nn.Module:
+    """transformers' LlamaRMSNorm: holds its epsilon as a float (`variance_epsilon`)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    return LlamaRMSNorm(d, eps=1e-5)
+
+
+# --norm: the layers' norm modules. `rms` holds no float (its epsilon is a literal in
+# forward); `layernorm` (nn.LayerNorm, `eps`) and `llama-rms` (transformers' LlamaRMSNorm,
+# `variance_epsilon`) each hold one, which every graph bakes in: a `baked scalar` holder per
+# norm module, the same in every graph (issue 39: what vLLM's RMSNorm does too)
+NORMS = {"rms": RMSNorm, "layernorm": nn.LayerNorm, "llama-rms": llama_rms_norm}
+NORM = RMSNorm
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, d: int):
         super().__init__()
         self.self_attn = Attention(d)
         self.mlp = MLP(d)
-        self.input_layernorm = RMSNorm(d)
-        self.post_attention_layernorm = RMSNorm(d)
+        self.input_layernorm = NORM(d)
+        self.post_attention_layernorm = NORM(d)
 
     def forward(self, x):
         x = x + self.self_attn(self.input_layernorm(x))
@@ -119,7 +139,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(DecoderLayer(d) for _ in range(layers))
-        self.norm = RMSNorm(d)
+        self.norm = NORM(d)
         self.rotary_emb = Rotary(d)
 
     def forward(self, ids):
@@ -211,12 +231,16 @@ def freshness_ratio(args, captures) -> int:
     return 0 if (args.quick or ratio <= 2.0) else 1
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = time.perf_counter  # --clock
+
+
 def median_ms(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((clock() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -235,7 +259,17 @@ def main(argv=None) -> int:
                     help="gt.capture(emulate=...) (default 1: replayable emulated graphs)")
     ap.add_argument("--freshness", action="store_true",
                     help="guard.check() with freshness against identity only (issue 24)")
+    ap.add_argument("--norm", choices=tuple(NORMS), default="rms",
+                    help="the layers' norm module: rms (no float held), layernorm "
+                         "(nn.LayerNorm) or llama-rms (transformers' LlamaRMSNorm): the last "
+                         "two hold their epsilon as a float (a baked-scalar holder each)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall: perf_counter (default); cpu: this thread's CPU time (not "
+                         "charged while other processes hold the CPU: a loaded machine)")
     args = ap.parse_args(argv)
+    global NORM, clock
+    NORM = NORMS[args.norm]
+    clock = CLOCKS[args.clock]
     if args.quick:
         args.layers, args.graphs, args.check_repeat, args.diff_repeat = 4, 3, 5, 1
     if args.sizes == "vllm":
@@ -252,7 +286,10 @@ def main(argv=None) -> int:
     model = LlamaForCausalLM(args.layers).eval()
     per_layer = sorted(n.split(".", 3)[3] for n, _ in model.named_parameters()
                        if n.startswith("model.layers.0."))
-    assert per_layer == sorted(LAYER_PARAMS), per_layer
+    norm_params = {"layernorm": ("weight", "bias")}.get(args.norm, ("weight",))
+    expected = [p for p in LAYER_PARAMS if "layernorm" not in p] + [
+        f"{n}.{p}" for n in ("input_layernorm", "post_attention_layernorm") for p in norm_params]
+    assert per_layer == sorted(expected), per_layer
     n_params = sum(1 for _ in model.parameters())
 
     rss_before = rss()
@@ -302,8 +339,9 @@ def main(argv=None) -> int:
         "# graphtrace guard.check() vs t.diff(), Llama-70B-shaped model",
         f"# python {platform.python_version()}, torch {torch.__version__}, "
         f"{platform.machine()}, threads {torch.get_num_threads()}, load average at start "
-        f"{load:.1f} (a shared machine: timings vary with it)",
-        f"layers {args.layers}, parameters {n_params} ({len(LAYER_PARAMS)} per layer), "
+        f"{load:.1f} (a shared machine: timings vary with it); timed by the {args.clock} clock",
+        f"layers {args.layers}, norm {args.norm}, parameters {n_params} "
+        f"({len(expected)} per layer), blind-spot records {len(guard.blind_spots)}, "
         f"graphs {args.graphs} ({'vLLM default decode sizes, FULL and PIECEWISE' if args.sizes == 'vllm' else 'batch sizes 1..N'}, "
         f"emulate={bool(args.emulate)}), accesses {n_accesses} (captured in {capture_s:.1f} s)",
         f"memory: {rss_before / 2**20:.0f} MiB resident before the trace, peak "
@@ -318,14 +356,20 @@ def main(argv=None) -> int:
         f"| t.diff() (x{args.diff_repeat}) | {diff_ms:.1f} |",
         f"| its frames alone (x{args.diff_repeat}; accesses {accesses_ms:.1f}) | {frames_ms:.1f} |",
         "",
+        f"load average at the end {os.getloadavg()[0]:.1f}",
+        "",
         f"ratio diff / check: {ratio:.0f}x",
         f"ratio diff / its frames: {diff_frames:.1f}x (goal <= 3x)",
         f"rebound holder: found by check and diff alike ({len(problems)} edges, {verdict}): "
         f"{'yes' if found else 'NO'}",
     ]
-    targets = check_ms <= 10.0 and ratio >= 50.0
+    # issue 39: with float holders (a baked-scalar record per norm module and graph), a clean
+    # check <= 1 ms and one after an update <= 5 ms; without, issue 14's <= 10 ms
+    clean_goal, bad_goal = (1.0, 5.0) if args.norm != "rms" else (10.0, float("inf"))
+    targets = check_ms <= clean_goal and bad_ms <= bad_goal and ratio >= 50.0
     if not args.quick:
-        lines.append(f"targets (check <= 10 ms, >= 50x faster than diff): "
+        after = f", after an update <= {bad_goal:g} ms" if bad_goal != float("inf") else ""
+        lines.append(f"targets (check <= {clean_goal:g} ms{after}, >= 50x faster than diff): "
                      f"{'met' if targets else 'MISSED'}")
     text = "\n".join(lines)
     print(text)

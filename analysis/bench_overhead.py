@@ -10,6 +10,10 @@ Workloads (`--workload`, default all three; one table each):
   hidden 32, GQA 4/2 heads) running one decode step over a StaticCache per batch size (filled
   by a 4-token prefill first), as an engine captures its decode graphs: the model's own code,
   not this project's.
+- script (only with `--workload script`; issue 39): 40 blocks of Linear(64)+GELU+LayerNorm,
+  batch 4, ten forwards per capture; besides a capture inside an open trace, it is timed the
+  way a short user script runs (`ShortScript`: trace entered, one capture, trace closed), and
+  cProfile says where that script's time goes.
 - elementwise: many small ops: per block an RMSNorm written out (pow, mean, add, rsqrt, mul,
   mul), SiLU, a gate multiply, tanh-GELU, a clamp and a residual add, on small activations.
 
@@ -47,6 +51,7 @@ whose held graphs keep their tensors alive on purpose.
 
     python analysis/bench_overhead.py            # full run, writes analysis/results/bench_overhead.txt
     python analysis/bench_overhead.py --workload decode   # one workload
+    python analysis/bench_overhead.py --workload script --out analysis/results/bench_overhead_script.txt
     python analysis/bench_overhead.py --quick    # smoke run (seconds), writes nothing unless --out
     python analysis/bench_overhead.py --workload decode --recorders core --profile
         # before/after: only no mode, the no-op mode and graphtrace, then where graphtrace's
@@ -204,8 +209,34 @@ def elementwise_workload(args, n_caps: int, blocks: int) -> Workload:
                     model, inputs)
 
 
+class LnGelu(nn.Module):
+    """Linear(d) + GELU + LayerNorm per block; `forwards` forwards per call (one capture)."""
+
+    def __init__(self, blocks: int, d: int, forwards: int):
+        super().__init__()
+        self.forwards = forwards
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d))
+                                    for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.forwards):
+            y = x
+            for layer in self.layers:
+                y = layer(y)
+        return y
+
+
+def script_workload(args, n_caps: int, blocks: int) -> Workload:
+    """Issue 39's short user script: 40 blocks of Linear(64)+GELU+LayerNorm, batch 4, ten
+    forwards per capture; also timed as a script runs (trace entered, one capture, closed)."""
+    model = LnGelu(40, 64, forwards=10).eval()
+    inputs = [(f"cap{i}", torch.randn(4, 64)) for i in range(n_caps)]
+    return Workload("script", "40 blocks of Linear(64)+GELU+LayerNorm (120 modules), batch 4, "
+                    "ten forwards per capture", model, inputs)
+
+
 WORKLOADS = {"blocks": blocks_workload, "decode": decode_workload,
-             "elementwise": elementwise_workload}
+             "elementwise": elementwise_workload, "script": script_workload}
 
 
 class NoOpMode(TorchDispatchMode):
@@ -368,6 +399,68 @@ class TraceOpen(Recorder):
 
     def run(self, model, label, x):
         return model(x)
+
+
+class ShortScript(Recorder):
+    """A short user script: `with gt.trace(model): with gt.capture(...): model(x)`, the
+    trace entered and closed around each single capture (all of it timed)."""
+
+    def __init__(self, emulate: bool):
+        self.emulate = emulate
+        self.name = f"script: trace + 1 capture, emulate={emulate}"
+        self.note = "gt.trace entered, one capture, trace closed: all timed"
+        self.phases = {"enter": float("inf"), "capture": float("inf"), "exit": float("inf")}
+
+    def run(self, model, label, x):
+        t0 = clock()
+        trace = gt.trace(model)
+        trace.__enter__()
+        t1 = clock()
+        try:
+            with gt.capture(label, emulate=self.emulate) as g:
+                out = model(x)
+            t2 = clock()
+        finally:
+            trace.__exit__(None, None, None)
+        t3 = clock()
+        for phase, took in zip(self.phases, (t1 - t0, t2 - t1, t3 - t2)):
+            self.phases[phase] = min(self.phases[phase], took)
+        del g
+        return out
+
+
+def profile_script(workload: Workload, say, top: int = 14) -> None:
+    """cProfile of the short script (trace enter, one capture, exit), emulate=True: where
+    its time goes, by own time, with the dispatch of the forward itself as a baseline."""
+    import cProfile
+    import io
+    import pstats
+
+    model, (label, x) = workload.model, workload.inputs[0]
+    ShortScript(True).run(model, label, x)  # warm
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(5):
+        ShortScript(True).run(model, f"{label}_{i}", x)
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    total = stats.total_tt  # type: ignore[attr-defined]
+    say(f"## where the short script's time goes (cProfile, 5 runs, emulate=True; "
+        f"{total / 5 * 1e3:.1f} ms per run under the profiler)")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    for (file, line, func), (_cc, calls, tt, ct, _callers) in rows:
+        where = f"{Path(file).name}:{line}({func})" if line else func
+        say(f"  own {tt / total * 100:5.1f}%  cum {ct / total * 100:5.1f}%  calls {calls:>7}  {where}")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])  # type: ignore[attr-defined]
+    say("  by cumulative time (graphtrace's own functions, top 10):")
+    shown = 0
+    for (file, line, func), (_cc, calls, tt, ct, _callers) in rows:
+        if "graphtrace" not in file or shown == 10:
+            continue
+        shown += 1
+        say(f"  cum {ct / total * 100:5.1f}%  calls {calls:>7}  {Path(file).name}:{line}({func})")
+    say()
 
 
 class _StubStream:
@@ -794,7 +887,12 @@ def time_workload(workload: Workload, rounds: int, say, core: bool = False) -> N
 
     gt_false, gt_true = Graphtrace(emulate=False), Graphtrace(emulate=True)
     recorders: list[Recorder] = [Baseline(), NoOp(), gt_false, gt_true]
-    if not core:
+    scripts = [ShortScript(False), ShortScript(True)] if workload.name == "script" else []
+    if scripts:  # one module call per op here: how much of the capture is attribution
+        recorders += [Graphtrace(emulate=False, modules="off"),
+                      Graphtrace(emulate=True, modules="off")]
+    recorders += scripts
+    if not core and not scripts:
         recorders += [Graphtrace(emulate=False, modules="hooks"),
                       Graphtrace(emulate=False, modules="off"),
                       Graphtrace(emulate=False, sweep=False),
@@ -811,7 +909,8 @@ def time_workload(workload: Workload, rounds: int, say, core: bool = False) -> N
     best = interleaved(recorders, model, inputs, rounds)
 
     say(f"## {HEADER}: {workload.name}")
-    say(f"workload: {workload.describe}, {n_caps} captures (batch sizes 1..{n_caps}), "
+    sizes = "each batch 4" if workload.name == "script" else f"batch sizes 1..{n_caps}"
+    say(f"workload: {workload.describe}, {n_caps} captures ({sizes}), "
         f"{fmt_int(ops_per_capture)} ops per capture, {fmt_int(total_ops)} ops per round")
     width = max(48, max(len(rec.name) for rec in recorders) + 2)
     say(f"{'recorder':<{width}}{'ms/round':>10}{'µs/op':>9}{'added µs/op':>13}{'added / no-op':>15}  note")
@@ -864,6 +963,13 @@ def time_workload(workload: Workload, rounds: int, say, core: bool = False) -> N
             f"{'met' if below else 'NOT met'}")
     say(f"goal: graphtrace emulate=True added cost <= 1.5x the no-op mode's (issue 27): "
         f"{rows[gt_true.name]:.2f}x -> {'met' if rows[gt_true.name] <= 1.5 else 'NOT met'}")
+    for rec in scripts:  # issue 39: stated, not a goal
+        per = sum(best[rec.name]) / n_caps * 1e3
+        say(f"{rec.name}: {rows[rec.name]:.2f}x the no-op mode's added cost, "
+            f"{per:.2f} ms per script (baseline forward "
+            f"{sum(best[recorders[0].name]) / n_caps * 1e3:.2f} ms); its phases, min over "
+            f"every run: trace enter {rec.phases['enter'] * 1e3:.2f} ms, the capture "
+            f"{rec.phases['capture'] * 1e3:.2f} ms, trace exit {rec.phases['exit'] * 1e3:.2f} ms")
     say()
 
 
@@ -908,7 +1014,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    names = [n for n in WORKLOADS if n != "script"] if args.workload == "all" else [args.workload]
     workloads = [WORKLOADS[name](args, n_caps, blocks) for name in names]
 
     gc.collect()
@@ -933,6 +1039,9 @@ def main(argv=None) -> int:
     if args.profile:
         for workload in workloads:
             profile_workload(workload, rounds, say)
+    for workload in workloads:
+        if workload.name == "script":
+            profile_script(workload, say)
 
     # -- memory ---------------------------------------------------------------------------
     if "blocks" not in names:

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from graphtrace import __version__
+from graphtrace import __version__, stage
 from graphtrace.blindspots import BlindSpot
 from graphtrace.edges import CaptureEdges, capture_edges
 from graphtrace.encoding import VIEW
@@ -247,15 +247,10 @@ def _per_storage(owners: pd.DataFrame, alive: np.ndarray, internal: np.ndarray,
 
 
 def _live_pointer(ptrs: pd.Series, moved: np.ndarray, starts: np.ndarray):
-    """Where the graph should read now, per run of a storage's owner rows: the first known
-    pointer of a moved owner, else the first known one (a holder's); NA if none is known."""
-    rows = np.arange(len(ptrs))
-    known = ptrs.notna().to_numpy()
-    none = len(ptrs)
-    first_moved = np.minimum.reduceat(np.where(moved & known, rows, none), starts)
-    first_known = np.minimum.reduceat(np.where(known, rows, none), starts)
-    pick = np.where(first_moved < none, first_moved, first_known)
-    return ptrs.array.take(np.where(pick < none, pick, -1), allow_fill=True)
+    """stage.live_pointer on the owners frame's Int64 column: NA where none is known."""
+    pick = stage.live_pointer(ptrs.to_numpy(dtype=np.int64, na_value=0),
+                              ptrs.notna().to_numpy(), moved, starts)
+    return ptrs.array.take(pick, allow_fill=True)
 
 
 def _joined_runs(codes: np.ndarray, group: np.ndarray, names: np.ndarray) -> np.ndarray:
@@ -472,21 +467,10 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     graphtrace.compiled). `lineage`: the trace's graphtrace.lineage.Lineage, for freshness
     (`unrefreshed`, `derived_from`; Note [freshness] in graphtrace/verdict.py)."""
     rec = recorder
-    if not rec.captures:
-        raise ValueError("nothing to diff: the trace recorded no capture. Capture inside "
-                         "`with graphtrace.trace(...)` with `graphtrace.capture(label)` or a CUDA graph")
-    if not models:
-        raise ValueError("nothing to diff against: no model is watched. Pass the model to "
-                         "graphtrace.trace(model) or call t.watch(model) before the reload")
+    stage.require(rec, models, "diff")
     spots: list[BlindSpot] = []
     _add(spots, (BlindSpot.from_json(b) for b in blind_spots))
-    try:  # storages seen since the last snapshot
-        cut = snapshot.update(models, rec.storages)
-    except Exception as exc:
-        rec.fail("owner snapshot", exc)
-        cut = []
-    _add(spots, (text if isinstance(text, BlindSpot) else BlindSpot("walk cut", text)
-                 for text in cut))
+    _add(spots, stage.owner_cuts(snapshot, models, rec))  # storages seen since the last snapshot
     raw = raw_accesses(rec)
     views = view_table(rec.views.items)
     accesses = accesses_frame(rec, raw, views)

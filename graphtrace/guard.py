@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -29,13 +30,20 @@ import pandas as pd
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphtrace import __version__
+from graphtrace import __version__, stage
 from graphtrace._compat import storage_from_weak_ref
 from graphtrace.blindspots import BlindSpot
 from graphtrace.errors import GraphtraceError
+from graphtrace.guardspots import (
+    BlindHolders,
+    accepted_kinds,
+    adopt_blind,
+    guarded_blind,
+    opaque_spots,
+)
+from graphtrace.guardspots import storage_or_none as _storage
 from graphtrace.lineage import Derived, Source
-from graphtrace.opaque import storage_of
-from graphtrace.owners import OwnerSnapshot, PathSet, gc_paused, resolve_path, resolve_value
+from graphtrace.owners import OwnerSnapshot, PathSet, gc_paused, resolve_path
 from graphtrace.recorder import Recorder
 from graphtrace.verdict import (
     View,
@@ -47,13 +55,11 @@ from graphtrace.verdict import (
     verdict_of,
 )
 from graphtrace.vocab import (
-    BLIND_SPOT_KINDS,
     GUARD_COLUMNS,
     GUARD_PROBLEMS,
     GUARD_UNCHECKED,
     HOLDS,
     MOVED,
-    ORPHANED,
 )
 
 __all__ = ["Guard", "StaleGraphError", "load_guard", "guard_of",
@@ -103,6 +109,97 @@ class StaleGraphError(GraphtraceError):
         return (type(self), (str(self), self.problems))
 
 
+@dataclass(slots=True, eq=False)
+class Required:
+    """One storage the guarded graphs read, as the guard keeps it: its identity at capture
+    (`ref`, a weak handle; else `data_ptr` and `nbytes`: Note [guard identity]), whether it
+    was freed before the guard was made (`dead`), the graphs that read it and the View each
+    read (`views`), whether every graph writes it first (`internal`), its owners ((model,
+    path, kind), sorted) with their Views at capture, and its freshness baselines
+    (`derived`). `to_json` / `from_json`: its manifest entry (docs/guard.md)."""
+
+    storage_id: int
+    data_ptr: int
+    nbytes: int
+    device: str
+    dtype: str
+    shape: str
+    dead: bool
+    graphs: tuple[int, ...]
+    ref: StorageWeakRef | None = None
+    internal: bool = False
+    views: list = field(default_factory=list)
+    owners: list = field(default_factory=list)
+    owner_views: dict = field(default_factory=dict)
+    derived: Derived | None = None
+
+    @classmethod
+    def of(cls, s: "dict | Required") -> "Required":
+        """From the dict `Guard(storages=...)` documents."""
+        if isinstance(s, Required):
+            return s
+        return cls(s["storage_id"], int(s["data_ptr"]), int(s["nbytes"]), s["device"],
+                   s["dtype"], s["shape"], not s["alive"], tuple(s["graphs"]), s.get("ref"),
+                   bool(s.get("internal", False)),
+                   list(s.get("views") or [None] * len(s["graphs"])), list(s["owners"]),
+                   dict(s.get("owner_views") or {}), s.get("derived"))
+
+    def to_json(self, derived: Derived | None) -> dict:
+        """The manifest entry, with `derived` (the baselines now) as its "derived"."""
+        owners = []
+        for m, p, k in self.owners:
+            entry = {"model": m, "path": p, "kind": k}
+            view = self.owner_views.get((m, p))
+            if view is not None:
+                entry["view"] = _view_json(view)
+            owners.append(entry)
+        return {"storage_id": self.storage_id, "data_ptr": self.data_ptr, "nbytes": self.nbytes,
+                "device": self.device, "dtype": self.dtype, "shape": self.shape,
+                "alive": not self.dead, "graphs": list(self.graphs), "internal": self.internal,
+                "views": [_view_json(v) if v is not None else None for v in self.views],
+                "owners": owners,
+                **({"derived": _derived_json(derived)} if derived is not None else {})}
+
+    @classmethod
+    def from_json(cls, s: object, models: list, graphs: Mapping[int, str], fail) -> "Required":
+        """A manifest entry read back (weak handle none: `Guard.attach` adopts one);
+        `fail(what)` makes the error for a bad one."""
+        if not isinstance(s, dict):
+            raise fail(" is not an object")
+        for key, tp in _TYPES.items():
+            if not isinstance(s.get(key), tp):
+                raise fail(f"[{key!r}] must be {tp.__name__}, got {s.get(key)!r}")
+        if not all(g in graphs for g in s["graphs"]):
+            raise fail(" names a graph id not in \"graphs\"")
+        owners, owner_views = [], {}
+        for j, o in enumerate(s["owners"]):
+            if not (isinstance(o, dict) and o.get("model") in models
+                    and isinstance(o.get("path"), str) and isinstance(o.get("kind"), str)):
+                raise fail(f".owners[{j}] needs \"model\" (one of \"models\"), "
+                           "\"path\" and \"kind\"")
+            owners.append((o["model"], o["path"], o["kind"]))
+            view = _view_from_json(o.get("view"), fail, f".owners[{j}].view")
+            if view is not None:
+                owner_views[(o["model"], o["path"])] = view
+        derived = (_derived_from_json(s["derived"], models, fail, ".derived")
+                   if s.get("derived") is not None else None)
+        if not owners and derived is None:
+            raise fail(" has no owner")
+        if not isinstance(s.get("internal", False), bool):
+            raise fail(f"['internal'] must be bool, got {s['internal']!r}")
+        views = s.get("views")
+        if views is not None and not (isinstance(views, list) and len(views) == len(s["graphs"])):
+            raise fail("['views'] must be a list with one entry per graph")
+        views = [_view_from_json(v, fail, f".views[{j}]")
+                 for j, v in enumerate(views or [None] * len(s["graphs"]))]
+        return cls.of({**s, "owners": sorted(owners), "ref": None, "views": views,
+                       "owner_views": owner_views, "derived": derived})
+
+
+_TYPES = {"storage_id": int, "data_ptr": int, "nbytes": int, "device": str, "dtype": str,
+          "shape": str, "alive": bool, "graphs": list, "owners": list}
+
+
 class Guard:
     """The owned storages captured graphs read, their owners and graphs; see the module doc.
 
@@ -128,28 +225,19 @@ class Guard:
         blind-spot kinds the user accepts (`check()` leaves them out)."""
         self.accept = accept  # validated by the property
         self._blind: list[dict] = [dict(b) for b in blind_spots]
+        self._holders: BlindHolders | None = None  # made on first check (Note [one look
+        # per holder] in graphtrace/guardspots.py)
         self._model_names = list(models)
         self._models: dict[str, weakref.ref | None] = {n: None for n in self._model_names}
         self.graphs: dict[int, str] = dict(graphs)
         self.source = source
-        self._sids = [s["storage_id"] for s in storages]
-        self._ptrs = [int(s["data_ptr"]) for s in storages]
-        self._nbytes = [int(s["nbytes"]) for s in storages]
-        self._devices = [s["device"] for s in storages]
-        self._dtypes = [s["dtype"] for s in storages]
-        self._shapes = [s["shape"] for s in storages]
-        self._dead = [not s["alive"] for s in storages]  # freed before the guard was made
-        self._graph_ids = [tuple(s["graphs"]) for s in storages]
-        self._refs: list[StorageWeakRef | None] = [s.get("ref") for s in storages]
-        self._internal = [bool(s.get("internal", False)) for s in storages]
-        self._views: list[list[View | None]] = [
-            list(s.get("views") or [None] * len(s["graphs"])) for s in storages]
+        self._storages = [Required.of(s) for s in storages]
         # owner rows, flat: (storage index, model, path, kind); sorted by index, model, path
         self._owners: list[tuple[int, str, str, str]] = [
-            (i, m, p, k) for i, s in enumerate(storages) for m, p, k in s["owners"]]
+            (i, m, p, k) for i, r in enumerate(self._storages) for m, p, k in r.owners]
         # freshness (Note [freshness] in graphtrace/verdict.py): index -> Derived
-        self._derived: dict[int, Derived] = {i: s["derived"] for i, s in enumerate(storages)
-                                             if s.get("derived") is not None}
+        self._derived: dict[int, Derived] = {i: r.derived for i, r in enumerate(self._storages)
+                                             if r.derived is not None}
         self._lineage = weakref.ref(lineage) if lineage is not None else None
         self._late = lineage.late if lineage is not None else 0  # Note [derived during updates]
         self._fresh_paths: dict | None = None  # model -> (paths, PathSet), made on first use
@@ -160,7 +248,7 @@ class Guard:
         self._fresh_clean: object = _NO_CLEAN_PASS
         self._fresh_sources: dict | bool | None = None
         self._owner_views: list[View | None] = [
-            (s.get("owner_views") or {}).get((m, p)) for s in storages for m, p, _ in s["owners"]]
+            r.owner_views.get((m, p)) for r in self._storages for m, p, _ in r.owners]
         # per model: its owner paths resolved together, and the owner rows they answer
         rows: dict[str, list[int]] = {}
         for r, (_, m, _, _) in enumerate(self._owners):
@@ -169,10 +257,10 @@ class Guard:
         # the fast path of check(): the native module, and per model the StorageImpl each
         # owner path reached at capture (None when any storage is known by address only)
         self._native = None
-        refs = self._refs
+        req = self._storages
         self._expected: dict[str, list[int]] | None = (
-            {m: [refs[self._owners[r][0]].cdata for r in rs] for m, rs in rows.items()}
-            if all(ref is not None for ref in refs) else None)
+            {m: [req[self._owners[r][0]].ref.cdata for r in rs] for m, rs in rows.items()}
+            if all(r.ref is not None for r in req) else None)
 
     # -- models ------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, name: str | None = None) -> "Guard":
@@ -197,15 +285,16 @@ class Guard:
 
     def _adopt(self, name: str, model: torch.nn.Module) -> None:
         self._adopt_sources(name, model)
-        _adopt_blind(self._blind, name, model)
+        adopt_blind(self._blind, name, model)
+        self._holders = None  # grouped again: adopted handles are part of a holder's key
         for i, m, path, _ in self._owners:
-            if m != name or self._refs[i] is not None or self._dead[i]:
+            r = self._storages[i]
+            if m != name or r.ref is not None or r.dead:
                 continue
             tensor = resolve_path(model, path)
             storage = _storage(tensor)
-            if (storage is not None and _ptr(storage) == self._ptrs[i]
-                    and storage.nbytes() == self._nbytes[i]):
-                self._refs[i] = StorageWeakRef(storage)
+            if storage is not None and stage.same_storage(storage, None, r.data_ptr, r.nbytes):
+                r.ref = StorageWeakRef(storage)
 
     def _adopt_sources(self, name: str, model: torch.nn.Module) -> None:
         """Freshness baselines a manifest from another process cannot carry, taken now: a
@@ -218,8 +307,7 @@ class Guard:
                     tensor = resolve_path(model, src.path)
                     storage = _storage(tensor)
                     if (src.ref is None and storage is not None
-                            and storage.data_ptr() == src.data_ptr
-                            and storage.nbytes() == src.nbytes):
+                            and stage.same_storage(storage, None, src.data_ptr, src.nbytes)):
                         src = src._replace(ref=StorageWeakRef(storage))
                     if src.version is None and isinstance(tensor, torch.Tensor):
                         src = src._replace(version=tensor._version)
@@ -257,14 +345,13 @@ class Guard:
         every captured storage is still where its owners point."""
         models = self._live_models()
         self._adopt_late()
+        blind = self._blind_rows(models)
         if self._nothing_moved(models):  # every owner still holds its storage
             unrefreshed = self._unrefreshed(models, set()) if self._derived else set()
             freed = self._freed(models, set()) if self._derived else {}
-            blind = _blind_rows(self._blind, self._accept, models, self.graphs,
-                                self._owned_paths()) if self._blind else []
             if not unrefreshed and not blind and not freed:
                 return empty_problems()
-        refs, ptrs, nbytes, dead = self._refs, self._ptrs, self._nbytes, self._dead
+        req = self._storages
         tensors: list = [None] * len(self._owners)
         for name, (paths, rows) in self._paths.items():
             for r, tensor in zip(rows, paths.resolve(models[name])):
@@ -273,17 +360,15 @@ class Guard:
         live_ptrs: list[int | None] = []
         bad: set[int] = set()
         for (i, _, _, _), tensor in zip(self._owners, tensors):
-            ref = refs[i]
-            status, ptr = owner_status(tensor, ref.cdata if ref is not None else None,
-                                       data_ptr=ptrs[i], nbytes=nbytes[i], dead=dead[i])
+            r = req[i]
+            status, ptr = owner_status(tensor, r.ref.cdata if r.ref is not None else None,
+                                       data_ptr=r.data_ptr, nbytes=r.nbytes, dead=r.dead)
             statuses.append(status)
             live_ptrs.append(ptr)
             if status != HOLDS:
                 bad.add(i)
         unrefreshed = self._unrefreshed(models, bad) if self._derived else set()
         freed = self._freed(models, bad) if self._derived else {}
-        blind = _blind_rows(self._blind, self._accept, models, self.graphs,
-                            self._owned_paths()) if self._blind else []
         if not bad and not unrefreshed and not blind and not freed:
             return empty_problems()
         return self._problems(bad | unrefreshed | set(freed), statuses, live_ptrs, tensors,
@@ -300,11 +385,20 @@ class Guard:
             return
         self._late = lineage.late
         captured = lineage.captured
-        for i, sid in enumerate(self._sids):
-            if i not in self._derived and sid in captured:
-                self._derived[i] = captured[sid]
+        for i, r in enumerate(self._storages):
+            if i not in self._derived and r.storage_id in captured:
+                self._derived[i] = captured[r.storage_id]
                 self._fresh_paths = self._fresh_sources = None  # made again with it
                 self._fresh_clean = _NO_CLEAN_PASS
+
+    def _blind_rows(self, models: Mapping[str, torch.nn.Module]) -> list[tuple]:
+        """The rows of the blind spots the update may have invalidated (Note [blind spots
+        in the guard]), one look per distinct holder (graphtrace/guardspots.py)."""
+        if not self._blind:
+            return []
+        if self._holders is None:
+            self._holders = BlindHolders(self._blind, {(m, p) for _, m, p, _ in self._owners})
+        return self._holders.rows(self._accept, models, self.graphs, self._native)
 
     def _nothing_moved(self, models: Mapping[str, torch.nn.Module]) -> bool:
         """Does every owner path still reach the storage it reached at capture? Answered by
@@ -328,7 +422,7 @@ class Guard:
 
         out = {}
         for i, d in self._derived.items():
-            if not d.handle or i in bad or self._internal[i]:
+            if not d.handle or i in bad or self._storages[i].internal:
                 continue
             gone = freed_sources(d, resolve)
             if gone:
@@ -443,10 +537,10 @@ class Guard:
         out = set()
         self._fresh_impacts = {}
         for i, d in self._derived.items():
-            if i in bad or self._internal[i]:
+            if i in bad or self._storages[i].internal:
                 continue
-            ref = self._refs[i]
-            if (ref.expired() if ref is not None else self._dead[i]):
+            ref = self._storages[i].ref
+            if (ref.expired() if ref is not None else self._storages[i].dead):
                 continue
             if freshness_of(d, resolve, lineage, ref.cdata if ref is not None else None):
                 out.add(i)  # problems only: the impact's byte compare (Note [freshness])
@@ -474,8 +568,8 @@ class Guard:
                 return
             try:
                 st = t.untyped_storage()
-                same = (st._cdata == s.ref.cdata if s.ref is not None else
-                        st.data_ptr() == s.data_ptr and st.nbytes() == s.nbytes)
+                same = stage.same_storage(st, s.ref.cdata if s.ref is not None else None,
+                                          s.data_ptr, s.nbytes)
                 version = t._version
             except Exception:
                 return
@@ -502,19 +596,20 @@ class Guard:
         for row, (i, *_rest) in enumerate(self._owners):
             if i in bad:
                 by_storage.setdefault(i, []).append(row)
+        order = sorted(bad)
+        runs = [by_storage.get(i, []) for i in order]
+        live_of = self._live_pointers(order, runs, statuses, live_ptrs)
         rows = []
-        for i in sorted(bad):
-            owner_rows = by_storage.get(i, [])
+        for i, owner_rows in zip(order, runs):
             st = [statuses[r] for r in owner_rows]
-            ref = self._refs[i]
-            alive = (not ref.expired()) if ref is not None else not self._dead[i]
-            verdict = verdict_of(st, alive, self._internal[i], i in unrefreshed, i in freed)
+            req = self._storages[i]
+            ref = req.ref
+            alive = (not ref.expired()) if ref is not None else not req.dead
+            verdict = verdict_of(st, alive, req.internal, i in unrefreshed, i in freed)
             if verdict not in GUARD_PROBLEMS:
                 continue
             moved = [r for r in owner_rows if statuses[r] == MOVED]
-            moved_ptrs = [live_ptrs[r] for r in moved if live_ptrs[r] is not None]
-            known = [live_ptrs[r] for r in owner_rows if live_ptrs[r] is not None]
-            live = moved_ptrs[0] if moved_ptrs else (known[0] if known else pd.NA)
+            live = live_of.get(i, pd.NA)
             kinds = sorted({self._owners[r][3] for r in owner_rows})
             old = _upgrade(ref) if verdict in ("stale", "diverged") else None
             impacts: dict[View | None, str] = {}
@@ -522,7 +617,7 @@ class Guard:
             derived_from = derived.derived_from if derived is not None else ""
             if i in freed:
                 derived_from = derived.marked(freed[i])
-            for g, view in zip(self._graph_ids[i], self._views[i]):
+            for g, view in zip(req.graphs, req.views):
                 if verdict in ("stale", "diverged"):
                     if view not in impacts:
                         impacts[view] = (impact_of(old, view, tensors[moved[0]],
@@ -534,8 +629,8 @@ class Guard:
                     impact = self._fresh_impacts.get(i, "unknown")
                 else:
                     impact = "unknown" if verdict == "dangling" else pd.NA
-                rows.append((g, self.graphs.get(g, ""), self._sids[i], self._ptrs[i],
-                             self._nbytes[i], self._dtypes[i], self._shapes[i],
+                rows.append((g, self.graphs.get(g, ""), req.storage_id, req.data_ptr,
+                             req.nbytes, req.dtype, req.shape,
                              "; ".join(self._owners[r][2] for r in owner_rows),
                              ";".join(kinds), ";".join(st), live, verdict, impact,
                              "storage" if ref is not None else "data_ptr",
@@ -550,6 +645,22 @@ class Guard:
             columns[c] = np.asarray(columns[c], dtype=np.int64)
         return pd.DataFrame(columns, columns=GUARD_COLUMNS)
 
+    @staticmethod
+    def _live_pointers(order: list[int], runs: list[list[int]], statuses: list[str],
+                       live_ptrs: list) -> dict[int, object]:
+        """Per storage of `order` with owner rows (`runs`: its rows), where its graphs
+        should read now: the diff's rule (stage.live_pointer)."""
+        kept = [(i, rs) for i, rs in zip(order, runs) if rs]
+        if not kept:
+            return {}
+        flat = [r for _, rs in kept for r in rs]
+        starts = np.cumsum([0] + [len(rs) for _, rs in kept[:-1]])
+        known = np.array([live_ptrs[r] is not None for r in flat], dtype=bool)
+        ptrs = np.array([live_ptrs[r] or 0 for r in flat], dtype=np.int64)
+        moved = np.array([statuses[r] == MOVED for r in flat], dtype=bool)
+        picks = stage.live_pointer(ptrs, known, moved, starts).tolist()
+        return {i: live_ptrs[flat[k]] if k >= 0 else pd.NA for k, (i, _) in zip(picks, kept)}
+
     def enforce(self) -> None:
         """Raise `StaleGraphError` listing every problem `check()` finds (blind spots the
         update may have invalidated included, unless their kind is in `accept`); return if
@@ -563,21 +674,16 @@ class Guard:
     def manifest(self) -> pd.DataFrame:
         """The required storages, one row per (graph, owner): graph_id, graph, storage_id,
         model, path, kind, data_ptr, nbytes, device, dtype, shape (what the JSON holds)."""
-        rows = [(g, self.graphs.get(g, ""), self._sids[i], m, p, k, self._ptrs[i],
-                 self._nbytes[i], self._devices[i], self._dtypes[i], self._shapes[i])
-                for i, m, p, k in self._owners for g in self._graph_ids[i]]
+        req = self._storages
+        rows = [(g, self.graphs.get(g, ""), req[i].storage_id, m, p, k, req[i].data_ptr,
+                 req[i].nbytes, req[i].device, req[i].dtype, req[i].shape)
+                for i, m, p, k in self._owners for g in req[i].graphs]
         return pd.DataFrame(rows, columns=["graph_id", "graph", "storage_id", "model", "path",
                                            "kind", "data_ptr", "nbytes", "device", "dtype",
                                            "shape"])
 
     def to_dict(self) -> dict:
         """The manifest as plain JSON data (format in docs/guard.md)."""
-        owners: dict[int, list] = {}
-        for (i, m, p, k), view in zip(self._owners, self._owner_views):
-            entry = {"model": m, "path": p, "kind": k}
-            if view is not None:
-                entry["view"] = _view_json(view)
-            owners.setdefault(i, []).append(entry)
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -586,16 +692,7 @@ class Guard:
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "models": list(self._model_names),
             "graphs": [{"graph_id": g, "label": label} for g, label in self.graphs.items()],
-            "storages": [
-                {"storage_id": self._sids[i], "data_ptr": self._ptrs[i],
-                 "nbytes": self._nbytes[i], "device": self._devices[i],
-                 "dtype": self._dtypes[i], "shape": self._shapes[i],
-                 "alive": not self._dead[i], "graphs": list(self._graph_ids[i]),
-                 "internal": self._internal[i],
-                 "views": [_view_json(v) if v is not None else None for v in self._views[i]],
-                 "owners": owners.get(i, []),
-                 **({"derived": _derived_json(self._derived[i])} if i in self._derived else {})}
-                for i in range(len(self._sids))],
+            "storages": [r.to_json(self._derived.get(i)) for i, r in enumerate(self._storages)],
             **({"blind_spots": [_blind_json(b) for b in self._blind]} if self._blind else {}),
         }
 
@@ -617,7 +714,7 @@ class Guard:
     # -- misc --------------------------------------------------------------------------------
     def __len__(self) -> int:
         """The number of required storages."""
-        return len(self._sids)
+        return len(self._storages)
 
     @property
     def accept(self) -> frozenset[str]:
@@ -628,9 +725,6 @@ class Guard:
     @accept.setter
     def accept(self, kinds: Iterable[str]) -> None:
         self._accept = accepted_kinds(kinds)
-
-    def _owned_paths(self) -> set[tuple[str, str]]:
-        return {(m, p) for _, m, p, _ in self._owners}
 
     @property
     def blind_spots(self) -> list[BlindSpot]:
@@ -646,8 +740,8 @@ class Guard:
     def identity(self) -> dict[str, int]:
         """How many required storages are checked by weak handle ("storage") and how many by
         address and size only ("data_ptr"; Note [guard identity])."""
-        by_handle = sum(r is not None for r in self._refs)
-        return {"storage": by_handle, "data_ptr": len(self._refs) - by_handle}
+        by_handle = sum(r.ref is not None for r in self._storages)
+        return {"storage": by_handle, "data_ptr": len(self._storages) - by_handle}
 
     def __repr__(self) -> str:
         attached = [n for n, r in self._models.items() if r is not None and r() is not None]
@@ -729,15 +823,6 @@ def _view_from_json(data: object, fail, where: str) -> View | None:
                    f"\"shape\" and \"stride\" (int lists of one length) and an int \"offset\"; "
                    f"got {data!r}") from None
     return View(dtype, tuple(shape), tuple(stride), offset)
-
-
-def _storage(tensor: torch.Tensor | None) -> torch.UntypedStorage | None:
-    if tensor is None:
-        return None
-    try:
-        return storage_of(tensor)
-    except Exception:
-        return None
 
 
 _EMPTY: pd.DataFrame | None = None
@@ -833,16 +918,8 @@ def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, acc
     from graphtrace.frames import raw_accesses
 
     rec = recorder
-    if not rec.captures:
-        raise GraphtraceError("nothing to guard: the trace recorded no capture. Capture inside "
-                              "`with graphtrace.trace(...)` first")
-    if not models:
-        raise GraphtraceError("nothing to guard against: no model is watched. Pass the model to "
-                              "graphtrace.trace(model) or call t.watch(model)")
-    try:
-        snapshot.update(models, rec.storages)  # storages seen since the last snapshot
-    except Exception as exc:
-        rec.fail("owner snapshot", exc)
+    stage.require(rec, models, "guard")
+    cuts = stage.owner_cuts(snapshot, models, rec)  # storages seen since the last snapshot
     owners = snapshot.owners
     raw = raw_accesses(rec)
     table = rec.storages
@@ -877,8 +954,8 @@ def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, acc
             "views": [View(*views[v]) for v in view_ids[edges].tolist()],
             "owners": sid_owners, "owner_views": owner_views, "derived": derived.get(sid)})
     graphs = {c.graph_id: c.label for c in rec.captures if c.graph_id >= first_graph}
-    spots = list(blind_spots) + _opaque_spots(rec, found, owners, first_graph)
-    blind = _guarded_blind(spots, graphs, models, values or {})
+    spots = list(blind_spots) + cuts + opaque_spots(rec, found, owners, first_graph)
+    blind = guarded_blind(spots, graphs, models, values or {})
     guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace",
                   lineage=lineage, blind_spots=blind, accept=accept)
     guard._native = rec.native  # check()'s fast path (a trace's guard: every storage by handle)
@@ -938,40 +1015,8 @@ def _from_dict(data: object, where: str) -> Guard:
                 and isinstance(g.get("label"), str)):
             raise fail(f"graphs[{k}] needs an int \"graph_id\" and a str \"label\"")
         graphs[g["graph_id"]] = g["label"]
-    storages = []
-    types = {"storage_id": int, "data_ptr": int, "nbytes": int, "device": str, "dtype": str,
-             "shape": str, "alive": bool, "graphs": list, "owners": list}
-    for k, s in enumerate(_list(data, "storages", fail)):
-        if not isinstance(s, dict):
-            raise fail(f"storages[{k}] is not an object")
-        for key, tp in types.items():
-            if not isinstance(s.get(key), tp):
-                raise fail(f"storages[{k}][{key!r}] must be {tp.__name__}, got {s.get(key)!r}")
-        if not all(g in graphs for g in s["graphs"]):
-            raise fail(f"storages[{k}] names a graph id not in \"graphs\"")
-        owners, owner_views = [], {}
-        for j, o in enumerate(s["owners"]):
-            if not (isinstance(o, dict) and o.get("model") in models
-                    and isinstance(o.get("path"), str) and isinstance(o.get("kind"), str)):
-                raise fail(f"storages[{k}].owners[{j}] needs \"model\" (one of \"models\"), "
-                           "\"path\" and \"kind\"")
-            owners.append((o["model"], o["path"], o["kind"]))
-            view = _view_from_json(o.get("view"), fail, f"storages[{k}].owners[{j}].view")
-            if view is not None:
-                owner_views[(o["model"], o["path"])] = view
-        derived = (_derived_from_json(s["derived"], models, fail, f"storages[{k}].derived")
-                   if s.get("derived") is not None else None)
-        if not owners and derived is None:
-            raise fail(f"storages[{k}] has no owner")
-        if not isinstance(s.get("internal", False), bool):
-            raise fail(f"storages[{k}]['internal'] must be bool, got {s['internal']!r}")
-        views = s.get("views")
-        if views is not None and not (isinstance(views, list) and len(views) == len(s["graphs"])):
-            raise fail(f"storages[{k}]['views'] must be a list with one entry per graph")
-        views = [_view_from_json(v, fail, f"storages[{k}].views[{j}]")
-                 for j, v in enumerate(views or [None] * len(s["graphs"]))]
-        storages.append({**s, "owners": sorted(owners), "ref": None, "views": views,
-                         "owner_views": owner_views, "derived": derived})
+    storages = [Required.from_json(st, models, graphs, lambda what, k=k: fail(
+        f"storages[{k}]{what}")) for k, st in enumerate(_list(data, "storages", fail))]
     blind = [_blind_from_json(b, models, graphs, fail, f"blind_spots[{k}]")
              for k, b in enumerate(data.get("blind_spots") or [])]  # optional (older: none)
     return Guard(models=models, graphs=graphs, storages=storages, source=where,
@@ -983,183 +1028,6 @@ def _list(data: dict, key: str, fail) -> list:
     if not isinstance(value, list):
         raise fail(f"{key!r} must be a list")
     return value
-
-
-# -- blind spots (issue 25) ------------------------------------------------------------------
-
-# Note [blind spots in the guard]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# What the recording could not see (an opaque handle's packed tensors, a compiled-in constant
-# no model owns, a subclass that cannot be flattened, a walk cut short, KV-cache reads inside
-# an op) is a blind spot of the report; a guard that passed over them would pass exactly the
-# updates it cannot judge. So the guard keeps every blind spot that concerns its graphs (its
-# graph is one of them, or it names none) and fails closed: after an update `check()` gives
-# one row (verdict `unchecked`, `blind_spot` its kind, `note` its text, `owners` its holder,
-# `statuses` what the holder did) for each one the update may have invalidated:
-# - its holder (an owner path) reaches another storage or object now (`moved`), none
-#   (`orphaned`), or the same tensor written in place (`written`: its version counter
-#   moved, so what is behind it may have changed unseen), or for a baked scalar (Note
-#   [baked scalars] in graphtrace/scalars.py) a value other than the captured one
-#   (`changed`); a holder that owns a guarded
-#   storage and moved is already a stale or dangling row of that storage, so no second row;
-# - it has no holder, or its holder did not resolve when the guard was made: it cannot be
-#   checked at all (`statuses` empty).
-# A holder that still reaches the very storage, unwritten, is taken as unchanged. The user
-# accepts a kind with `t.guard(accept=[...])` / `guard.accept = [...]` / `load_guard(...,
-# accept=...)` (kinds: vocab.BLIND_SPOT_KINDS; an unknown one is a GraphtraceError): its rows
-# are left out of `check()`, so `enforce()` passes on them. The manifest keeps the records
-# (optional key "blind_spots": kind, text, holder, op, model, graph, graph_id, and the
-# holder's data_ptr/nbytes, adopted as a weak handle at attach time like the storages).
-
-_NOT_AT_CAPTURE = frozenset({"dtype/shape change", "packed copy not rebuilt"})  # diff's findings
-
-
-def accepted_kinds(kinds: Iterable[str]) -> frozenset[str]:
-    """`kinds` checked against vocab.BLIND_SPOT_KINDS: a GraphtraceError names a bad one."""
-    if isinstance(kinds, str):
-        raise GraphtraceError(f"accept takes a list of blind-spot kinds, got the string "
-                              f"{kinds!r}: write accept=[{kinds!r}]")
-    try:
-        kinds = frozenset(kinds)
-    except TypeError:
-        raise GraphtraceError(f"accept takes a list of blind-spot kinds, got "
-                              f"{type(kinds).__name__}") from None
-    unknown = sorted(k for k in kinds if k not in BLIND_SPOT_KINDS)
-    if unknown:
-        raise GraphtraceError(f"unknown blind-spot kind(s) {', '.join(map(repr, unknown))} in "
-                              f"accept (kinds: {', '.join(BLIND_SPOT_KINDS)})")
-    return kinds
-
-
-def _opaque_spots(rec, found, owners, first_graph: int) -> list[BlindSpot]:
-    """One record per opaque handle (torch.ScriptObject) a guarded graph reads, held by its
-    first owner path (what diff names per edge)."""
-    if not rec.opaque:
-        return []
-    labels = {c.graph_id: c.label for c in rec.captures}
-    out = []
-    for g, sid in sorted(set(zip(found.graph_id.tolist(), found.storage_id.tolist()))):
-        if g < first_graph or sid not in rec.opaque:
-            continue
-        held = sorted(owners.get(sid, ()))
-        out.append(BlindSpot(
-            "opaque handle", f"opaque handle {rec.opaque[sid]} (storage {sid}) read in graph "
-            f"{labels.get(g, '')!r}: the tensors packed inside it are not seen",
-            holder=held[0][1] if held else "", model=held[0][0] if held else "",
-            graph=labels.get(g, "")))
-    return out
-
-
-def _guarded_blind(spots: Iterable[BlindSpot], graphs: Mapping[int, str],
-                   models: Mapping[str, torch.nn.Module], values: Mapping) -> list[dict]:
-    """The records that concern the guarded `graphs`, each with its holder's identity now."""
-    ids = {label: g for g, label in graphs.items()}
-    out, seen = [], set()
-    for spot in spots:
-        if spot.kind in _NOT_AT_CAPTURE or (spot.graph and spot.graph not in ids):
-            continue
-        key = (spot.kind, spot.holder, spot.model, spot.op, spot.graph)
-        if key in seen:  # one row per holder and graph, however many texts
-            continue
-        seen.add(key)
-        entry = {"spot": spot, "graph_id": ids.get(spot.graph, -1), "ref": None,
-                 "data_ptr": None, "nbytes": None, "version": None,
-                 "value": values.get(spot)}  # a baked scalar's value at capture
-        model = models.get(spot.model) if spot.holder else None
-        if model is not None and entry["value"] is None:
-            _hold(entry, resolve_path(model, spot.holder))
-        out.append(entry)
-    return out
-
-
-def _ptr(storage: torch.UntypedStorage) -> int:
-    """A storage's data_ptr; 0 for a wrapper subclass's placeholder (reading it raises)."""
-    try:
-        return storage.data_ptr()
-    except Exception:
-        return 0
-
-
-def _hold(entry: dict, target: object) -> None:
-    """Remember `target` (what the holder reaches) as the blind spot's holder identity."""
-    storage = _storage(target)
-    if storage is None:
-        return
-    entry["ref"] = StorageWeakRef(storage)
-    entry["data_ptr"] = _ptr(storage)
-    entry["nbytes"] = storage.nbytes()
-    entry["version"] = target._version if isinstance(target, torch.Tensor) else None
-
-
-def _holder_status(entry: dict, target: object) -> str:
-    """What a blind spot's holder did since the guard was made: "holds", "moved", "orphaned",
-    "written", or "" (nothing to check: no holder identity)."""
-    if entry.get("value") is not None:  # a baked scalar: its holder's value (Note [baked scalars])
-        return HOLDS if target == entry["value"] else ORPHANED if target is None else "changed"
-    if entry["ref"] is None and entry["data_ptr"] is None:
-        return ""
-    if target is None:
-        return ORPHANED
-    storage = _storage(target)
-    if storage is None:
-        return MOVED
-    if entry["ref"] is not None:
-        same = storage._cdata == entry["ref"].cdata
-    else:
-        same = _ptr(storage) == entry["data_ptr"] and storage.nbytes() == entry["nbytes"]
-    if not same:
-        return MOVED
-    version = target._version if isinstance(target, torch.Tensor) else None
-    if entry["version"] is not None and version != entry["version"]:
-        return "written"
-    return HOLDS
-
-
-def _blind_rows(blind: list[dict], accept: frozenset, models: Mapping[str, torch.nn.Module],
-                graphs: Mapping[int, str], owned: set) -> list[tuple]:
-    """Guard rows (GUARD_COLUMNS) for the blind spots the update may have invalidated; a
-    holder that moved or is gone while it owns a guarded storage is left to that storage's
-    own rows (its edge verdict says it already)."""
-    rows = []
-    for entry in blind:
-        spot = entry["spot"]
-        if spot.kind in accept:
-            continue
-        model = models.get(spot.model)
-        resolve = resolve_value if entry.get("value") is not None else resolve_path
-        target = resolve(model, spot.holder) if (model is not None and spot.holder) else None
-        status = _holder_status(entry, target)
-        if status == HOLDS or (status in (MOVED, ORPHANED) and (spot.model, spot.holder) in owned
-                               and entry.get("value") is None):
-            continue
-        live = pd.NA
-        if status in (MOVED, "written") and entry.get("value") is None:
-            storage = _storage(target)
-            live = _ptr(storage) if storage is not None else pd.NA
-        g = entry["graph_id"]
-        rows.append((g, graphs.get(g, spot.graph), -1, entry["data_ptr"] or 0,
-                     entry["nbytes"] or 0, "", "", spot.holder, "", status, live,
-                     GUARD_UNCHECKED, pd.NA, "storage" if entry["ref"] is not None else
-                     "data_ptr", "", spot.kind, spot.text))
-    return rows
-
-
-def _adopt_blind(blind: list[dict], name: str, model: torch.nn.Module) -> None:
-    """A manifest's blind spots known by address: a weak handle (and version) taken where
-    the holder still reaches a storage of that address and size (Note [guard identity])."""
-    for entry in blind:
-        spot = entry["spot"]
-        if spot.model != name or not spot.holder or entry["ref"] is not None \
-                or entry["data_ptr"] is None:
-            continue
-        target = resolve_path(model, spot.holder)
-        storage = _storage(target)
-        if storage is None:
-            continue
-        if _ptr(storage) == entry["data_ptr"] and storage.nbytes() == entry["nbytes"]:
-            entry["ref"] = StorageWeakRef(storage)
-            if entry["version"] is None and isinstance(target, torch.Tensor):
-                entry["version"] = target._version
 
 
 def _blind_json(entry: dict) -> dict:

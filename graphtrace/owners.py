@@ -708,7 +708,8 @@ class PathSet:
               versions: Sequence[int | None] | None = None) -> bool:
         """Does any path now reach a storage other than `expected` (the StorageImpl address
         each reached before), or none? With `versions` (per path a version counter, or None),
-        a tensor whose version counter differs counts as moved too. With the native module
+        a tensor whose version counter differs counts as moved too. An `expected` that is a
+        float is a value: the path must reach a float equal to it. With the native module
         (`graphtrace.native`), the common steps (registries, `__dict__`, getattr, dict keys,
         list indices) are followed in C++, and the paths it leaves undecided here."""
         undecided: Sequence[int] = range(len(self.paths))
@@ -723,6 +724,14 @@ class PathSet:
             undecided = got
         if not undecided:
             return False
+        values = [i for i in undecided if type(expected[i]) is float]
+        if values:  # a float baseline (a baked scalar's holder): the very float, by value
+            if any(type(v := resolve_value(model, self.paths[i])) is not float
+                   or v != expected[i] for i in values):
+                return True
+            undecided = [i for i in undecided if type(expected[i]) is not float]
+            if not undecided:
+                return False
         if 4 * len(undecided) < len(self.paths):
             tensors = [resolve_path(model, self.paths[i]) for i in undecided]
         else:  # most paths: all together, learning their registry steps

@@ -1048,13 +1048,12 @@ class Trace:
 
     def diff(self):
         """Resolve capture-time owners on the live model(s) and classify every edge."""
-        from graphtrace.compiled import blind_spots
         from graphtrace.diff import diff
 
         models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
         if self.lineage is not None:  # Note [derived during updates] in graphtrace/lineage.py
             self.lineage.catch_up()
-        spots = list(self.blind_spots)
+        spots = self._spots_now(models)
         if self.derived.pairs:
             spots += self.derived.check(models)
         if self.baked_scalars.records:
@@ -1063,8 +1062,7 @@ class Trace:
         rows = self._compiled_rows()
         if rows:  # per capture and compiled region: what was attributed (compiled.py)
             extra["compiled"] = rows
-            known = {s.text for s in spots}
-            spots += [s for s in blind_spots(rows) if s.text not in known]
+            spots += self._compiled_spots(spots, rows)
         return diff(self.recorder, self.owner_snapshot, models, spots,
                     provenance=self.provenance, extra_meta=extra, lineage=self.lineage)
 
@@ -1077,6 +1075,22 @@ class Trace:
             lineage.match_late(self.recorder.storages, self.owner_snapshot, self.models)
         except Exception as exc:
             self.recorder.fail("lineage late match", exc)
+
+    def _spots_now(self, models: dict[str, torch.nn.Module]) -> list[BlindSpot]:
+        """The trace's blind spots for a diff or a guard: the storages captured since the
+        last owner match matched first, so what that walk cut is one of them (a `walk cut`
+        both see, and every later diff)."""
+        if self.recorder.captures and models:
+            self._match_owners()
+        return list(self.blind_spots)
+
+    @staticmethod
+    def _compiled_spots(spots: list[BlindSpot], rows: list[dict]) -> list[BlindSpot]:
+        """The compiled regions' blind spots (graphtrace.compiled) not already in `spots`."""
+        from graphtrace.compiled import blind_spots
+
+        known = {s.text for s in spots}
+        return [s for s in blind_spots(rows) if s.text not in known]
 
     def _compiled_rows(self) -> list[dict]:
         """graphtrace.compiled.region_ownership of the captures ([] without compiled regions)."""
@@ -1109,19 +1123,17 @@ class Trace:
         ``guard.enforce()`` after each weight update (docs/guard.md). The blind spots of
         those graphs go in too, and fail the check after an update that may have
         invalidated them unless their kind is in `accept` (e.g. ``["opaque handle"]``;
-        kinds: vocab.BLIND_SPOT_KINDS; Note [blind spots in the guard] in guard.py)."""
-        from graphtrace.compiled import blind_spots
+        kinds: vocab.BLIND_SPOT_KINDS; Note [blind spots in the guard] in guardspots.py)."""
         from graphtrace.guard import accepted_kinds, guard_of
 
         accept = accepted_kinds(accept)
         models = self._live_models() if self.recorder.captures else self.models
         if self.lineage is not None:  # Note [derived during updates] in graphtrace/lineage.py
             self.lineage.catch_up()
-        spots = list(self.blind_spots)
+        spots = self._spots_now(models)
         if self.recorder.captures:
             try:
-                known = {s.text for s in spots}
-                spots += [s for s in blind_spots(self._compiled_rows()) if s.text not in known]
+                spots += self._compiled_spots(spots, self._compiled_rows())
             except Exception as exc:  # fail open here: the guard still checks identity
                 self.recorder.fail("compiled regions for the guard", exc)
         baked = self.baked_scalars.spots()

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from graphtrace.opaque import is_opaque, storage_of
+from graphtrace.stage import same_storage
 from graphtrace.vocab import HOLDS, MOVED, ORPHANED, OWNER_STATUSES, VERDICTS
 
 __all__ = ["View", "owner_status", "verdict_of", "storage_verdicts", "impact_of",
@@ -78,10 +79,7 @@ def owner_status(tensor: object, cdata: int | None = None, *, data_ptr: int = 0,
         else:
             storage = storage_of(tensor)  # an opaque handle's proxy storage too
             ptr = 0 if is_opaque(tensor) else tensor.data_ptr()
-        if cdata is not None:
-            same = storage._cdata == cdata
-        else:
-            same = not dead and storage.data_ptr() == data_ptr and storage.nbytes() == nbytes
+        same = (cdata is not None or not dead) and same_storage(storage, cdata, data_ptr, nbytes)
     except Exception:  # no storage (meta, functional wrappers): not the captured one
         return MOVED, None
     return (HOLDS if same else MOVED), ptr

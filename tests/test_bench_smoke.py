@@ -89,6 +89,22 @@ def test_bench_guard_quick(tmp_path):
     assert out_file.read_text().startswith("# graphtrace guard.check() vs t.diff()")
 
 
+def test_bench_guard_float_holders_quick():
+    """Issue 39's model: LayerNorms whose eps every graph bakes (9 norms x 3 graphs records);
+    the rebound holder is still found by both."""
+    out = _run("bench_guard.py", "--norm", "layernorm", "--clock", "cpu")
+    assert "norm layernorm, parameters 48 (11 per layer), blind-spot records 27," in out
+    assert "found by check and diff alike (3 edges, stale): yes" in out
+
+
+def test_bench_overhead_script_quick():
+    out = _run("bench_overhead.py", "--workload", "script", "--recorders", "core")
+    assert "## recorder overhead per capture: script" in out
+    for row in ("script: trace + 1 capture, emulate=False", "emulate=True, modules=off",
+                "trace enter", "## where the short script's time goes (cProfile"):
+        assert row in out, row
+
+
 def test_bench_serving_quick(tmp_path):
     out_file = tmp_path / "serving.txt"
     out = _run("bench_serving.py", "--out", str(out_file))

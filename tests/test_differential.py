@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import types
 from typing import Callable
 
 import pytest
@@ -160,6 +161,17 @@ def rebind(*holders: str, freed: bool = False):
             keep.clear()
             gc.collect()
     return update
+
+
+def cut_walk(m, keep):
+    """After the trace, before the guards: a captured holder rebound (so the owner snapshot
+    walks the model again) and a tensor held deeper than the owner walk goes (max_depth
+    12): that walk is cut short, which diff and guard must both see (issue 40)."""
+    rebind("fn")(m, keep)
+    box = types.SimpleNamespace(t=torch.rand(8))
+    for _ in range(14):
+        box = types.SimpleNamespace(inner=box)
+    m.layers[0].deep = box
 
 
 def diverge(m, keep):
@@ -479,6 +491,7 @@ class Scenario:
     setup: Callable | None = None  # a process step inside the trace before the captures
     freezing: bool = False        # compiled with Inductor's freezing (parameters folded in)
     some_impacts: bool = False    # `impacts` must be among the impacts found, not all of them
+    before_guard: Callable | None = None  # a change after the trace, before the guards
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -498,6 +511,8 @@ SCENARIOS: dict[str, Scenario] = {
                             {"manifest"}),
     "freed": Scenario(Model, rebind("fn", "gate", freed=True), {"dangling"}, {"unknown"}),
     "diverged": Scenario(lambda: alias_gate(Model()), diverge, {"diverged"}, {"manifest"}),
+    "walk-cut-before-guard": Scenario(Model, lambda m, keep: None, {"stale"}, {"manifest"},
+                                      before_guard=cut_walk),
     "orphaned-attribute": Scenario(Model, orphan_config, {"orphaned"}),
     "orphaned-key": Scenario(Model, orphan_key, {"orphaned"}),
     "rebound-and-restored": Scenario(Model, restore, set()),
@@ -614,6 +629,8 @@ def _run(name: str, tmp_path):
             with gt.capture(label) as g:
                 forward(batch)
             keep.append(g)
+    if sc.before_guard is not None:
+        sc.before_guard(model, keep)
     guard = t.guard()
     path = guard.to_json(tmp_path / "guard.json")
     loaded = gt.load_guard(path, model)  # loaded and attached before the update
@@ -645,6 +662,19 @@ def test_guard_and_diff_agree(name, tmp_path):
             assert "dtype/shape change" in kinds
         else:
             assert notes == []
+
+
+def test_an_owner_walk_cut_short_fails_every_guard_closed(tmp_path):
+    """The owner walk the guard's making runs is cut short: diff names the `walk cut`, and
+    every guard (from the trace, loaded from JSON, checked before) fails closed on it."""
+    sc, alive, t, guards = _run("walk-cut-before-guard", tmp_path)
+    cuts = [b for b in t.diff().meta["blind_spots"] if b["kind"] == "walk cut"]
+    assert cuts and "max_depth" in cuts[0]["text"]
+    for guard in guards:
+        rows = guard.check()
+        assert "walk cut" in set(rows["blind_spot"]), guard
+        with pytest.raises(gt.StaleGraphError, match="max_depth"):
+            guard.enforce()
 
 
 def test_there_are_at_least_thirty_scenarios_and_every_verdict_is_reached():

@@ -313,16 +313,47 @@ def test_bad_input_is_one_clear_error(tmp_path):
         loaded.attach("not a model")
 
 
-def test_guard_needs_a_capture_and_a_model():
+def test_guard_and_diff_need_a_capture_and_a_model_and_say_so_alike():
+    """The same misuse raises the same error from t.guard() and t.diff(): a GraphtraceError
+    that is a ValueError too (what t.diff() raised before)."""
+    from graphtrace.errors import NothingToCheck
+
     with gt.trace(Model(0)) as t:
         pass
-    with pytest.raises(gt.GraphtraceError, match="no capture"):
-        t.guard()
+    for call in (t.guard, t.diff):
+        with pytest.raises(NothingToCheck, match="recorded no capture") as caught:
+            call()
+        assert isinstance(caught.value, gt.GraphtraceError) and isinstance(caught.value,
+                                                                            ValueError)
     with gt.trace() as t:
         with gt.capture("g"):
             Model(0)(X)
-    with pytest.raises(gt.GraphtraceError, match="no model is watched"):
-        t.guard()
+    for call in (t.guard, t.diff):
+        with pytest.raises(NothingToCheck, match="no model is watched"):
+            call()
+
+
+def test_guard_and_diff_pick_the_live_pointer_with_one_function(monkeypatch):
+    """Where a stale storage's graph should read now is decided by one function
+    (graphtrace.stage.live_pointer) for the guard and the diff alike (issue 40)."""
+    from graphtrace import stage
+
+    model, t, graphs, guard = run("stale")
+    calls = []
+    real = stage.live_pointer
+
+    def spy(*args):
+        calls.append(len(args[0]))
+        return real(*args)
+    monkeypatch.setattr(stage, "live_pointer", spy)
+    problems = guard.check()
+    assert calls, "the guard did not ask stage.live_pointer"
+    calls.clear()
+    edges = t.diff().edges.set_index(["graph_id", "storage_id"])
+    assert calls, "the diff did not ask stage.live_pointer"
+    for g, sid, live in zip(problems["graph_id"], problems["storage_id"],
+                            problems["live_data_ptr"]):
+        assert live == edges.loc[(g, sid), "live_data_ptr"]
 
 
 def test_two_models_by_name():
@@ -425,3 +456,69 @@ def test_a_new_storage_at_the_freed_address_is_not_the_captured_one(holder):
     assert guard_problems(problems) == diff_problems(t.diff())
     with pytest.raises(gt.StaleGraphError, match=rf"dangling .* owned by {holder} \[moved\]"):
         guard.enforce()
+
+
+# -- one look per holder (issue 39; Note [one look per holder] in graphtrace/guardspots.py) ---
+
+class Norms(torch.nn.Module):
+    """Three Linear+LayerNorm blocks: each LayerNorm's `eps` is baked into every graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _norm_guard(n_graphs: int = 4):
+    model = Norms()
+    keep = []
+    with gt.trace(model, strict=True) as t:
+        for bs in range(1, n_graphs + 1):
+            with gt.capture(f"bs{bs}") as g:
+                model(torch.rand(bs, 8))
+            keep.append(g)
+    return model, t, keep, t.guard()
+
+
+@pytest.mark.parametrize("with_native", [True, False])
+def test_a_changed_eps_names_every_graph_after_one_look_per_holder(with_native, monkeypatch):
+    """A float held by a module and baked into 4 graphs is 4 records; a check looks at its
+    holder once (in C++ when the native module is there: no Python look on a clean check),
+    and the rows still name every graph, as the diff does."""
+    import pandas as pd
+
+    from graphtrace import guardspots, native
+
+    model, t, keep, guard = _norm_guard()
+    if with_native and native.load() is None:
+        pytest.skip("the native module does not build here")
+    if not with_native:
+        guard._native = None
+    assert len(guard.blind_spots) == 3 * 4  # one record per holder and graph
+    looks = []
+    resolve = guardspots.resolve_value
+    monkeypatch.setattr(guardspots, "resolve_value",
+                        lambda m, p: looks.append(p) or resolve(m, p))
+    assert guard.check().empty
+    assert sorted(looks) == ([] if with_native else [f"blocks.{i}.1.eps" for i in range(3)])
+    model.blocks[0][1].eps = float("1e-5")  # an equal float, another object: unchanged
+    assert guard.check().empty
+    looks.clear()
+    model.blocks[1][1].eps = 1e-3
+    rows = guard.check()
+    assert sorted(looks) == [f"blocks.{i}.1.eps" for i in range(3)]  # once each
+    assert sorted(rows["graph"]) == [f"bs{b}" for b in range(1, 5)]
+    assert set(rows["owners"]) == {"blocks.1.1.eps"} and set(rows["statuses"]) == {"changed"}
+    diff = {(b["graph"], b["holder"]) for b in t.diff().meta["blind_spots"]
+            if b["kind"] == "baked scalar"}
+    assert diff == set(zip(rows["graph"], rows["owners"]))
+    other = guard._native
+    guard._native = native.load() if other is None else None
+    pd.testing.assert_frame_equal(rows, guard.check())  # the other path, the same rows
+    guard.accept = ["baked scalar"]
+    assert guard.check().empty

@@ -751,3 +751,31 @@ def test_a_reload_of_a_path_matched_captures_ago_is_seen_by_a_later_capture():
     assert sorted(edges[edges.owners == "a"]["graph"].astype(str)) == ["a", "ab"]
     assert sorted(edges[edges.owners == "b"]["graph"].astype(str)) == ["ab"]
     assert sorted(edges[edges.owners == "c"]["graph"].astype(str)) == ["c", "c again"]
+
+
+@pytest.mark.parametrize("change", ["nothing", "an equal float, another object", "another float",
+                                    "an equal int", "gone"])
+def test_moved_compares_a_float_baseline_by_value(change):
+    """PathSet.moved with a float in `expected` (a baked scalar's holder: the guard's blind
+    spots) wants a float equal to it at the path, the same answer with and without native,
+    and beside tensor paths in one set."""
+    from graphtrace import native
+
+    lib = native.load(required=False)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4, eps=1e-5))
+    paths = ["1.eps", "0.weight", "1.weight"]
+    expected = [1e-5, *(resolve_path(model, p).untyped_storage()._cdata for p in paths[1:])]
+    ln = model[1]
+    if change == "an equal float, another object":
+        ln.eps = float("1e-5")
+    elif change == "another float":
+        ln.eps = 1e-3
+    elif change == "an equal int":  # equal as a number, but not the float the graph baked
+        ln.eps = 1
+        expected[0] = 1.0
+    elif change == "gone":
+        del ln.eps
+    want = change not in ("nothing", "an equal float, another object")
+    assert PathSet(paths).moved(model, expected) == want
+    if lib is not None:
+        assert PathSet(paths).moved(model, expected, lib) == want

@@ -1241,7 +1241,8 @@ PyObject* native_dispatch(PyObject*, PyObject* const* a, Py_ssize_t n) {
 // leaves that are not plain tensors or Parameters. `nodes` is a list of (parent node or -1,
 // step, is_key), parents first; `leaves` the node of each path; `expected` the StorageImpl
 // address each reached. Returns True when a decided leaf now reaches another storage (or
-// none), else the list of undecided path positions.
+// none), else the list of undecided path positions. An `expected` entry that is a float is a
+// value the leaf must equal, as a float (a baked scalar's holder: graphtrace/guardspots.py).
 PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
   // an optional 7th argument `versions`: per leaf the version counter the tensor it reaches
   // must have (None: not compared); a different one counts as moved (graphtrace/guard.py,
@@ -1346,6 +1347,16 @@ PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
       return nullptr;
     }
     PyObject* obj = leaf >= 0 && leaf < m ? objs[leaf] : nullptr;
+    PyObject* value = PyList_GET_ITEM(expected, j);
+    if (PyFloat_CheckExact(value)) {  // a float baseline (a baked scalar's holder): by value
+      if (obj == nullptr || !PyFloat_CheckExact(obj)) {
+        if (!leave_undecided(j)) return nullptr;
+      } else if (PyFloat_AS_DOUBLE(obj) != PyFloat_AS_DOUBLE(value)) {
+        Py_DECREF(undecided);
+        Py_RETURN_TRUE;
+      }
+      continue;
+    }
     if (obj == nullptr || !(is_exact_tensor(obj) || Py_TYPE(obj) == parameter_type)) {
       if (!leave_undecided(j)) return nullptr;
       continue;
