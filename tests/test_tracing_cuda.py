@@ -257,7 +257,9 @@ def _graph_without_cuda():
 @pytest.mark.skipif(_compat.CAPTURE_HOOKS is None, reason="this torch has no public capture hooks")
 def test_torch_capture_hooks_reach_the_trace():
     g = _graph_without_cuda()
+    unwrapped = CUDAGraph.__dict__["capture_begin"]
     with gt.trace(strict=True) as t:
+        assert CUDAGraph.__dict__["capture_begin"] is unwrapped  # torch's hooks, no wrap
         with gt.capture("decode", cuda_graph=g):
             g.capture_begin()
             torch.add(torch.ones(4), 1)
