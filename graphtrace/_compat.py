@@ -9,7 +9,8 @@ in between.
 
 Note [torch compatibility]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-Tested on torch `TESTED_TORCH` (pyproject's range; `make test` and `make test-torch-next`).
+Tested on torch `TESTED_TORCH` (pyproject's range: 2.11, 2.13, 2.14.1 and 2.15; the Makefile's
+"torch range" block says which suites run on which torch).
 What a torch outside it lacks is handled by what depends on it:
 
 - recording itself (`TorchDispatchMode`, `disable_current_modes`, pytree, storage weak handles,
