@@ -203,6 +203,9 @@ def run_pytest(args, workdir: Path, timeout: float,
         env["GRAPHTRACE_GPU_DRY"] = "1"
     if not native:
         env["GRAPHTRACE_NATIVE"] = "0"
+    # the lent image has pytest plugins installed (xdist, timeout, cov, benchmark, hypothesis):
+    # the checks use none, and none may change how they run
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", str(TESTS), "-rA", "-p", "no:cacheprovider",
            "-o", "console_output_style=classic"]
     if args.k:

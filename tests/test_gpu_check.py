@@ -164,6 +164,26 @@ def test_recorder_build_failure_falls_back_to_the_python_writer(monkeypatch):
                "for the checks)")
 
 
+def test_checks_run_without_plugins_and_with_the_recorder_chosen(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen.update(cmd=cmd, **kwargs)
+        return subprocess.CompletedProcess(cmd, 5, "no tests ran", "")
+
+    monkeypatch.setattr(script.subprocess, "run", fake_run)
+    monkeypatch.delenv("GRAPHTRACE_NATIVE", raising=False)
+    args = script.build_parser().parse_args(["--dry", "-k", "stale"])
+    rc, tests, _, incomplete = script.run_pytest(args, tmp_path, 12.5, native=False)
+    assert (rc, tests, incomplete) == (5, [], None)
+    assert seen["timeout"] == 12.5 and seen["cmd"][-2:] == ["-k", "stale"]
+    env = seen["env"]
+    assert env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] == "1"  # the lent image's plugins stay out
+    assert env["GRAPHTRACE_NATIVE"] == "0" and env["GRAPHTRACE_GPU_DRY"] == "1"
+    script.run_pytest(script.build_parser().parse_args([]), tmp_path, 9, native=True)
+    assert "GRAPHTRACE_NATIVE" not in seen["env"]
+
+
 def test_results_tag_names_gpu_driver_torch_and_cuda(monkeypatch):
     import torch
 
