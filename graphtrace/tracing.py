@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from graphtrace import _compat, clock
-from graphtrace._compat import SCRATCH, disable_current_modes, storage_use_count
+from graphtrace import clock
+from graphtrace._compat import CAPTURE_HOOKS, SCRATCH, disable_current_modes, storage_use_count
 from graphtrace._schema import map_tensors
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
@@ -430,7 +430,7 @@ def capture_cuda_graph(fn: Callable[[], Any], label: str | None = None, *, warmu
 # A trace learns that a CUDA graph capture began or ended in one of two ways, chosen once per
 # trace and named in its report's meta["capture_hooks"]:
 #
-# - "torch.cuda.graphs hooks" (torch >= 2.14, `_compat.CAPTURE_HOOKS`): torch's public
+# - "torch.cuda.graphs hooks" (torch >= 2.14, `CAPTURE_HOOKS` from _compat): torch's public
 #   register_graph_capture_start_hook / _end_hook, removed again when the trace closes. The
 #   start hook runs right after capture began on the stream (so it issues no CUDA work), the
 #   end hook once capture ended, before the graph is instantiated. torch swallows a hook's
@@ -546,7 +546,7 @@ class _CudaGraphPatch:
 def _capture_watcher(trace: "Trace") -> "_CudaGraphHooks | _CudaGraphPatch":
     """torch's public capture hooks where this torch has them, else the wrap (Note [CUDA graph
     capture hooks])."""
-    hooks = _compat.CAPTURE_HOOKS
+    hooks = CAPTURE_HOOKS
     return _CudaGraphHooks(trace, hooks) if hooks is not None else _CudaGraphPatch(trace)
 
 

@@ -165,7 +165,7 @@ class FakeHookRegistry:
 
 def test_public_capture_hooks_path(monkeypatch):
     registry = FakeHookRegistry()
-    monkeypatch.setattr(_compat, "CAPTURE_HOOKS", registry.hooks())
+    monkeypatch.setattr(tracing, "CAPTURE_HOOKS", registry.hooks())
     unwrapped = CUDAGraph.__dict__.get("capture_begin")
     g, model, x = fake_graph(), torch.nn.Linear(4, 4), torch.ones(2, 4)
     with gt.trace(model, strict=True) as t:
@@ -182,7 +182,7 @@ def test_public_capture_hooks_path(monkeypatch):
 
 def test_capture_wrap_path_without_public_hooks(monkeypatch):
     calls = []
-    monkeypatch.setattr(_compat, "CAPTURE_HOOKS", None)
+    monkeypatch.setattr(tracing, "CAPTURE_HOOKS", None)
     monkeypatch.setattr(CUDAGraph, "capture_begin", lambda self, *a, **k: calls.append("begin"))
     monkeypatch.setattr(CUDAGraph, "capture_end", lambda self: calls.append("end"))
     fake_begin = CUDAGraph.__dict__["capture_begin"]
@@ -216,7 +216,7 @@ def test_the_path_follows_this_torch():
 
 def test_hook_errors_are_kept_despite_torch_swallowing_them(monkeypatch):
     registry = FakeHookRegistry()
-    monkeypatch.setattr(_compat, "CAPTURE_HOOKS", registry.hooks())
+    monkeypatch.setattr(tracing, "CAPTURE_HOOKS", registry.hooks())
 
     def broken(self):
         raise RuntimeError("region open failed")
