@@ -9,7 +9,8 @@ in between.
 
 Note [torch compatibility]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-Tested on torch `TESTED_TORCH` (pyproject's range; `make test` and `make test-torch-next`).
+Tested on torch `TESTED_TORCH` (pyproject's range: 2.11, 2.13, 2.14.1 and 2.15; the Makefile's
+"torch range" block says which suites run on which torch).
 What a torch outside it lacks is handled by what depends on it:
 
 - recording itself (`TorchDispatchMode`, `disable_current_modes`, pytree, storage weak handles,
@@ -26,6 +27,11 @@ What a torch outside it lacks is handled by what depends on it:
   needed, not here: importing torch._dynamo takes seconds, and a trace that never meets
   compiled code must not pay that. Their callers already fail open (a blind spot, or plain
   positions instead of Dynamo's names).
+- `CAPTURE_HOOKS`: torch 2.14 made CUDA-graph lifecycle hooks public
+  (`torch.cuda.graphs.register_graph_capture_start_hook` / `..._end_hook`); where they exist a
+  trace learns of captures through them, elsewhere (2.11 to 2.13) it wraps
+  `CUDAGraph.capture_begin/capture_end` (Note [CUDA graph capture hooks] in tracing.py). Not a
+  missing feature: no warning either way.
 - `OP_CALLS_OP_DIRECTLY`: the native dispatch calls an OpOverload's `_op` itself only while
   `OpOverload.__call__` is exactly `return self._op(*args, **kwargs)` (torch 2.13); torch 2.14
   checks a Python dispatcher first, so there the native dispatch calls the OpOverload (the same
@@ -67,6 +73,8 @@ __all__ = [
     "SCRATCH", "storage_use_count",
     # Dynamo's cache, a module call's frame (attribution)
     "DYNAMO_CACHE", "dynamo_cache_entries", "MODULE_CALL_CODE",
+    # how a trace learns of CUDA graph captures
+    "CAPTURE_HOOKS",
     # the native dispatch
     "OP_CALLS_OP_DIRECTLY", "calls_op_directly",
     # looked up on first use (Dynamo, Inductor, the C++ extension builder)
@@ -74,7 +82,7 @@ __all__ = [
     "dynamo_skip_code", "extension_build_directory", "extension_build_directory_guess",
 ]
 
-TESTED_TORCH = ">=2.13,<2.15"
+TESTED_TORCH = ">=2.11,<2.16"
 
 
 class TorchIncompatible(ImportError):
@@ -202,6 +210,22 @@ if not DYNAMO_CACHE:
 # the code of `nn.Module._call_impl`: a frame running it is a module call (attribution's seed;
 # None where torch has no such method: no module is found running then)
 MODULE_CALL_CODE = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
+
+
+# -- CUDA graph capture hooks: public since torch 2.14 ---------------------------------------
+def _capture_hooks() -> tuple[Callable, Callable] | None:
+    """torch's (register_graph_capture_start_hook, register_graph_capture_end_hook), each
+    `fn(graph) -> RemovableHandle`, or None where this torch has not both (wrap instead)."""
+    try:
+        graphs = importlib.import_module("torch.cuda.graphs")
+    except ImportError:
+        return None
+    start = getattr(graphs, "register_graph_capture_start_hook", None)
+    end = getattr(graphs, "register_graph_capture_end_hook", None)
+    return (start, end) if callable(start) and callable(end) else None
+
+
+CAPTURE_HOOKS = _capture_hooks()
 
 
 # -- the native dispatch's direct call --------------------------------------------------------

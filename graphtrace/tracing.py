@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from graphtrace import clock
-from graphtrace._compat import SCRATCH, disable_current_modes, storage_use_count
+from graphtrace._compat import CAPTURE_HOOKS, SCRATCH, disable_current_modes, storage_use_count
 from graphtrace._schema import map_tensors
 from graphtrace.attribution import ModuleAttribution
 from graphtrace.blindspots import BlindSpot
@@ -358,8 +358,9 @@ class _CaptureContext:
 
 # Note [CUDA graph labels]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# Every CUDA graph captured while a trace is open is recorded (the trace wraps
-# CUDAGraph.capture_begin/capture_end), under a generated label. To name it, wrap the capture:
+# Every CUDA graph captured while a trace is open is recorded (through torch's capture hooks,
+# or by wrapping CUDAGraph.capture_begin/capture_end: Note [CUDA graph capture hooks]), under a
+# generated label. To name it, wrap the capture:
 #
 #     with gt.capture("decode", cuda_graph=g):
 #         with torch.cuda.graph(g):
@@ -424,13 +425,84 @@ def capture_cuda_graph(fn: Callable[[], Any], label: str | None = None, *, warmu
     return graph, out
 
 
+# Note [CUDA graph capture hooks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A trace learns that a CUDA graph capture began or ended in one of two ways, chosen once per
+# trace and named in its report's meta["capture_hooks"]:
+#
+# - "torch.cuda.graphs hooks" (torch >= 2.14, `CAPTURE_HOOKS` from _compat): torch's public
+#   register_graph_capture_start_hook / _end_hook, removed again when the trace closes. The
+#   start hook runs right after capture began on the stream (so it issues no CUDA work), the
+#   end hook once capture ended, before the graph is instantiated. torch swallows a hook's
+#   exceptions (one consumer must not break a capture), so a strict trace keeps what its hook
+#   raised and raises it when the trace closes. The pool a capture was given is not passed
+#   to the hook: the graph's own `pool()` is recorded instead.
+# - "CUDAGraph wrap" (torch 2.11 to 2.13): CUDAGraph.capture_begin/capture_end replaced by
+#   wrappers while the trace is open (errors propagate from the wrapper).
+#
+# Both see the same captures: a `torch.cuda.graph` block, a bare capture_begin()/capture_end(),
+# Inductor's cudagraph trees (all go through CUDAGraph.capture_begin/capture_end).
+CAPTURE_HOOKS_PUBLIC = "torch.cuda.graphs hooks"
+CAPTURE_HOOKS_WRAP = "CUDAGraph wrap"
+
+
+def _graph_pool(graph) -> Any:
+    """The memory pool a capturing graph uses (None where it cannot say)."""
+    try:
+        return graph.pool()
+    except Exception:  # a graph whose C side is not set up (tests' fakes): no pool to name
+        return None
+
+
+class _CudaGraphHooks:
+    """Learns of every CUDA graph capture through torch's public capture hooks."""
+
+    how = CAPTURE_HOOKS_PUBLIC
+
+    def __init__(self, trace: "Trace", hooks: tuple[Callable, Callable]):
+        self.trace = weakref.ref(trace)  # the trace holds this: no cycle back
+        self.register_start, self.register_end = hooks
+        self.handles: list = []
+        self.pending: list[BaseException] = []  # raised by a hook in strict mode (see Note)
+
+    def install(self) -> None:
+        trace_ref, pending = self.trace, self.pending
+
+        def capture_started(graph) -> None:
+            trace = trace_ref()
+            if trace is not None:
+                try:
+                    trace._cuda_begin(graph, (_graph_pool(graph),), {})
+                except BaseException as exc:  # strict: torch would swallow it
+                    pending.append(exc)
+
+        def capture_ended(graph) -> None:
+            trace = trace_ref()
+            if trace is not None:
+                try:
+                    trace._cuda_end(graph)
+                except BaseException as exc:
+                    pending.append(exc)
+
+        self.handles = [self.register_start(capture_started), self.register_end(capture_ended)]
+
+    def uninstall(self) -> None:
+        handles, self.handles = self.handles, []
+        for handle in handles:
+            handle.remove()
+
+
 class _CudaGraphPatch:
-    """Wraps CUDAGraph.capture_begin/end so that every CUDA graph capture is recorded."""
+    """Wraps CUDAGraph.capture_begin/end so that every CUDA graph capture is recorded (torch
+    without public capture hooks)."""
+
+    how = CAPTURE_HOOKS_WRAP
 
     def __init__(self, trace: "Trace"):
         self.trace = weakref.ref(trace)  # the trace holds this patch: no cycle back
         self.cls = None
         self.saved: dict[str, Callable] = {}
+        self.pending: list[BaseException] = []  # (errors propagate from the wrappers)
 
     def install(self) -> None:
         try:
@@ -469,6 +541,13 @@ class _CudaGraphPatch:
             else:
                 setattr(self.cls, name, fn)
         self.cls = None
+
+
+def _capture_watcher(trace: "Trace") -> "_CudaGraphHooks | _CudaGraphPatch":
+    """torch's public capture hooks where this torch has them, else the wrap (Note [CUDA graph
+    capture hooks])."""
+    hooks = CAPTURE_HOOKS
+    return _CudaGraphHooks(trace, hooks) if hooks is not None else _CudaGraphPatch(trace)
 
 
 # Note [recording while serving]
@@ -560,7 +639,7 @@ class Trace:
         self._global_hooks: list = []
         self._capturing = 0  # capture regions open, all threads (Note [attribution while serving])
         self._capturing_lock = threading.Lock()
-        self._patch = _CudaGraphPatch(self)
+        self._patch = _capture_watcher(self)  # Note [CUDA graph capture hooks]
         self.compiled_regions = CompiledPatch(self)  # compiled regions: Note [Compiled regions]
         self._open = False
         self._closed = False
@@ -611,6 +690,9 @@ class Trace:
         self._open = False
         self._closed = True
         self._refresh_owners()
+        pending, self._patch.pending[:] = list(self._patch.pending), []
+        if pending and (not exc or exc[0] is None):  # strict: raised in torch's capture hook
+            raise pending[0]
 
     # -- models ------------------------------------------------------------------------------
     def watch(self, model: torch.nn.Module, name: str | None = None) -> "Trace":
@@ -1058,7 +1140,7 @@ class Trace:
             spots += self.derived.check(models)
         if self.baked_scalars.records:
             spots += self.baked_scalars.check(models)
-        extra = {}
+        extra = {"capture_hooks": self._patch.how}  # Note [CUDA graph capture hooks]
         rows = self._compiled_rows()
         if rows:  # per capture and compiled region: what was attributed (compiled.py)
             extra["compiled"] = rows

@@ -27,6 +27,13 @@ from analysis import gpu_check as script
 from tests.gpu import checks
 
 
+def results(out: Path, suffix: str) -> Path:
+    """The one results file of a run in `out` (gpu_check_TAG.suffix)."""
+    found = sorted(out.glob(f"gpu_check_*{suffix}"))
+    assert len(found) == 1, found
+    return found[0]
+
+
 def run_script(*args, timeout, env=None):
     t = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
@@ -54,11 +61,16 @@ def test_dry_run_exit_and_time(dry):
 
 def test_dry_run_results_file(dry):
     proc, _, out = dry
-    text = (out / "gpu_check.txt").read_text()
+    text = results(out, ".txt").read_text()
     lines = text.splitlines()
     assert lines[0] == "== graphtrace GPU check (dry run, no CUDA) =="
     assert proc.stdout.startswith(lines[0])
     assert re.search(r"^env: torch \S+ .*CUDA available: False$", text, re.M)
+    # the preflight imported every module the checks use and built (or refused) the recorder
+    imported = re.search(r"^preflight: (\d+) modules imported, 0 failed$", text, re.M)
+    assert imported and int(imported.group(1)) > 40
+    assert re.search(r"^recorder: (native, built or found in \d+ s \(.+\)|Python writer: .+)$", text,
+                     re.M)
     # env first, then every check, each skipped with the one reason
     tests = [ln for ln in lines if ln.startswith("[")]
     assert len(tests) == N_GPU_TESTS
@@ -73,11 +85,11 @@ def test_dry_run_results_file(dry):
 
 
 def test_dry_run_json(dry):
-    data = json.loads((dry[2] / "gpu_check.json").read_text())
+    data = json.loads(results(dry[2], ".json").read_text())
     assert data["meta"]["cuda"] is False and data["meta"]["pytest_rc"] == 0
     assert len(data["tests"]) == N_GPU_TESTS
     assert {t["outcome"] for t in data["tests"]} == {"skipped"}
-    assert re.search(rf"= {N_GPU_TESTS} skipped in [\d.]+s =", (dry[2] / "gpu_check.log").read_text())
+    assert re.search(rf"= {N_GPU_TESTS} skipped in [\d.]+s =", results(dry[2], ".log").read_text())
 
 
 def test_bad_option_exit_2():
@@ -107,6 +119,82 @@ def test_results_block_counts_failures_and_unfinished_runs():
     cut = script.format_block({**meta, "pytest_rc": 124, "incomplete": "timeout after 9 s",
                                "tail": ["last"]}, tests[:1])
     assert "pytest did not finish: timeout after 9 s" in cut and cut[-1].endswith("RESULT: FAIL ==")
+
+
+def test_preflight_import_failure_fails_the_run(monkeypatch):
+    names = ["graphtrace.vocab", "graphtrace.no_such_module_here"]
+    monkeypatch.setattr(script, "check_modules", lambda: names)
+    n, problems = script.import_problems()
+    assert n == 2 and len(problems) == 1
+    assert problems[0].startswith("graphtrace.no_such_module_here: ModuleNotFoundError")
+    meta = {"mode": "dry run, no CUDA", "started": "now", "pytest_rc": 0, "imported": n,
+            "import_problems": problems, "recorder": "native, built or found in 1 s (x)"}
+    block = script.format_block(meta, [])
+    assert "preflight: 2 modules imported, 1 failed" in block
+    assert "recorder: native, built or found in 1 s (x)" in block
+    assert block[-1].endswith("RESULT: FAIL ==")
+    assert script.format_block({**meta, "import_problems": []}, [])[-1].endswith("RESULT: PASS ==")
+
+
+def test_check_modules_cover_graphtrace_and_the_gpu_tests():
+    names = script.check_modules()
+    assert {"graphtrace.tracing", "graphtrace.cuda_nodes", "graphtrace.demo.runner",
+            "tests.gpu.checks", "tests.gpu.test_env", "tests.gpu.test_stale_read"} <= set(names)
+    assert not [n for n in names if n.startswith("graphtrace.vllm") or n.endswith("__main__")]
+
+
+def test_recorder_build_failure_falls_back_to_the_python_writer(monkeypatch):
+    def failed(cmd, **kwargs):
+        assert cmd[1:] == ["-m", "graphtrace.native"] and "GRAPHTRACE_NATIVE" not in kwargs["env"]
+        return subprocess.CompletedProcess(cmd, 1, "", "build failed\nRuntimeError: no g++ here")
+
+    monkeypatch.setenv("GRAPHTRACE_NATIVE", "1")
+    monkeypatch.setattr(script.subprocess, "run", failed)
+    built, text = script.build_recorder(10)
+    assert not built
+    assert text == ("Python writer: the native recorder did not build here (RuntimeError: no g++ "
+                    "here); GRAPHTRACE_NATIVE=0 for the checks")
+
+    def slow(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(script.subprocess, "run", slow)
+    assert script.build_recorder(7) == (
+        False, "Python writer: the native recorder's build ran past 7 s (GRAPHTRACE_NATIVE=0 "
+               "for the checks)")
+
+
+def test_checks_run_without_plugins_and_with_the_recorder_chosen(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen.update(cmd=cmd, **kwargs)
+        return subprocess.CompletedProcess(cmd, 5, "no tests ran", "")
+
+    monkeypatch.setattr(script.subprocess, "run", fake_run)
+    monkeypatch.delenv("GRAPHTRACE_NATIVE", raising=False)
+    args = script.build_parser().parse_args(["--dry", "-k", "stale"])
+    rc, tests, _, incomplete = script.run_pytest(args, tmp_path, 12.5, native=False)
+    assert (rc, tests, incomplete) == (5, [], None)
+    assert seen["timeout"] == 12.5 and seen["cmd"][-2:] == ["-k", "stale"]
+    env = seen["env"]
+    assert env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] == "1"  # the lent image's plugins stay out
+    assert env["GRAPHTRACE_NATIVE"] == "0" and env["GRAPHTRACE_GPU_DRY"] == "1"
+    script.run_pytest(script.build_parser().parse_args([]), tmp_path, 9, native=True)
+    assert "GRAPHTRACE_NATIVE" not in seen["env"]
+
+
+def test_results_tag_names_gpu_driver_torch_and_cuda(monkeypatch):
+    import torch
+
+    tag = script.results_tag(False)
+    assert tag == re.sub(r"[^A-Za-z0-9._-]+", "-", f"no-GPU_driver-none_torch-{torch.__version__}"
+                         f"_cuda-{torch.version.cuda or 'cpu'}")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    monkeypatch.setattr(script, "driver_version", lambda: "580.159.04")
+    tag = script.results_tag(True)
+    assert tag.startswith("NVIDIA-H200_driver-580.159.04_torch-")
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", tag)
 
 
 def test_time_limit_interrupts_and_restores():
@@ -393,7 +481,7 @@ def _cuda():
 @pytest.mark.skipif(not _cuda(), reason="needs CUDA: torch.cuda.is_available() is False")
 def test_full_run_on_cuda(tmp_path):
     proc, _ = run_script("--out", str(tmp_path), timeout=1000)
-    block = (tmp_path / "gpu_check.txt").read_text()
+    block = results(tmp_path, ".txt").read_text()
     assert proc.returncode == 0, block[-6000:]
     assert f"== summary: {N_GPU_TESTS} passed, 0 skipped, 0 failed; RESULT: PASS ==" in block
     for variant in VARIANTS:

@@ -265,9 +265,14 @@ def test_fail_open_counts_errors_and_strict_raises(monkeypatch):
                 x + 1
 
 
-def test_cuda_graph_capture_api_is_wrapped_only_while_tracing():
+def test_cuda_graph_capture_api_is_wrapped_only_while_tracing(monkeypatch):
+    """The wrap path (torch without public capture hooks; tests/test_tracing_cuda.py tests
+    both paths: Note [CUDA graph capture hooks])."""
     from torch.cuda.graphs import CUDAGraph
 
+    from graphtrace import tracing
+
+    monkeypatch.setattr(tracing, "CAPTURE_HOOKS", None)
     begin, end = CUDAGraph.capture_begin, CUDAGraph.capture_end
     with gt.trace():
         assert CUDAGraph.capture_begin is not begin and CUDAGraph.capture_end is not end
