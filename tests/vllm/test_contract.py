@@ -115,3 +115,30 @@ def test_a_wrong_fix_fact_fails_naming_the_key():
         f"fix_api['replace_parameter.prefer_copy']: the {row.version} row says "
         f"{flipped.fix_api['replace_parameter.prefer_copy']}, the installed vLLM "
         f"{row.fix_api['replace_parameter.prefer_copy']}"]
+
+
+def test_a_refusal_travels_in_vllms_error_path_where_the_release_has_one():
+    """0.33+: the refused request's output carries the refusal's text in
+    ``EngineCoreOutput.error``, through vLLM's own msgpack encoding (the engine-core process
+    boundary), and becomes the ``GenerationError`` an ``AsyncLLM`` caller gets; 0.32 has no
+    such field and keeps its path (nothing added). Not run: an engine on 0.33/0.34."""
+    import pandas as pd
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from graphtrace.guard import StaleGraphError
+    from graphtrace.vllm import serve
+
+    refused = StaleGraphError("stale storage 13 owned by model.layers.0.qkv_proj.scale [moved]",
+                              pd.DataFrame())
+    extra = serve.refusal_error(refused)
+    if _row().error_path == "finish_reason":
+        assert extra == {}
+        return
+    out = EngineCoreOutput("r0", [], finish_reason=FinishReason.ERROR, **extra)
+    wire = MsgpackEncoder().encode(EngineCoreOutputs(outputs=[out], finished_requests={"r0"}))
+    back = MsgpackDecoder(EngineCoreOutputs).decode(wire).outputs[0]
+    exc = back.error.to_exception()
+    assert type(exc).__name__ == "GenerationError"
+    assert str(exc) == ("StaleGraphError: stale storage 13 owned by "
+                        "model.layers.0.qkv_proj.scale [moved]")
