@@ -20,7 +20,7 @@ from pathlib import Path
 from graphtrace.vllm.releases import HOOK_CALLS, Hook, Release, release
 
 __all__ = ["check", "check_hooks", "check_runners", "check_capture_sites", "check_fix_api",
-           "scan_capture_sites", "assigned_attrs"]
+           "check_reload_units", "scan_capture_sites", "assigned_attrs", "reload_callers"]
 
 CAPTURE_RE = re.compile(r"torch\.cuda\.graph\(|\.capture_begin\(")
 BYPASS_RE = re.compile(r"make_graphed_callables|_C\._CUDAGraph|cudaStreamBeginCapture")
@@ -30,7 +30,8 @@ def check(rel: Release | None = None) -> list[str]:
     """Every broken expectation of ``rel`` (None: the installed vLLM's row)."""
     rel = rel or release()
     return (_check_version(rel) + check_hooks(rel.hooks) + _check_hook_table(rel)
-            + check_runners(rel.runners) + check_capture_sites(rel) + check_fix_api(rel))
+            + check_runners(rel.runners) + check_capture_sites(rel) + check_fix_api(rel)
+            + check_reload_units(rel))
 
 
 def _check_version(rel: Release) -> list[str]:
@@ -201,3 +202,43 @@ def check_fix_api(rel: Release) -> list[str]:
         out += [p for p in [_resolve(*target.split(":"))[1]] if p]
     return out
 
+
+
+RELOAD_CALLS = ("start_reload", "finish_reload", "begin_direct_reload", "finish_direct_reload")
+
+
+def reload_callers(root: Path) -> dict[str, tuple[str, ...]]:
+    """file -> the functions in it that call a reload begin/finish (`RELOAD_CALLS`)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for f in sorted(root.rglob("*.py")):
+        text = f.read_text(errors="replace")
+        if not any(f"{name}(" in text for name in RELOAD_CALLS):
+            continue
+        callers = set()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call):
+                    called = getattr(node.func, "id", getattr(node.func, "attr", ""))
+                    if called in RELOAD_CALLS:
+                        callers.add(fn.name)
+        if callers:
+            out[f.relative_to(root).as_posix()] = tuple(sorted(callers))
+    return out
+
+
+def check_reload_units(rel: Release) -> list[str]:
+    """Direct reload's begin/finish run only where the row says (inside entry points the
+    hooks already make one weight update: ``Worker.reload_weights``, the transfer session's
+    ``start_weight_update`` .. ``finish_weight_update``); a new caller fails naming it."""
+    if not rel.reload_callers:
+        return []
+    import vllm
+
+    found = reload_callers(Path(vllm.__file__).parent)
+    return [f"vllm/{f}: {', '.join(fns)} begins or finishes a reload outside the {rel.version} "
+            f"row's update units (expected {', '.join(rel.reload_callers.get(f, ())) or 'none'})"
+            for f, fns in sorted(found.items()) if rel.reload_callers.get(f) != fns] + [
+        f"vllm/{f}: no longer begins or finishes a reload ({rel.version} row)"
+        for f in sorted(rel.reload_callers) if f not in found]

@@ -22,6 +22,19 @@ is built the same way) keeps them in objects of its own: ``runner.input_buffers`
 the rope state's positions) and ``runner.kv_caches``. The runner view exposes the union of
 every release's names (an attribute a runner lacks is skipped), so one engine's view never
 depends on which runner it built.
+
+Note [direct reload]
+~~~~~~~~~~~~~~~~~~~~
+0.34's ``VLLM_RELOAD_MODE=direct`` re-lays new data into the old storages between
+``begin_direct_reload`` and ``finish_direct_reload`` (which re-runs
+``process_weights_after_loading``). Both run only through ``start_reload`` /
+``finish_reload`` (``model_loader/reload/lifecycle.py``), which vLLM calls from
+``reload/inplace.py``'s ``reload_weights`` (what ``Worker.reload_weights`` runs) and from the
+weight-transfer engines' ``start_weight_update`` / ``finish_weight_update`` (what the
+worker's session methods run). Both are update units graphtrace already hooks (Note [weight
+updates] in graphtrace/vllm/hooks.py), so a direct reload is one update and the check runs
+when it finishes, with nothing more wrapped. ``Release.reload_callers`` pins that list, and
+the contract fails naming any new caller (a place a reload could begin outside a hooked unit).
 """
 
 from __future__ import annotations
@@ -94,6 +107,8 @@ class Release:
     fix_api: dict[str, bool]   # facts a fix text depends on (the fix-text table's keys)
     runs_here: str             # what runs on this CPU-only machine
     direct_reload: tuple[str, ...] = ()  # VLLM_RELOAD_MODE=direct's begin/finish (0.34)
+    # file -> functions that begin/finish a reload (Note [direct reload]); {}: not checked
+    reload_callers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     notes: tuple[str, ...] = field(default=())
 
 
@@ -187,7 +202,15 @@ RELEASES: dict[str, Release] = {
                  "engine_core_output_error": True},
         runs_here="vllm 0.34.0 (CUDA build): its Python modules import on CPU; no engine",
         direct_reload=("vllm.model_executor.model_loader.reload.direct:begin_direct_reload",
-                       "vllm.model_executor.model_loader.reload.direct:finish_direct_reload")),
+                       "vllm.model_executor.model_loader.reload.direct:finish_direct_reload"),
+        reload_callers={
+            "model_executor/model_loader/reload/lifecycle.py": ("finish_reload", "start_reload"),
+            # Worker.reload_weights -> the runner's reload_weights -> this one
+            "model_executor/model_loader/reload/inplace.py": ("reload_weights",),
+            # Worker.start_weight_update / finish_weight_update -> the transfer engine's
+            **{f"distributed/weight_transfer/{e}_engine.py": ("finish_weight_update",
+                                                              "start_weight_update")
+               for e in ("ipc", "m2n", "nccl")}}),
 }
 SUPPORTED = tuple(RELEASES)
 

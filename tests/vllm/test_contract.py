@@ -142,3 +142,18 @@ def test_a_refusal_travels_in_vllms_error_path_where_the_release_has_one():
     assert type(exc).__name__ == "GenerationError"
     assert str(exc) == ("StaleGraphError: stale storage 13 owned by "
                         "model.layers.0.qkv_proj.scale [moved]")
+
+
+def test_a_reload_begun_outside_the_hooked_units_fails_naming_the_file():
+    """Direct reload is one hooked update only while vLLM begins/finishes it inside
+    Worker.reload_weights or a transfer session (Note [direct reload] in releases.py)."""
+    row = _row()
+    if not row.reload_callers:  # 0.32/0.33: no direct reload; the field must stay empty
+        assert not row.fix_api["direct_reload"]
+        return
+    site = "model_executor/model_loader/reload/inplace.py"
+    fewer = dataclasses.replace(row, reload_callers={k: v for k, v in row.reload_callers.items()
+                                                     if k != site})
+    assert contract.check_reload_units(fewer) == [
+        f"vllm/{site}: reload_weights begins or finishes a reload outside the {row.version} "
+        "row's update units (expected none)"]
