@@ -53,6 +53,8 @@ def _resolve(module: str, qualname: str):
         if nxt is None:
             return None, f"{module}:{qualname}: missing ({part!r} not found)"
         obj = nxt
+    while getattr(obj, "__graphtrace_original__", None) is not None:  # hooks installed
+        obj = obj.__graphtrace_original__
     return obj, None
 
 

@@ -29,6 +29,19 @@ def test_installed_release_keeps_the_contract():
     assert problems == [], "\n".join(problems)
 
 
+def test_the_contract_is_read_from_the_originals_while_graphtrace_hooks_are_installed():
+    """In a process where the hooks are installed (any traced engine), check() sees vLLM's
+    methods, not graphtrace's wrappers (AsyncLLM.generate's is no async generator)."""
+    from graphtrace.vllm import hooks
+
+    hooks.install()
+    import vllm.v1.engine.async_llm as async_llm
+
+    assert getattr(async_llm.AsyncLLM.__dict__["generate"], "__graphtrace_wrapped__", False)
+    problems = contract.check(_row())
+    assert problems == [], "\n".join(problems)
+
+
 def test_an_unsupported_release_is_refused_by_name():
     with pytest.raises(LookupError, match=r"vLLM 0\.31\.2 is not a supported release"):
         releases.release("0.31.2")
