@@ -1,4 +1,5 @@
-"""Where graphtrace hooks into a vLLM worker (vLLM 0.32).
+"""Where graphtrace hooks into a vLLM worker (vLLM 0.32 to 0.34: the same targets in each; what
+every supported release must provide is graphtrace/vllm/releases.py, checked by contract.py).
 
 vLLM builds the model in ``Worker.load_model`` (``vllm.v1.worker.gpu_worker.Worker``; the
 CPU worker inherits it), captures CUDA graphs in ``compile_or_warm_up_model`` and releases
