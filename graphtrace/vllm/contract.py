@@ -95,11 +95,10 @@ def _sig(fn) -> str:
 
 
 def _check_hook_table(rel: Release) -> list[str]:
-    """hooks._TARGETS (what is wrapped) and the release row (what is checked) agree."""
+    """graphtrace.vllm.hooks (what is wrapped) and the release row (what is checked) agree."""
     from graphtrace.vllm import hooks
 
-    wrapped = {f"{m}:{c + '.' if c else ''}{meth}" for m, rows in hooks._TARGETS.items()
-               for c, meth, _b, _a in rows}
+    wrapped = set(hooks.targets())
     listed = {h.target for h in rel.hooks}
     return [f"{t}: wrapped by graphtrace.vllm.hooks but not in the {rel.version} row"
             for t in sorted(wrapped - listed)] + [

@@ -61,7 +61,7 @@ from graphtrace import clock
 
 __all__ = [
     "EVENTS", "add_listener", "remove_listener", "install", "uninstall", "wake_on_signals",
-    "worker_model", "worker_rank", "wrap_model_updates",
+    "worker_model", "worker_rank", "wrap_model_updates", "targets",
 ]
 
 logger = logging.getLogger("graphtrace.vllm")
@@ -110,6 +110,12 @@ _TARGETS = {
         (None, "process_weights_after_loading", "update", "call"),
     ],
 }
+
+
+def targets() -> list[str]:
+    """Every wrapped entry point as ``module:Class.method`` (``module:function``)."""
+    return [f"{m}:{c + '.' if c else ''}{meth}" for m, rows in _TARGETS.items()
+            for c, meth, _b, _a in rows]
 
 
 def add_listener(event: str, fn: Callable) -> None:
