@@ -54,7 +54,7 @@ import graphtrace as gt
 from graphtrace import clock
 from graphtrace.errors import GraphtraceError
 from graphtrace.tracing import active_trace
-from graphtrace.vllm import blind, hooks
+from graphtrace.vllm import blind, hooks, releases
 
 logger = logging.getLogger("graphtrace.vllm")
 
@@ -108,10 +108,9 @@ class _AttrView:
     """A plain attribute bag (walked like any user object)."""
 
 
-# The model runner attributes a captured forward reads as inputs (vLLM 0.32 GPU/CPU runner).
-RUNNER_INPUT_ATTRS = ("input_ids", "positions", "inputs_embeds", "query_start_loc", "seq_lens",
-                      "slot_mapping", "mrope_positions", "xdrope_positions", "is_token_ids",
-                      "input_batch", "kv_caches")
+# The model runner attributes a captured forward reads as inputs, every supported release's
+# runners (V1 and V2: Note [runner buffers] in graphtrace/vllm/releases.py).
+RUNNER_INPUT_ATTRS = releases.runner_input_attrs()
 
 
 def find_worker(llm) -> Any:

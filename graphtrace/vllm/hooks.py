@@ -1,4 +1,5 @@
-"""Where graphtrace hooks into a vLLM worker (vLLM 0.32).
+"""Where graphtrace hooks into a vLLM worker (vLLM 0.32 to 0.34: the same targets in each; what
+every supported release must provide is graphtrace/vllm/releases.py, checked by contract.py).
 
 vLLM builds the model in ``Worker.load_model`` (``vllm.v1.worker.gpu_worker.Worker``; the
 CPU worker inherits it), captures CUDA graphs in ``compile_or_warm_up_model`` and releases
@@ -62,7 +63,7 @@ from graphtrace.serving import strict
 __all__ = [
     "EVENTS", "add_listener", "remove_listener", "install", "uninstall", "wake_on_signals",
     "worker_model", "worker_rank", "wrap_model_updates", "serve_through", "SERVE_POINTS",
-    "DRAIN",
+    "DRAIN", "targets",
 ]
 
 logger = logging.getLogger("graphtrace.vllm")
@@ -111,6 +112,12 @@ _TARGETS = {
         (None, "process_weights_after_loading", "update", "call"),
     ],
 }
+
+
+def targets() -> list[str]:
+    """Every wrapped entry point as ``module:Class.method`` (``module:function``)."""
+    return [f"{m}:{c + '.' if c else ''}{meth}" for m, rows in _TARGETS.items()
+            for c, meth, _b, _a in rows]
 
 
 def add_listener(event: str, fn: Callable) -> None:

@@ -224,7 +224,7 @@ def before_step(core):
             return None
         refused = exc
     logger.error("graphtrace: refusing to serve until a correct weight update: %s", refused)
-    outputs = _refuse(core)
+    outputs = _refuse(core, refused)
     core.__dict__["_graphtrace_refused"] = refused
     return outputs, False
 
@@ -242,14 +242,37 @@ def drain_step(core, step):
         scheduler.__dict__.pop("has_requests", None)
 
 
-def _refuse(core) -> dict:
-    """Finish every unfinished request with FINISHED_ERROR; the step's outputs for them."""
+def refusal_error(refused: BaseException) -> dict:
+    """The keyword that carries a refusal in vLLM's own error path, where the release has
+    one (``Release.error_path``, graphtrace/vllm/releases.py): from 0.33 an
+    ``EngineCoreOutput.error`` (``RequestError``) reaches an ``AsyncLLM`` caller as
+    ``GenerationError(message)``, across processes and HTTP, with no client-side wrapper; a
+    synchronous ``LLM`` ignores it and sees ``finish_reason="error"`` as on 0.32. Empty on
+    0.32 (and on a release outside the table: the 0.32 path)."""
+    from graphtrace.vllm import releases
+
+    try:
+        rel = releases.release()
+    except LookupError:
+        return {}
+    if rel.error_path != "EngineCoreOutput.error":
+        return {}
+    from vllm.outputs import RequestError
+
+    return {"error": RequestError(code="graphtrace_stale_graph",
+                                  message=f"{type(refused).__name__}: {refused}")}
+
+
+def _refuse(core, refused: BaseException) -> dict:
+    """Finish every unfinished request with FINISHED_ERROR; the step's outputs for them
+    (carrying the refusal's text in vLLM's error field where there is one)."""
     from collections import defaultdict
 
     import torch
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
     from vllm.v1.request import RequestStatus
 
+    error = refusal_error(refused)
     finished = core.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR) or []
     by_client: dict[int, list] = defaultdict(list)
     for request in finished:
@@ -258,7 +281,8 @@ def _refuse(core) -> dict:
         # output processor asserts it has a detokenizer, which pooling requests lack
         pooled = torch.empty(0) if getattr(request, "pooling_params", None) is not None else None
         by_client[getattr(request, "client_index", 0)].append(EngineCoreOutput(
-            request.request_id, [], finish_reason=FinishReason.ERROR, pooling_output=pooled))
+            request.request_id, [], finish_reason=FinishReason.ERROR, pooling_output=pooled,
+            **error))
     return {client: EngineCoreOutputs(finished_requests={o.request_id for o in outs},
                                       outputs=outs)
             for client, outs in by_client.items()}
