@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import pandas as pd
 
@@ -12,13 +12,21 @@ from graphtrace.report.canonical import is_na
 from graphtrace.report.grouping import split_joined
 from graphtrace.vocab import STALE_VERDICTS, VERDICTS
 
-if TYPE_CHECKING:  # a Report is only read here; core.py imports this module
-    from graphtrace.report.core import Report
-
-__all__ = ["assert_no_stale"]
+__all__ = ["assert_no_stale", "StaleEdges"]
 
 
-def _owner_labels(report: Report) -> dict[int, str]:
+class StaleEdges(Protocol):
+    """What the check reads of a report: a `Report` is one (core.py imports this module, so
+    this one names the two frames it needs instead of importing `Report`)."""
+
+    @property
+    def stale(self) -> pd.DataFrame: ...
+
+    @property
+    def owners(self) -> pd.DataFrame: ...
+
+
+def _owner_labels(report: StaleEdges) -> dict[int, str]:
     """storage_id -> ``path (kind, status); ...`` from the owners frame."""
     out: dict[int, list[str]] = {}
     for r in report.owners.itertuples(index=False):
@@ -47,7 +55,7 @@ def _allowed_mask(edges: pd.DataFrame, allow: Iterable[str]) -> pd.Series:
     return mask
 
 
-def assert_no_stale(report: Report, *, allow: Iterable[str] | str = (),
+def assert_no_stale(report: StaleEdges, *, allow: Iterable[str] | str = (),
                     limit: int = 50) -> None:
     """Fail (``AssertionError``) when the report has stale-like edges (``STALE_VERDICTS``).
 
