@@ -686,21 +686,6 @@ def test_there_are_at_least_thirty_scenarios_and_every_verdict_is_reached():
 
 # -- a transformers Llama (tiny config, random init): the most common read, weight.t() -------
 
-def _llama():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 64, (1, 8))
-    keep = []
-    with torch.no_grad(), gt.trace(model, strict=True) as t:
-        with gt.capture("prefill") as g:
-            model(ids)
-        keep.append(g)
-    return model, t, keep
-
 
 def _weights(report):
     e = report.edges
@@ -708,8 +693,8 @@ def _weights(report):
 
 
 @pytest.mark.slow
-def test_llama_same_weights_assign_is_stale_latent_with_no_shape_note(tmp_path):
-    model, t, keep = _llama()
+def test_llama_same_weights_assign_is_stale_latent_with_no_shape_note(tmp_path, traced_llama):
+    model, t, keep = traced_llama
     guard = t.guard()
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(sd, assign=True)
@@ -724,8 +709,8 @@ def test_llama_same_weights_assign_is_stale_latent_with_no_shape_note(tmp_path):
 
 
 @pytest.mark.slow
-def test_llama_moved_to_float64_notes_the_dtype_and_no_shape(tmp_path):
-    model, t, keep = _llama()
+def test_llama_moved_to_float64_notes_the_dtype_and_no_shape(tmp_path, traced_llama):
+    model, t, keep = traced_llama
     guard = t.guard()
     model.to(torch.float64)  # new storages; the graph keeps the old float32 ones alive
     report = t.diff()

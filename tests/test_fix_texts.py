@@ -25,30 +25,20 @@ def _named(text: str, words) -> list[str]:
     return [w for w in words if w.lower() in text.lower()]
 
 
-def _llama_reloaded_with_assign():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 64, (1, 8))
-    keep = []
-    with torch.no_grad(), gt.trace(model, strict=True) as t:
-        with gt.capture("prefill") as g:
-            model(ids)
-        keep.append(g)
+def _reloaded_with_assign(traced_llama):
+    model, t, keep = traced_llama
     new = {k: torch.rand_like(v) for k, v in model.state_dict().items()}
     model.load_state_dict(new, assign=True)  # new tensors under the old names
     return model, t, keep
 
 
-def test_a_transformers_llama_reloaded_with_assign_names_no_vllm_api(tmp_path, capsys):
+def test_a_transformers_llama_reloaded_with_assign_names_no_vllm_api(tmp_path, capsys,
+                                                                    traced_llama):
     import transformers
 
     from graphtrace.cli import main
 
-    model, t, keep = _llama_reloaded_with_assign()
+    model, t, keep = _reloaded_with_assign(traced_llama)
     report = t.diff()
     assert report.meta["stack"] == {"name": "transformers",
                                     "release": transformers.__version__,
@@ -158,8 +148,8 @@ def test_the_stack_comes_from_model_classes_then_from_the_engine_imported(monkey
     assert detect_stack([plain]) == Stack("sglang", "0.5.6", "imported")
 
 
-def test_an_older_report_without_the_stack_loads_with_the_neutral_text(tmp_path):
-    model, t, keep = _llama_reloaded_with_assign()
+def test_an_older_report_without_the_stack_loads_with_the_neutral_text(tmp_path, traced_llama):
+    model, t, keep = _reloaded_with_assign(traced_llama)
     report = t.diff()
     edges = report.edges.copy()
     legacy = next(iter(LEGACY_TEXTS))
