@@ -110,3 +110,16 @@ def run_result_script():
     """`run_result_script(script, *args, env=..., timeout=...)`: an engine script run in a
     process of its own (tests/vllm/*_run.py), its GRAPHTRACE_RESULT line parsed."""
     return _run_result_script
+
+
+@pytest.fixture
+def trl_installed() -> None:
+    """TRL's real code drives the TRL client paths (the Makefile installs trl==1.16.0 in the
+    vLLM venv): skipped without it, failed with GRAPHTRACE_REQUIRE_VLLM=1."""
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        message = "trl is not installed in this venv (Makefile: the vLLM venv's install line)"
+        if REQUIRE:
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)

@@ -104,21 +104,10 @@ def _assert_client_path(r: dict, path: str, in_process: bool) -> None:
     assert fixed["after_generate"]["last"]["ok"]
 
 
-def _need_trl() -> None:
-    """TRL's real code drives the TRL path (the Makefile installs trl==1.16.0 in the vLLM venv)."""
-    import importlib.util
-
-    if importlib.util.find_spec("trl") is None:
-        message = "trl is not installed in this venv (Makefile: the vLLM venv's install line)"
-        if os.environ.get("GRAPHTRACE_REQUIRE_VLLM") == "1":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-
-
+@pytest.mark.usefixtures("trl_installed")
 @pytest.mark.parametrize("mode", ["trace_llm", "plugin"])
 def test_client_paths_in_one_process(tiny_llama_dir, changed_llama, tmp_path, mode,
                                      run_result_script):
-    _need_trl()
     result = _run(run_result_script, tiny_llama_dir, changed_llama, tmp_path, mode,
                   ",".join(CLIENT_PATHS) + ",reload")
     assert result["holder"] == HOLDER
@@ -144,6 +133,7 @@ def test_client_paths_in_one_process(tiny_llama_dir, changed_llama, tmp_path, mo
         assert any(c["trigger"] == "graphtrace_check" for c in checks)
 
 
+@pytest.mark.usefixtures("trl_installed")
 def test_trace_llm_takes_the_guard_from_the_plugins_environment(tiny_llama_dir, changed_llama,
                                                                   tmp_path, run_result_script):
     """Note [one guard switch] in graphtrace/vllm/adapter.py: ``trace_llm()`` with no
@@ -151,7 +141,6 @@ def test_trace_llm_takes_the_guard_from_the_plugins_environment(tiny_llama_dir, 
     plugin does: each clean update checked once, the stale one refused at the next
     ``generate`` with `StaleGraphError` naming the holder, served again after a correct one;
     its checks written where the plugin writes them."""
-    _need_trl()
     result = _run(run_result_script, tiny_llama_dir, changed_llama, tmp_path, "trace_llm_env",
                   "trl,openrlhf")
     assert result["holder"] == HOLDER

@@ -49,16 +49,6 @@ def _run(run_result_script, model_dir, changed, tmp_path: Path, mode: str, paths
                              timeout=600)
 
 
-def _need_trl() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("trl") is None:
-        message = "trl is not installed in this venv (Makefile: the vLLM venv's install line)"
-        if os.environ.get("GRAPHTRACE_REQUIRE_VLLM") == "1":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-
-
 def _assert_path(r: dict, path: str, guarded: bool) -> None:
     refreshed, missed, fixed = r["refreshed"], r["missed"], r["fixed"]
     for step in (refreshed, missed, fixed):
@@ -81,9 +71,9 @@ def _assert_path(r: dict, path: str, guarded: bool) -> None:
     assert fixed["diff"] == [{"verdict": "stable", "derived_from": SOURCE}], fixed["diff"]
 
 
+@pytest.mark.usefixtures("trl_installed")
 def test_plugin_guard_in_trl_and_openrlhf_syncs(tiny_llama_dir, changed_llama, tmp_path,
                                                run_result_script):
-    _need_trl()
     result = _run(run_result_script, tiny_llama_dir, changed_llama, tmp_path, "plugin",
                   "trl,openrlhf", guard_env=True)
     assert result["holder"] == HOLDER
@@ -105,13 +95,13 @@ def test_plugin_guard_engine_core_in_another_process(tiny_llama_dir, changed_lla
     _assert_path(result["paths"]["openrlhf"], "openrlhf", guarded=True)
 
 
+@pytest.mark.usefixtures("trl_installed")
 def test_trace_llm_without_a_guard_says_so_once_and_its_diff_names_the_holder(
         tiny_llama_dir, changed_llama, tmp_path, run_result_script):
     """``trace_llm()`` with no guard (none asked, none in the environment): each sync serves,
     one warning in the log says nothing checks the updates (three syncs, one line), and
     ``vt.diff()`` still finds the holder unrefreshed (lineage records TRL's bare
     ``load_weights``: an update for the trace, guard or not)."""
-    _need_trl()
     result = _run(run_result_script, tiny_llama_dir, changed_llama, tmp_path, "trace_llm",
                   "trl", guard_env=False)
     _assert_path(result["paths"]["trl"], "trl", guarded=False)
