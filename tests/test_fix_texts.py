@@ -176,3 +176,21 @@ def test_docs_hold_the_table():
     docs = (Path(__file__).parent.parent / "docs" / "provenance.md").read_text()
     assert markdown_table() in docs, "docs/provenance.md: paste python -m graphtrace.fixes " \
                                      "--markdown"
+
+
+# The vLLM rows of the fix table and graphtrace.vllm.releases' `fix_api` facts (checked against
+# each release's source by the contract test) are two tables of one fact: they must agree.
+FIX_API_WORDS = {"replace_parameter.prefer_copy": ("copy-in-place", "prefer_copy"),
+                 "refill_derived": ("recompute-in-place", "refill_derived"),
+                 "keep_constants": ("register-or-copy", "keep_constants"),
+                 "direct_reload": ("copy-in-place", "VLLM_RELOAD_MODE=direct")}
+
+
+@pytest.mark.parametrize("fact", sorted(FIX_API_WORDS))
+def test_the_vllm_fix_texts_agree_with_each_releases_fix_api(fact):
+    from graphtrace.vllm.releases import RELEASES
+
+    kind, word = FIX_API_WORDS[fact]
+    for version, row in RELEASES.items():
+        text = fix_text(kind, Stack("vllm", f"{version}.0"))
+        assert (word in text) == row.fix_api[fact], (version, fact, text)
