@@ -1133,8 +1133,6 @@ class Trace:
         from graphtrace.diff import diff
 
         models = self._live_models() if self.recorder.captures else self.models  # no capture: say that
-        if self.lineage is not None:  # Note [derived during updates] in graphtrace/lineage.py
-            self.lineage.catch_up()
         spots = self._spots_now(models)
         if self.derived.pairs:
             spots += self.derived.check(models)
@@ -1159,9 +1157,12 @@ class Trace:
             self.recorder.fail("lineage late match", exc)
 
     def _spots_now(self, models: dict[str, torch.nn.Module]) -> list[BlindSpot]:
-        """The trace's blind spots for a diff or a guard: the storages captured since the
-        last owner match matched first, so what that walk cut is one of them (a `walk cut`
-        both see, and every later diff)."""
+        """What a diff and a guard both do first: lineage caught up (Note [derived during
+        updates] in graphtrace/lineage.py), then the trace's blind spots, the storages
+        captured since the last owner match matched first, so what that walk cut is one of
+        them (a `walk cut` both see, and every later diff)."""
+        if self.lineage is not None:
+            self.lineage.catch_up()
         if self.recorder.captures and models:
             self._match_owners()
         return list(self.blind_spots)
@@ -1210,8 +1211,6 @@ class Trace:
 
         accept = accepted_kinds(accept)
         models = self._live_models() if self.recorder.captures else self.models
-        if self.lineage is not None:  # Note [derived during updates] in graphtrace/lineage.py
-            self.lineage.catch_up()
         spots = self._spots_now(models)
         if self.recorder.captures:
             try:
