@@ -126,6 +126,9 @@ def test_the_rocm_atom_finding_with_a_compiled_forward():
     process step runs eagerly either way, so the finding and the doubled scale are the same."""
     from graphtrace.demo.cases.rocm_atom_2028_scale_normalise import SYNCS, AtomModel, K
 
+    # Every case model runs CaseModel.forward, one code object: after eight other case models
+    # compiled it in this process, Dynamo's recompile limit would run this one eagerly.
+    torch.compiler.reset()
     torch.manual_seed(0)
     model = AtomModel(fixed=False).eval()
     forward = torch.compile(model, backend="inductor")
