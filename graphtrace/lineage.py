@@ -433,7 +433,10 @@ class Lineage:
                 if w:
                     written.append((a, False))
                 else:
-                    s = a.untyped_storage()
+                    try:
+                        s = a.untyped_storage()
+                    except NotImplementedError:  # storage-less (an mkldnn-packed weight): as _walk
+                        continue
                     reads[s._cdata] = s
                 continue
             _walk(a, w, False, written, reads)
