@@ -49,9 +49,9 @@ freezing, or refuse updates while the frozen CPU graphs exist
 
 On this machine (see the printed CPU line): SGLang's CPU graph runner needs the intel_amx
 attention backend, which SGLang refuses without AMX, and PyPI has no CPU build of sgl-kernel.
-When the installed sgl_kernel has no CPU attention ops the script puts the stand-in
+When the installed sgl_kernel has no CPU attention ops the script loads the stand-in
 `sglang_cpu_standin/common_ops.py` (pure-torch versions of the two attention ops, next to
-this file) on the path, and sets SGLang's platform fact `has_amx=True`
+this file) in every SGLang process (on the path, and as an SGLang plugin), and sets SGLang's platform fact `has_amx=True`
 (`sglang.srt.runtime_context.override_platform`) for argument resolution only. Neither
 touches the linear layers or Inductor: float32 linears take SGLang's native path even on an
 AMX Xeon (`amx_utils.dtype_is_supported`), so on an AMX Xeon with the CPU sgl-kernel build the
@@ -132,16 +132,18 @@ def cpu_attention_ops() -> tuple[bool, str]:
     return r.returncode == 0, "; ".join(errors[-2:]) or "ok"
 
 
-def install_no_freezing_plugin(work: Path) -> None:
-    """The control's plugin, as an installed distribution (an entry point in SGLang's plugin
-    group `sglang.srt.plugins`, which SGLang loads in every process it starts)."""
-    plugin = work / "plugin"
-    dist = plugin / "repro_no_freezing-0.0.dist-info"
+def install_plugin(work: Path, module: str, source: str | None = None) -> None:
+    """An SGLang plugin (entry point `<module>:register` in SGLang's plugin group
+    `sglang.srt.plugins`, which SGLang loads in every process it starts), as an installed
+    distribution in `work`; `source`: the module's text, when it is not on the path already."""
+    plugin = work / f"plugin_{module}"
+    dist = plugin / f"{module}-0.0.dist-info"
     dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: repro-no-freezing\nVersion: 0.0\n")
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.0\n")
     (dist / "entry_points.txt").write_text(
-        "[sglang.srt.plugins]\nrepro_no_freezing = repro_no_freezing:register\n")
-    (plugin / "repro_no_freezing.py").write_text(NO_FREEZING_PLUGIN)
+        f"[sglang.srt.plugins]\n{module} = {module}:register\n")
+    if source is not None:
+        (plugin / f"{module}.py").write_text(source)
     _prepend_path(plugin)
 
 
@@ -249,12 +251,13 @@ def main() -> int:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-cache")  # no cached graphs
     notes = []
     ok, why = cpu_attention_ops()
-    if not ok:
+    if not ok:  # the stand-in, imported in every SGLang process by a plugin of its own
         _prepend_path(STANDIN)
+        install_plugin(work, "common_ops")
         notes.append(f"the installed sgl_kernel has no CPU attention ops ({why[:160]}): "
                      f"using the pure-torch stand-in {STANDIN.name}/common_ops.py")
     if args.no_freezing:
-        install_no_freezing_plugin(work)
+        install_plugin(work, "repro_no_freezing", NO_FREEZING_PLUGIN)
         notes.append("CONTROL: Inductor freezing off (plugin after set_torch_compile_config)")
     if args.no_weight_prepack:
         os.environ["TORCHINDUCTOR_CPP_WEIGHT_PREPACK"] = "0"

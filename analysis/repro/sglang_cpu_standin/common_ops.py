@@ -4,7 +4,10 @@ The package registry has no CPU build of sgl-kernel (its CPU kernels are built f
 source for Xeons with AMX), and the CUDA build's `common_ops` needs libcuda.so.1. When that
 load fails, `sgl_kernel.load_utils._load_architecture_specific_ops` falls back to a plain
 `import common_ops`: with this folder on the path, that import finds this module, and the rest
-of sgl_kernel (its Python) imports as shipped.
+of sgl_kernel (its Python) imports as shipped. Where sgl_kernel is the placeholder package of
+requirements/sglang-placeholder (nothing imports `common_ops`), this module is also an SGLang
+plugin (`register`, entry point group `sglang.srt.plugins`): loading it registers the ops in
+every process SGLang starts.
 
 What it provides, and nothing more:
   * `sgl_kernel::decode_attention_cpu` and `sgl_kernel::extend_attention_cpu`, the two ops the
@@ -91,3 +94,7 @@ topk_sigmoid_cpu topk_softmax_cpu weight_packed_linear""".split()
 for _name in _PLACEHOLDERS:
     if not hasattr(torch.ops.sgl_kernel, _name):
         _lib.define(f"{_name}(Tensor x) -> ()")
+
+
+def register() -> None:
+    """The `sglang.srt.plugins` entry point: importing this module registered the ops."""
