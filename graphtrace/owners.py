@@ -170,9 +170,10 @@ def _key_repr(k: object) -> str | None:
 def _reaches_tensor(root: object, budget: int = 10_000) -> bool:
     """Can a tensor (or opaque handle) be reached from ``root`` the way the walk goes? A
     dict entry the walk cannot name (its key is no literal) is a cut only then: a plan
-    keyed by an Enum that holds no tensor (SGLang's layer-boundary ``plan.edges``) hides
-    nothing. Modules are walked under their own names; functions, partials and a spent
-    budget count as reaching one (closures may hold tensors; unsure is a cut)."""
+    keyed by an Enum that holds no tensor (SGLang's layer-boundary ``plan.edges``, whose
+    values hold layouts and plain functions) hides nothing. It follows what the walk follows
+    (closure cells, defaults, partials' arguments, bound methods' objects); modules are
+    walked under their own names; a spent budget counts as reaching one (unsure is a cut)."""
     todo, seen = [root], set()
     while todo:
         v = todo.pop()
@@ -186,9 +187,17 @@ def _reaches_tensor(root: object, budget: int = 10_000) -> bool:
         h = _handlers.get(tp)
         if h is None:
             h = _classify(tp)
-        if h in (_TENSOR, _OPAQUE, _PARTIAL, _FUNCTION, _METHOD, _BUILTIN):
+        if h in (_TENSOR, _OPAQUE):
             return True
-        if h == _DICT:
+        if h == _FUNCTION:  # what the walk follows of a function: closure cells, defaults
+            todo.extend(c.cell_contents for c in v.__closure__ or () if _filled(c))
+            todo.extend(v.__defaults__ or ())
+            todo.extend((v.__kwdefaults__ or {}).values())
+        elif h == _PARTIAL:
+            todo.extend((v.func, *v.args, *v.keywords.values()))
+        elif h in (_METHOD, _BUILTIN):
+            todo.extend((getattr(v, "__self__", None), getattr(v, "__func__", None)))
+        elif h == _DICT:
             todo.extend(v.keys())
             todo.extend(v.values())
         elif h in (_SEQ, _NAMEDTUPLE):
@@ -197,6 +206,14 @@ def _reaches_tensor(root: object, budget: int = 10_000) -> bool:
             todo.extend(getattr(v, "__dict__", {}).values())
             todo.extend(getattr(v, s, None) for s in _slot_names(tp))
     return False
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def _plain_key(k: object) -> object:

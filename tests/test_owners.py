@@ -302,14 +302,19 @@ def test_a_dict_key_that_is_no_literal_cuts_only_where_a_tensor_lies_beyond_it()
         ORDINARY = 1
 
     model = nn.Module()
+    def adapter(x):  # a plain function: no closure, no defaults
+        return x
+
     model.plan = types.SimpleNamespace(edges={Variant.ORDINARY: types.SimpleNamespace(
-        layout=("rows", 4), need={"read": [1, 2]})})
+        layout=("rows", 4), need={"read": [1, 2]}, adapter=adapter)})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert list(walk_owners(model)) == []
-    model.plan.edges[Variant.ORDINARY].need["scale"] = [torch.ones(1)]
-    with pytest.warns(RuntimeWarning, match="not a literal"):
-        assert list(walk_owners(model)) == []
+    for holds in ([torch.ones(1)], functools.partial(adapter, torch.ones(1)),
+                  (lambda t: lambda x: x * t)(torch.ones(1))):  # in a closure
+        model.plan.edges[Variant.ORDINARY].need["scale"] = holds
+        with pytest.warns(RuntimeWarning, match="not a literal"):
+            assert list(walk_owners(model)) == []
 
 
 def test_budget_exhaustion_warns():

@@ -11,6 +11,12 @@ post-load step does to it at each later update is read from the mode file:
   (correct: the storage a captured graph reads is updated, and the layer holds it again);
 - ``rebind``: computed anew and rebound (the bug class: the captured graph keeps the old one);
 - ``keep``: not recomputed (the derived value is stale, though nothing moved).
+
+One more stand-in, for the CPU host only: SGLang 0.5.23's ``release_memory_occupation`` ends
+with ``torch.get_device_module().synchronize()``, which on a CUDA build of torch is
+``torch.cuda.synchronize`` and raises without an NVIDIA driver (the scheduler dies). Where
+CUDA is not available that one call is made a no-op (there is nothing to synchronize on a
+CPU), so that SGLang's own release/resume path runs here.
 """
 
 from __future__ import annotations
@@ -33,7 +39,11 @@ def _mode() -> str:
 def register() -> None:
     if not os.environ.get(ENV):
         return
+    import torch
     import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda device=None: None
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
     original = UnquantizedLinearMethod.process_weights_after_loading
