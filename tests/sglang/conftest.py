@@ -24,19 +24,12 @@ ROOT = HERE.parent.parent
 REQUIRE = os.environ.get("GRAPHTRACE_REQUIRE_SGLANG") == "1"
 PLACEHOLDER_LOG = "GRAPHTRACE_SGL_KERNEL_LOG"
 
-_WORK = Path(tempfile.mkdtemp(prefix="graphtrace-sglang-tests-"))
-for key, value in {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1",
-                   "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
-                   "GRAPHTRACE_STRICT": "1",
-                   PLACEHOLDER_LOG: str(_WORK / "sgl_kernel_calls.log")}.items():
-    os.environ.setdefault(key, value)
-for key in ("GRAPHTRACE_SGLANG", "GRAPHTRACE_GUARD", "GRAPHTRACE_SGLANG_DIR"):
-    os.environ.pop(key, None)  # trace_engine sets them for the engines it starts
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # before sglang is imported (the probe)
 
 
-def _plant_entry_point() -> None:
+def _plant_entry_point(work: Path) -> None:
     """The test plugin's entry point, visible here and in SGLang's spawned processes."""
-    folder = _WORK / "plugins"
+    folder = work / "plugins"
     dist = folder / "graphtrace_test_plant-0.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: graphtrace-test-plant\n"
@@ -46,9 +39,6 @@ def _plant_entry_point() -> None:
     paths = [str(folder), str(ROOT)]
     sys.path[:0] = [p for p in paths if p not in sys.path]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")])
-
-
-_plant_entry_point()
 
 
 def _probe() -> str | None:
@@ -85,5 +75,23 @@ def _need_sglang():
 
 
 @pytest.fixture(scope="session")
-def work() -> Path:
-    return _WORK
+def work(_need_sglang):
+    """The tests' folder, and the environment SGLang's processes inherit (set only for
+    these tests, restored after: strict graphtrace, offline hubs, the placeholder's log)."""
+    folder = Path(tempfile.mkdtemp(prefix="graphtrace-sglang-tests-"))
+    saved = {k: os.environ.get(k) for k in (*_ENV, PLACEHOLDER_LOG, "PYTHONPATH", *_SWITCHES)}
+    os.environ.update({**_ENV, PLACEHOLDER_LOG: str(folder / "sgl_kernel_calls.log")})
+    for key in _SWITCHES:
+        os.environ.pop(key, None)  # trace_engine sets them for the engines it starts
+    _plant_entry_point(folder)
+    yield folder
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
+        "GRAPHTRACE_STRICT": "1"}
+_SWITCHES = ("GRAPHTRACE_SGLANG", "GRAPHTRACE_GUARD", "GRAPHTRACE_SGLANG_DIR")

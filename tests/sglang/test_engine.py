@@ -72,6 +72,18 @@ class Served:
     def checks(self) -> list[dict]:
         return self.st.checks()
 
+    def settle(self) -> None:
+        """After a refused request: SGLang finishes its abort in the scheduler's next rounds;
+        an update whose cache flush finds it still queued answers success=False ("the cache
+        was not flushed"). Wait until a flush succeeds (the engine is idle)."""
+        import time
+
+        for _ in range(50):
+            if self.engine.flush_cache().success:
+                return
+            time.sleep(0.1)
+        raise AssertionError("the engine did not become idle after a refused request")
+
 
 def test_the_scheduler_traces_the_model_and_records_a_graph_per_decode_batch_size(served):
     tokens = served.generate()
@@ -117,6 +129,7 @@ def test_a_rebound_holder_fails_the_update_refuses_serving_until_a_correct_one(s
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert HOLDER in cli.stdout and "stale" in cli.stdout
 
+    served.settle()
     assert served.session_update("refresh") == (True, "Success")
     assert len(served.generate()) == 4
     checks = served.checks()[before:]
@@ -144,6 +157,7 @@ def test_update_weights_from_disk_is_one_update(served):
     assert not answer[0] and f"{HOLDER} [moved]" in answer[1]
     with pytest.raises(Exception, match="graphtrace guard"):
         served.generate()
+    served.settle()
     served.mode.write_text("refresh")
     answer = served.engine.update_weights_from_disk(str(new))
     assert answer[0], answer
@@ -165,8 +179,8 @@ def test_memory_release_and_resume_is_checked_on_resume(served):
 
 
 def test_no_placeholder_kernel_was_called(served):
+    """Last: the engine started, served and went through every update above."""
     import os
 
-    served.generate()
     log = Path(os.environ["GRAPHTRACE_SGL_KERNEL_LOG"])
     assert not log.exists() or not log.read_text().strip(), log.read_text()
