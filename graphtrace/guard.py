@@ -881,9 +881,10 @@ def _describe_edges(problems: pd.DataFrame, limit: int) -> list[str]:
             break
         r = rows.iloc[0]
         graphs = ", ".join(dict.fromkeys(rows["graph"].astype(str)))
+        derived = f"; derived from {r['derived_from']}" if r.get("derived_from") else ""
         lines.append(f"  {r['verdict']:<8} storage {sid} ({r['dtype']} {r['shape']}, "
-                     f"{r['nbytes']} bytes) owned by {r['owners']} [{r['statuses']}]; "
-                     f"read by: {graphs}")
+                     f"{r['nbytes']} bytes) owned by {r['owners']} [{r['statuses']}]"
+                     f"{derived}; read by: {graphs}")
     for verdict in GUARD_PROBLEMS:
         if (problems["verdict"] == verdict).any():
             lines.append(f"  ({verdict}: {_WHAT[verdict]})")

@@ -65,6 +65,21 @@ __all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "Handle"
 # made while provenance is paused or off, and anything inside a capture region (a graph
 # that rewrites a storage every replay is `internal`: Note [write before read]).
 
+# Note [engine state]
+# ~~~~~~~~~~~~~~~~~~~~
+# An engine's KV cache and its attention kernels' scratch buffers are written by the model's
+# forward (prefill writes the keys and values it computed from the weights), so lineage gives
+# them the weights as sources. They are request state, not a value derived once: every
+# request writes the slots it reads before reading them, and engines drop the cache's
+# contents after a weight update (SGLang's flush after update_weights_*). Where a graph's op
+# both writes and reads such a buffer (a custom attention op taking the cache as `Tensor(a!)`:
+# graphtrace records its reads first), the capture reads it as an input, and freshness would
+# call it `unrefreshed` after every update. An adapter names such buffers
+# (`Trace.declare_state`) before the capture: `Lineage.forget` records a full write with no
+# sources, so no `Derived` is matched to them; identity (owners, freed storages) is still
+# checked. Only what the adapter names is forgotten: a derived cache an engine keeps across
+# updates must not be declared state.
+
 # Note [derived during updates]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Matching after a capture names the sources a captured storage had *then*. A storage the
@@ -433,7 +448,10 @@ class Lineage:
                 if w:
                     written.append((a, False))
                 else:
-                    s = a.untyped_storage()
+                    try:
+                        s = a.untyped_storage()
+                    except NotImplementedError:  # storage-less (an mkldnn-packed weight): as _walk
+                        continue
                     reads[s._cdata] = s
                 continue
             _walk(a, w, False, written, reads)
@@ -835,6 +853,15 @@ class Lineage:
         merged.pop(target._cdata, None)
         if merged:
             self._write(target, merged, full=True)
+
+    def forget(self, storage: torch.UntypedStorage) -> bool:
+        """`storage` holds engine state that no weight derives (a KV cache, a kernel's scratch
+        buffer: rewritten for every request): a full write with no sources, so a capture that
+        reads it matches no `Derived` to it (Note [engine state]). Whether lineage knew it."""
+        if storage._cdata not in self.nodes:
+            return False
+        self._write(storage, {}, full=True)
+        return True
 
     # -- memory ------------------------------------------------------------------------------
     def sweep(self) -> None:

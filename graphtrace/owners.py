@@ -167,6 +167,55 @@ def _key_repr(k: object) -> str | None:
     return None
 
 
+def _reaches_tensor(root: object, budget: int = 10_000) -> bool:
+    """Can a tensor (or opaque handle) be reached from ``root`` the way the walk goes? A
+    dict entry the walk cannot name (its key is no literal) is a cut only then: a plan
+    keyed by an Enum that holds no tensor (SGLang's layer-boundary ``plan.edges``, whose
+    values hold layouts and plain functions) hides nothing. It follows what the walk follows
+    (closure cells, defaults, partials' arguments, bound methods' objects); modules are
+    walked under their own names; a spent budget counts as reaching one (unsure is a cut)."""
+    todo, seen = [root], set()
+    while todo:
+        v = todo.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        budget -= 1
+        if budget < 0:
+            return True
+        tp = type(v)
+        h = _handlers.get(tp)
+        if h is None:
+            h = _classify(tp)
+        if h in (_TENSOR, _OPAQUE):
+            return True
+        if h == _FUNCTION:  # what the walk follows of a function: closure cells, defaults
+            todo.extend(c.cell_contents for c in v.__closure__ or () if _filled(c))
+            todo.extend(v.__defaults__ or ())
+            todo.extend((v.__kwdefaults__ or {}).values())
+        elif h == _PARTIAL:
+            todo.extend((v.func, *v.args, *v.keywords.values()))
+        elif h in (_METHOD, _BUILTIN):
+            todo.extend((getattr(v, "__self__", None), getattr(v, "__func__", None)))
+        elif h == _DICT:
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif h in (_SEQ, _NAMEDTUPLE):
+            todo.extend(v)
+        elif h == _OBJECT:
+            todo.extend(getattr(v, "__dict__", {}).values())
+            todo.extend(getattr(v, s, None) for s in _slot_names(tp))
+    return False
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
 def _plain_key(k: object) -> object:
     """`k` with every torch.Size (at any tuple depth) as a plain tuple."""
     if type(k) is torch.Size:
@@ -358,7 +407,8 @@ def _attribute_owners(model: nn.Module, max_depth: int,
                             continue
                         r = _key_repr(k)
                         if r is None:
-                            note("dict key that is not a literal", f"{path}[{k!r}]")
+                            if _reaches_tensor(x):  # no tensor beyond it: nothing is cut
+                                note("dict key that is not a literal", f"{path}[{k!r}]")
                         else:
                             step(x, f"{path}[{r}]", depth)
             elif h == _SEQ:

@@ -894,6 +894,27 @@ class Trace:
                 self.recorder.fail("watch_copy lineage", exc)
         return self
 
+    def declare_state(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Declare the storages of `tensors` engine state no weight derives (a KV cache, an
+        attention kernel's scratch buffer: rewritten for every request, dropped after a weight
+        update): lineage forgets what they were computed from so far, so a capture that reads
+        them as inputs does not find them `unrefreshed` after an update (Note [engine state]
+        in graphtrace/lineage.py). Call it before the capture. Owners and identity are still
+        checked. Returns how many storages lineage knew; 0 without lineage."""
+        if self.lineage is None:
+            return 0
+        known = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            try:
+                known += self.lineage.forget(t.untyped_storage())
+            except NotImplementedError:  # a storage-less layout: no lineage either
+                continue
+            except Exception as exc:  # fail open
+                self.recorder.fail("declare_state", exc)
+        return known
+
     # -- provenance --------------------------------------------------------------------------
     def models_changed(self) -> None:
         """The watched models were updated (weights pushed, holders rebuilt): captures from

@@ -164,7 +164,10 @@ FOREIGN_PRIVATE_ALLOWED = {
     "_non_persistent_buffers_set": "nn.Module's registry (demo reload)",
     "_fields": "namedtuple's public field list (underscored to avoid clashes)",
     "_getframe": "sys._getframe, not torch",
-    "_dummy_run": "vLLM's model runner warm-up, not torch (graphtrace.vllm)",
+    "_dummy_run": "vLLM's model runner warm-up, not torch (graphtrace.vllm); SGLang's runner's "
+                  "dummy forward (graphtrace.sglang)",
+    "_autotune_buffers": "SGLang's eager runner's decode-shaped dummy buffers, not torch "
+                         "(graphtrace.sglang: the emulated decode graphs)",
     "_w1": "a demo case's own class attribute",
     "_w2": "a demo case's own class attribute",
 }
@@ -244,7 +247,7 @@ def test_the_private_torch_check_finds_what_it_looks_for(tmp_path):
 
 SESSION = {"graphtrace.tracing"}
 ABOVE_CORE = ("graphtrace.tracing", "graphtrace.cli", "graphtrace.__main__", "graphtrace.vllm",
-              "graphtrace.demo")
+              "graphtrace.sglang", "graphtrace.demo")
 TRACE_INTERNALS = {"recorder", "owner_snapshot", "compiled_regions", "derived"}
 
 

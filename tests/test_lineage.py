@@ -496,3 +496,30 @@ def test_a_load_during_an_update_derives_nothing():
         assert t.guard().check().empty
     assert t.lineage.late == 0
     del g
+
+
+# -- engine state (Note [engine state]) ---------------------------------------------------------
+
+def _state_capture(declare: bool):
+    """A 'KV cache' and a derived cache, both written from the weight outside the capture and
+    read inside it; the KV cache declared engine state when `declare`."""
+    m = torch.nn.Linear(4, 4, bias=False)
+    kv, cache, x = torch.zeros(2, 4), torch.zeros(2, 4), torch.randn(2, 4)
+    with gt.trace(m, strict=True) as t, torch.no_grad():
+        kv.copy_(m(x))                  # what a prefill writes into the KV cache
+        cache.copy_(m.weight[:2] * 2)   # a value derived once from the weight
+        if declare:
+            assert t.declare_state([kv, torch.zeros(1)]) == 1  # lineage knew kv only
+        with gt.capture("decode"):
+            (m(x) + kv + cache).sum()
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(4, 4))  # an update in place
+    e = t.diff().edges
+    verdict = {p: e.loc[e["data_ptr"] == p, "verdict"].astype(str).iloc[0]
+               for p in (kv.data_ptr(), cache.data_ptr())}
+    return verdict[kv.data_ptr()], verdict[cache.data_ptr()]
+
+
+def test_declared_engine_state_is_not_unrefreshed_and_a_derived_cache_still_is():
+    assert _state_capture(declare=True) == ("unowned", "unrefreshed")
+    assert _state_capture(declare=False) == ("unrefreshed", "unrefreshed")  # what it fixes

@@ -291,6 +291,32 @@ def test_bounds_warn_and_cut():
     assert got == ["deep" + "['x']" * 20 + "['t']", "big[50]"]
 
 
+def test_a_dict_key_that_is_no_literal_cuts_only_where_a_tensor_lies_beyond_it():
+    """SGLang's layer boundaries keep a plan keyed by an Enum that holds no tensor
+    (``attn_boundary.plan.edges[BatchVariant.ORDINARY]``): nothing is cut there, so no
+    blind spot; the same key in front of a tensor (even deep in an object) still is one."""
+    import enum
+    import warnings
+
+    class Variant(enum.Enum):
+        ORDINARY = 1
+
+    model = nn.Module()
+    def adapter(x):  # a plain function: no closure, no defaults
+        return x
+
+    model.plan = types.SimpleNamespace(edges={Variant.ORDINARY: types.SimpleNamespace(
+        layout=("rows", 4), need={"read": [1, 2]}, adapter=adapter)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(walk_owners(model)) == []
+    for holds in ([torch.ones(1)], functools.partial(adapter, torch.ones(1)),
+                  (lambda t: lambda x: x * t)(torch.ones(1))):  # in a closure
+        model.plan.edges[Variant.ORDINARY].need["scale"] = holds
+        with pytest.warns(RuntimeWarning, match="not a literal"):
+            assert list(walk_owners(model)) == []
+
+
 def test_budget_exhaustion_warns():
     model = nn.Module()
     model.objs = [types.SimpleNamespace(t=torch.ones(1)) for _ in range(10)]

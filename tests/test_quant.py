@@ -335,6 +335,38 @@ def test_constants_folded_before_the_trace_stay_a_blind_spot_and_the_guard_fails
         guard.enforce()
 
 
+
+def test_constants_of_a_graph_compiled_in_the_trace_before_its_capture_are_still_tied():
+    """SGLang's CPU graph runner: the compiled forward first runs inside the trace but outside
+    any capture (it compiles; its extern MKL op reads the packed weight, a tensor without a
+    storage, where lineage records), then again inside the capture. Lineage skips the
+    storage-less argument (it raised NotImplementedError there), and the constants stay tied."""
+    from torch._inductor import config
+
+    from tests.test_differential import MLP
+    torch.manual_seed(0)
+    m = MLP().eval()
+    x = torch.rand(4, 8)
+    with torch.no_grad(), config.patch(freezing=True):
+        forward = torch.compile(m, backend="inductor")
+        keep = []
+        with gt.trace(m, strict=True) as t:
+            forward(x)  # compiles and runs: outside any capture
+            with gt.capture("g") as g:
+                keep.append(forward(x))
+            keep.append(g)
+    guard = t.guard(accept=["opaque handle"])
+    assert guard.check().empty
+    with torch.no_grad():
+        for lin in (m.up, m.down):
+            lin.weight.copy_(torch.randn_like(lin.weight))
+    e = t.diff().edges
+    frozen = e[e["verdict"].astype(str) == "unrefreshed"]
+    assert set(frozen["derived_from"].astype(str)) == {"up.weight", "down.weight"}
+    # the refusal names the weights each constant derives from
+    with pytest.raises(gt.StaleGraphError, match=r"unrefreshed .*derived from (up|down)\.weight"):
+        guard.enforce()
+
 # -- Python scalars baked into a graph (Note [baked scalars], graphtrace/scalars.py) ----------
 
 def test_a_hot_swapped_float_scaling_is_a_baked_scalar_in_diff_and_guard(tmp_path):
