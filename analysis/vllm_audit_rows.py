@@ -30,11 +30,50 @@ SELECTION_LISTS = {
     "_POSSIBLE_MXFP6_KERNELS": "mxfp6",
 }
 
+# The linear drivers: the quant scheme that selects a kernel of each family in vLLM's own code.
+# row -> (scheme class, positional arguments, keyword arguments); `linear_scheme_row` says which
+# row a kernel class takes. The classes are compressed-tensors schemes
+# (quantization/compressed_tensors/schemes) unless named `quark:` (quantization/quark/schemes,
+# driven through QuarkLinearMethod); a dict argument is a compressed-tensors QuantizationArgs,
+# a string `quant_utils:NAME` that constant of quantization/utils/quant_utils.py.
+_FP8_W = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+LINEAR_SCHEMES: dict[str, tuple[str, tuple, dict]] = {
+    "wNa16": ("CompressedTensorsWNA16", ("group", 4, 128), {"symmetric": True}),
+    "CutlassW4A8LinearKernel": ("CompressedTensorsW4A8Fp8", ("group", 4, 128), {}),
+    "XPUW4A8IntLinearKernel": ("CompressedTensorsW4A8Int", ("group", 4, 128), {}),
+    "int8": ("CompressedTensorsW8A8Int8", ("channel", False, True), {}),
+    "fp8_block": ("CompressedTensorsW8A8Fp8",
+                  (dict(_FP8_W, strategy="block", block_structure=[128, 128]), False), {}),
+    # per-tensor kernels get per-tensor weights; activations are quantized dynamically
+    # (this CPU build declares `_C::static_scaled_fp8_quant` with no arguments)
+    "fp8": ("CompressedTensorsW8A8Fp8", (dict(_FP8_W, strategy="channel"), False), {}),
+    "fp8/per-tensor": ("CompressedTensorsW8A8Fp8", (dict(_FP8_W, strategy="tensor"), False), {}),
+    "fp8_w8a16": ("CompressedTensorsW8A16Fp8", (dict(_FP8_W, strategy="channel"), False), {}),
+    "nvfp4": ("CompressedTensorsW4A4Fp4", (), {"use_a16": False}),
+    "nvfp4/a16": ("CompressedTensorsW4A4Fp4", (), {"use_a16": True}),
+    "mxfp4": ("CompressedTensorsW4A4Mxfp4", (), {}),
+    "mxfp8": ("CompressedTensorsW8A8Mxfp8", (), {}),
+    "mxfp6": ("quark:QuarkOCP_MX", ("quant_utils:kMxfp6E3M2Static", None), {}),
+}
+# the FP8 kernels given per-tensor weights: their names contain one of these
 PER_TENSOR_FP8 = ("PerTensor", "B12xTensor", "FlashInferFP8", "CPUFp8PerTensor")
-W4A8_FP8 = ("CutlassW4A8LinearKernel",)
-W4A8_INT = ("XPUW4A8IntLinearKernel",)
+# the NVFP4 kernels with 16-bit activations
+NVFP4_A16 = ("B12xNvFp4W4A16LinearKernel", "FlashInferCuteDslNvFp4W4A16LinearKernel",
+             "MarlinNvFp4LinearKernel", "HummingNvFp4LinearKernel")
 
 
+def linear_scheme_row(kernel: str, family: str) -> str:
+    """The LINEAR_SCHEMES row that drives linear kernel class `kernel` of `family`."""
+    if kernel in LINEAR_SCHEMES:
+        return kernel
+    if family == "fp8" and any(p in kernel for p in PER_TENSOR_FP8):
+        return "fp8/per-tensor"
+    if family == "nvfp4" and kernel in NVFP4_A16:
+        return "nvfp4/a16"
+    return family
+
+
+# activation dtype per family (the scheme's and the layer's): float16 for wNa16, else bfloat16
 ACT_DTYPE = {"wNa16": torch.float16}
 
 

@@ -93,6 +93,7 @@ from vllm_audit_rows import (  # noqa: E402,F401 (CPU_DEPENDENT: read by the tes
     ACT_DTYPE,
     BUILD_DEPENDENT,
     CPU_DEPENDENT,
+    LINEAR_SCHEMES,
     MOE_BASE_WHY_NOT,
     MOE_BASES,
     MOE_CONFIGS,
@@ -106,10 +107,8 @@ from vllm_audit_rows import (  # noqa: E402,F401 (CPU_DEPENDENT: read by the tes
     MOE_PACKAGES,
     MOE_TOPK,
     NO_FLIP,
-    PER_TENSOR_FP8,
     SELECTION_LISTS,
-    W4A8_FP8,
-    W4A8_INT,
+    linear_scheme_row,
 )
 
 
@@ -197,55 +196,35 @@ def _backend_of(cls) -> str | None:
 
 
 def make_scheme(k: KernelInfo):
-    """(scheme, quant-method class, activation dtype) that selects `k` in vLLM's own code."""
+    """(scheme, quant-method class, activation dtype) that selects `k` in vLLM's own code: its
+    LINEAR_SCHEMES row (analysis/vllm_audit_rows.py) built from vLLM's classes."""
+    import importlib
+
     from compressed_tensors.quantization import QuantizationArgs
     from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors as ct
-    from vllm.model_executor.layers.quantization.compressed_tensors import schemes as s
 
-    method = ct.CompressedTensorsLinearMethod
-    dt = torch.float16
-    if k.family == "wNa16":
-        if k.name in W4A8_FP8:
-            return s.CompressedTensorsW4A8Fp8("group", 4, 128), method, torch.float16
-        if k.name in W4A8_INT:
-            return s.CompressedTensorsW4A8Int("group", 4, 128), method, dt
-        return s.CompressedTensorsWNA16("group", 4, 128, symmetric=True), method, dt
-    if k.family == "int8":
-        return s.CompressedTensorsW8A8Int8("channel", False, True), method, torch.bfloat16
-    if k.family in ("fp8", "fp8_block"):
-        if k.family == "fp8_block":
-            args = QuantizationArgs(num_bits=8, type="float", strategy="block",
-                                    block_structure=[128, 128], symmetric=True, dynamic=False)
-            return s.CompressedTensorsW8A8Fp8(args, False), method, torch.bfloat16
-        # per-tensor kernels get per-tensor weights; activations are quantized dynamically
-        # (this CPU build declares `_C::static_scaled_fp8_quant` with no arguments)
-        per_tensor = any(p in k.name for p in PER_TENSOR_FP8)
-        args = QuantizationArgs(num_bits=8, type="float",
-                                strategy="tensor" if per_tensor else "channel",
-                                symmetric=True, dynamic=False)
-        return s.CompressedTensorsW8A8Fp8(args, False), method, torch.bfloat16
-    if k.family == "fp8_w8a16":
-        args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True,
-                                dynamic=False)
-        return s.CompressedTensorsW8A16Fp8(args, False), method, torch.bfloat16
-    if k.family == "nvfp4":
-        import vllm.model_executor.kernels.linear as kl
+    row = linear_scheme_row(k.name, k.family)
+    if row not in LINEAR_SCHEMES:
+        raise NotImplementedError(f"no driver for family {k.family!r}")
+    name, args, kwargs = LINEAR_SCHEMES[row]
+    quant = "vllm.model_executor.layers.quantization"
 
-        a16 = k.cls in (kl.B12xNvFp4W4A16LinearKernel,
-                        kl.FlashInferCuteDslNvFp4W4A16LinearKernel, kl.MarlinNvFp4LinearKernel,
-                        kl.HummingNvFp4LinearKernel)
-        return s.CompressedTensorsW4A4Fp4(use_a16=a16), method, torch.bfloat16
-    if k.family == "mxfp4":
-        return s.CompressedTensorsW4A4Mxfp4(), method, torch.bfloat16
-    if k.family == "mxfp8":
-        return s.CompressedTensorsW8A8Mxfp8(), method, torch.bfloat16
-    if k.family == "mxfp6":
-        from vllm.model_executor.layers.quantization.quark.quark import QuarkLinearMethod
-        from vllm.model_executor.layers.quantization.quark.schemes.quark_ocp_mx import QuarkOCP_MX
-        from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp6E3M2Static
+    def value(a):
+        if isinstance(a, dict):
+            return QuantizationArgs(**a)
+        if isinstance(a, str) and a.startswith("quant_utils:"):
+            return getattr(importlib.import_module(f"{quant}.utils.quant_utils"), a.split(":")[1])
+        return a
 
-        return QuarkOCP_MX(kMxfp6E3M2Static, None), QuarkLinearMethod, torch.bfloat16
-    raise NotImplementedError(f"no driver for family {k.family!r}")
+    if name.startswith("quark:"):
+        from vllm.model_executor.layers.quantization.quark import schemes
+        from vllm.model_executor.layers.quantization.quark.quark import QuarkLinearMethod as method
+        name = name.split(":")[1]
+    else:
+        from vllm.model_executor.layers.quantization.compressed_tensors import schemes
+        method = ct.CompressedTensorsLinearMethod
+    scheme = getattr(schemes, name)(*map(value, args), **kwargs)
+    return scheme, method, ACT_DTYPE[k.family]
 
 
 # ---------------------------------------------------------------------------------------------
