@@ -52,31 +52,31 @@ FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
         "reads the scales through that pointer (reproduced from vLLM alone: "
         "analysis/repro/cpu_int8_scale_after_reload.py). The weight it prepacked is released "
         "on purpose (cpu.py:146) and not listed"),
-    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w1_scale_val'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.w13_weight_scale'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w2_scale_val'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.w2_weight_scale'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w1_scale_val'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.w13_weight_scale'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w2_scale_val'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.w2_weight_scale'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
 }
+# The MXFP8 emulation experts (both methods that reach them): one cause for the four owners of
+# their scales; {rebuild} is where each method rebuilds the experts
+_MXFP8_STASHED = (
+    "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = "
+    "self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's "
+    "scales (:42-43); the experts object is rebuilt by every process_weights_after_loading "
+    "({rebuild}: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh "
+    "`get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes "
+    "the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` "
+    "(model_loader/reload/layerwise.py) then copies it into the layer's original "
+    "`w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer "
+    "parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, "
+    "the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned "
+    "scale)")
+FINDING_SOURCES.update({
+    (method, path): ("vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40",
+                     _MXFP8_STASHED.format(rebuild=rebuild))
+    for method, rebuild in (("CompressedTensorsW8A8Mxfp8MoEMethod",
+                             "compressed_tensors_moe_w8a8_mxfp8.py:134-137"),
+                            ("Mxfp8OnlineMoEMethod", "quantization/online/mxfp8.py:201"))
+    for path in ("moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w1_scale_val",
+                 "moe.routed_experts.w13_weight_scale",
+                 "moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w2_scale_val",
+                 "moe.routed_experts.w2_weight_scale")})
 
 # Note [audit diverged scales]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -326,13 +326,16 @@ _CONFIG_REBUILT = (
     "(`is_checkpoint_format=False`, model_loader/reload/inplace.py:104-108; Note [audit "
     "diverged scales]): the pattern of vLLM #41670 (`moe_quant_config._w1.scale` orphaned)")
 _SCALES = r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$"
+# the FP8 online methods' kernel setup (online/fp8.py), and what it replaces first on Marlin
+_FP8_ONLINE_SETUP = ("`_setup_kernel`, online/fp8.py:567 `get_fused_moe_quant_config`, :570 "
+                     "`make_fp8_moe_kernel`")
+_FP8_ONLINE_MARLIN = ", after replacing the Marlin-converted weights and scales (:562-565)"
 _CT = "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
 _Q = "vllm/model_executor/layers/quantization/quark/quark_moe.py"
 FINDING_PATTERNS += [
     (f"{_m}@triton", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale(_inv)?)$",
      "vllm/model_executor/layers/quantization/online/fp8.py:567",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
-                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
+     _CONFIG_REBUILT.format(rebuild=_FP8_ONLINE_SETUP,
                             replaced=", after replacing the quantized weights and scales "
                             "(:562-565)"))
     for _m in ("Fp8PerTensorOnlineMoEMethod", "Fp8PerBlockOnlineMoEMethod",
@@ -341,10 +344,8 @@ FINDING_PATTERNS += [
     ("Fp8PerBlockOnlineMoEMethod@marlin",
      r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale_inv)$",
      "vllm/model_executor/layers/quantization/online/fp8.py:567",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
-                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
-                            replaced=", after replacing the Marlin-converted weights and "
-                            "scales (:562-565)")),
+     _CONFIG_REBUILT.format(rebuild=_FP8_ONLINE_SETUP,
+                            replaced=_FP8_ONLINE_MARLIN)),
     ("Mxfp4OnlineMoEMethod@marlin", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
      "vllm/model_executor/layers/quantization/online/mxfp4.py:252",
      _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/mxfp4.py:252 "
@@ -355,10 +356,8 @@ FINDING_PATTERNS += [
 FINDING_PATTERNS += [
     ("Fp8PerTensorOnlineMoEMethod@marlin", _SCALES,
      "vllm/model_executor/layers/quantization/online/fp8.py:567",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
-                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
-                            replaced=", after replacing the Marlin-converted weights and "
-                            "scales (:562-565)")),
+     _CONFIG_REBUILT.format(rebuild=_FP8_ONLINE_SETUP,
+                            replaced=_FP8_ONLINE_MARLIN)),
     ("Int8OnlineMoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scale)$",
      "vllm/model_executor/layers/quantization/online/int8.py:112",
      _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/int8.py:112 "

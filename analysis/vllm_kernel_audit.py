@@ -384,11 +384,7 @@ def audit_kernel(k: KernelInfo) -> Outcome:
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    res = Outcome(k)
-    t0 = time.perf_counter()
-    standins.reset_used()
-    res.stage = "select"
-    try:
+    with row_outcome(k) as res:
         with forced(k, ACT_DTYPE[k.family]):
             # vLLM builds schemes while the model's dtype is the default (some read it)
             with set_default_torch_dtype(ACT_DTYPE[k.family]):
@@ -411,11 +407,26 @@ def audit_kernel(k: KernelInfo) -> Outcome:
             res.stage = "apply"
             x = torch.randn(BATCH, K_IN, generator=torch.Generator().manual_seed(0)).to(act_dtype)
             capture_reload_diff(res, model, x, lambda: load(layer, _reload_checkpoint(model)))
-    except Exception as exc:  # every failure is a row: the step and the exact reason
+    return res
+
+
+@contextlib.contextmanager
+def row_outcome(k: KernelInfo, on_failure=None):
+    """One row's Outcome: the stand-ins it uses, the seconds it takes, and any failure as its
+    reason (every failure is a row: the step, `res.stage`, and the exact reason), which
+    `on_failure(res)` may extend."""
+    res = Outcome(k)
+    t0 = time.perf_counter()
+    standins.reset_used()
+    res.stage = "select"
+    try:
+        yield res
+    except Exception as exc:
         res.reason = _reason(exc)
+        if on_failure is not None:
+            on_failure(res)
     res.standins = standins.used()
     res.seconds = time.perf_counter() - t0
-    return res
 
 
 def capture_reload_diff(res: Outcome, model, x, load_new) -> None:
@@ -894,11 +905,7 @@ def audit_moe(k: KernelInfo) -> Outcome:
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    res = Outcome(k)
-    t0 = time.perf_counter()
-    standins.reset_used()
-    res.stage = "select"
-    try:
+    with row_outcome(k, _moe_why_not) as res:
         if k.name in MOE_IMPORT_FAILURES:
             raise ImportError(MOE_IMPORT_FAILURES[k.name])
         dt = torch.bfloat16
@@ -952,17 +959,18 @@ def audit_moe(k: KernelInfo) -> Outcome:
             logits = torch.randn(BATCH, MOE_EXPERTS, generator=g).to(dt)
             capture_reload_diff(res, model, (x, logits),
                                 lambda: load_moe(layer, seed=2, dropped=res.dropped))
-    except Exception as exc:
-        res.reason = _reason(exc)
-        if not k.backend and res.stage in ("create_weights", "load",
-                                           "process_weights_after_loading"):
-            res.reason += f"; {amx_probe(k)}"
-        why = MOE_FORCED_WHY_NOT.get(k.name) or MOE_BASE_WHY_NOT.get(k.name)
-        if why:
-            res.reason += f"; {why}"
-    res.standins = standins.used()
-    res.seconds = time.perf_counter() - t0
     return res
+
+
+def _moe_why_not(res: Outcome) -> None:
+    """A MoE row that did not run: what AMX would change, and why, where the source was read."""
+    k = res.kernel
+    if not k.backend and res.stage in ("create_weights", "load",
+                                       "process_weights_after_loading"):
+        res.reason += f"; {amx_probe(k)}"
+    why = MOE_FORCED_WHY_NOT.get(k.name) or MOE_BASE_WHY_NOT.get(k.name)
+    if why:
+        res.reason += f"; {why}"
 
 
 def _moe_layer(k: KernelInfo, config, dt: torch.dtype):
