@@ -326,26 +326,27 @@ _CONFIG_REBUILT = (
     "(`is_checkpoint_format=False`, model_loader/reload/inplace.py:104-108; Note [audit "
     "diverged scales]): the pattern of vLLM #41670 (`moe_quant_config._w1.scale` orphaned)")
 _SCALES = r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$"
-# the FP8 online methods' kernel setup (online/fp8.py), and what it replaces first on Marlin
-_FP8_ONLINE_SETUP = ("`_setup_kernel`, online/fp8.py:567 `get_fused_moe_quant_config`, :570 "
-                     "`make_fp8_moe_kernel`")
+
+
+def _fp8_online(row: str, pattern: str, replaced: str) -> tuple[str, str, str, str]:
+    """A finding of the FP8 online methods: their kernel setup (online/fp8.py) after `replaced`."""
+    return (row, pattern, "vllm/model_executor/layers/quantization/online/fp8.py:567",
+            _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
+                                   "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
+                                   replaced=replaced))
+
+
 _FP8_ONLINE_MARLIN = ", after replacing the Marlin-converted weights and scales (:562-565)"
 _CT = "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
 _Q = "vllm/model_executor/layers/quantization/quark/quark_moe.py"
 FINDING_PATTERNS += [
-    (f"{_m}@triton", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale(_inv)?)$",
-     "vllm/model_executor/layers/quantization/online/fp8.py:567",
-     _CONFIG_REBUILT.format(rebuild=_FP8_ONLINE_SETUP,
-                            replaced=", after replacing the quantized weights and scales "
-                            "(:562-565)"))
+    _fp8_online(f"{_m}@triton", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale(_inv)?)$",
+                ", after replacing the quantized weights and scales (:562-565)")
     for _m in ("Fp8PerTensorOnlineMoEMethod", "Fp8PerBlockOnlineMoEMethod",
                "Fp8PtpcOnlineMoEMethod")]
 FINDING_PATTERNS += [
-    ("Fp8PerBlockOnlineMoEMethod@marlin",
-     r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale_inv)$",
-     "vllm/model_executor/layers/quantization/online/fp8.py:567",
-     _CONFIG_REBUILT.format(rebuild=_FP8_ONLINE_SETUP,
-                            replaced=_FP8_ONLINE_MARLIN)),
+    _fp8_online("Fp8PerBlockOnlineMoEMethod@marlin",
+                r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale_inv)$", _FP8_ONLINE_MARLIN),
     ("Mxfp4OnlineMoEMethod@marlin", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
      "vllm/model_executor/layers/quantization/online/mxfp4.py:252",
      _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/mxfp4.py:252 "
@@ -354,10 +355,7 @@ FINDING_PATTERNS += [
                             "(:243-246)")),
 ]
 FINDING_PATTERNS += [
-    ("Fp8PerTensorOnlineMoEMethod@marlin", _SCALES,
-     "vllm/model_executor/layers/quantization/online/fp8.py:567",
-     _CONFIG_REBUILT.format(rebuild=_FP8_ONLINE_SETUP,
-                            replaced=_FP8_ONLINE_MARLIN)),
+    _fp8_online("Fp8PerTensorOnlineMoEMethod@marlin", _SCALES, _FP8_ONLINE_MARLIN),
     ("Int8OnlineMoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scale)$",
      "vllm/model_executor/layers/quantization/online/int8.py:112",
      _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/int8.py:112 "
