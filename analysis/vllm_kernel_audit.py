@@ -15,9 +15,9 @@ through the code vLLM runs for it:
    parameter's weight loader, `finalize_layerwise_reload`), then `t.diff()` and, where the
    graph has stale edges, a flip test on the emulated replay.
 
-The harness is the only place that pretends: see Note [audit stand-ins]. Run:
-
-    PYTHONPATH=$PWD .venv-vllm/bin/python analysis/vllm_kernel_audit.py [--quick] [--out DIR]
+This is the harness: the rows, findings and stand-ins are tables (docs/audit.md), and only the
+stand-ins pretend (Note [audit stand-ins]). Run:
+    PYTHONPATH=$PWD .venv-vllm/bin/python analysis/vllm_kernel_audit.py [--kernel NAME] [--out DIR]
 
 Writes analysis/results/vllm_kernel_audit.md and .csv (one row per kernel class) and .cpu.json
 (the CPU they were made on). Every row runs in a process of its own (Note [audit row
@@ -43,7 +43,7 @@ from __future__ import annotations
 # - nothing else is patched: the scheme's create_weights, the weight loaders, the kernel's
 #   process_weights_after_loading and apply_weights, and vLLM's reload all run as shipped.
 # A finding is reported against vLLM only after the source line that rebinds or holds the
-# tensor has been read (FINDING_SOURCES below); a stale edge whose owner is made by the
+# tensor has been read (FINDING_SOURCES, vllm_audit_findings.py); a stale edge whose owner is made by the
 # harness would be a stand-in artifact, and is listed as such.
 import argparse
 import contextlib
