@@ -130,14 +130,17 @@ _STRIDES_REBUILT = (
 
 # (kernel row, owner-path regex) -> (vLLM line, what it does): the MoE findings, where one
 # cause covers every path of an edge (the quant config is reachable from several owners)
+# compressed-tensors FP8 MoE's scales, whatever backend its kernel is rebuilt for
+_CT_FP8_SCALES = (
+    r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
+    "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
+    "compressed_tensors_moe_w8a8_fp8.py:319",
+    _SCALE_REBUILT.format(replace="compressed_tensors_moe_w8a8_fp8.py:313-314",
+                          rebuild="compressed_tensors_moe_w8a8_fp8.py:319-327"))
 FINDING_PATTERNS: list[tuple[str, str, str, str]] = [
     ("CompressedTensorsW8A8Fp8MoEMethod@cutlass", r"(ab|c)_strides[12]$",
      "vllm/model_executor/layers/fused_moe/experts/cutlass_moe.py:299", _STRIDES_REBUILT),
-    ("CompressedTensorsW8A8Fp8MoEMethod@cutlass", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
-     "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
-     "compressed_tensors_moe_w8a8_fp8.py:319",
-     _SCALE_REBUILT.format(replace="compressed_tensors_moe_w8a8_fp8.py:313-314",
-                           rebuild="compressed_tensors_moe_w8a8_fp8.py:319-327")),
+    ("CompressedTensorsW8A8Fp8MoEMethod@cutlass", *_CT_FP8_SCALES),
     ("Fp8MoEMethod@aiter", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
      "vllm/model_executor/layers/quantization/fp8.py:697",
      _SCALE_REBUILT.format(replace="fp8.py:690-691, after the AITER shuffle of "
@@ -194,12 +197,7 @@ FINDING_PATTERNS: list[tuple[str, str, str, str]] = [
      _SCALE_REBUILT.format(replace="fp8.py:690-691, after the Marlin repack of "
                            "convert_to_fp8_moe_kernel_format", rebuild="fp8.py:693-700 "
                            "`_init_moe_kernel`")),
-    ("CompressedTensorsW8A8Fp8MoEMethod@triton",
-     r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
-     "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
-     "compressed_tensors_moe_w8a8_fp8.py:319",
-     _SCALE_REBUILT.format(replace="compressed_tensors_moe_w8a8_fp8.py:313-314",
-                           rebuild="compressed_tensors_moe_w8a8_fp8.py:319-327")),
+    ("CompressedTensorsW8A8Fp8MoEMethod@triton", *_CT_FP8_SCALES),
     ("ModelOptFp8MoEMethod@triton", r"(quant_config\._[wa][12]\.scale|w(13|2)_(weight|input)_scale)$",
      "vllm/model_executor/layers/quantization/modelopt.py:611",
      _TENSORS_REBUILT.format(
@@ -328,6 +326,11 @@ _CONFIG_REBUILT = (
 _SCALES = r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$"
 
 
+def _rebuilt(row: str, pattern: str, source: str, rebuild: str, replaced: str):
+    """A finding of a quant config rebuilt on reload (_CONFIG_REBUILT) at `rebuild`."""
+    return row, pattern, source, _CONFIG_REBUILT.format(rebuild=rebuild, replaced=replaced)
+
+
 def _fp8_online(row: str, pattern: str, replaced: str) -> tuple[str, str, str, str]:
     """A finding of the FP8 online methods: their kernel setup (online/fp8.py) after `replaced`."""
     return (row, pattern, "vllm/model_executor/layers/quantization/online/fp8.py:567",
@@ -356,50 +359,51 @@ FINDING_PATTERNS += [
 ]
 FINDING_PATTERNS += [
     _fp8_online("Fp8PerTensorOnlineMoEMethod@marlin", _SCALES, _FP8_ONLINE_MARLIN),
-    ("Int8OnlineMoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scale)$",
-     "vllm/model_executor/layers/quantization/online/int8.py:112",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/int8.py:112 "
-                            "`get_fused_moe_quant_config`, :115 `make_int8_moe_kernel`",
-                            replaced=", after `_quantize_weights` replaced the scales "
-                            "(:98-99)")),
-    ("CompressedTensorsW8A8Int8MoEMethod@triton", _SCALES,
-     _CT + "compressed_tensors_moe_w8a8_int8.py:223",
-     _CONFIG_REBUILT.format(rebuild="compressed_tensors_moe_w8a8_int8.py:223 "
-                            "`get_fused_moe_quant_config`, :225 `make_int8_moe_kernel`",
-                            replaced="")),
-    ("QuarkW8A8Int8MoEMethod@triton", _SCALES, f"{_Q}:1309",
-     _CONFIG_REBUILT.format(rebuild="quark_moe.py:1309 `get_fused_moe_quant_config`, :1315 "
-                            "`make_int8_moe_kernel`", replaced="")),
-    ("QuarkW4A16Int4MoEMethod@triton", _SCALES, f"{_Q}:459",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, quark_moe.py:459 "
-                            "`get_fused_moe_quant_config`, :461 `make_wna16_moe_kernel`",
-                            replaced=", after replacing the converted scales (:452-453)")),
-    ("QuarkOCP_MX_MoEMethod@marlin", _SCALES, f"{_Q}:1847",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, quark_moe.py:1847 "
-                            "`get_fused_moe_quant_config`, :1849 `make_mxfp4_moe_kernel`",
-                            replaced=", after replacing the converted scales (:1837-1838)")),
-    ("GptOssMxfp4MoEMethod@marlin", _SCALES,
-     "vllm/model_executor/layers/quantization/mxfp4.py:379",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, mxfp4.py:379 "
-                            "`get_fused_moe_quant_config`, :383 `make_mxfp4_moe_kernel`",
-                            replaced=", after replacing the converted scales (:366-367)")),
-    ("CompressedTensorsW4A4Mxfp4MoEMethod@marlin", _SCALES,
-     _CT + "compressed_tensors_moe_w4a4_mxfp4.py:238",
-     _CONFIG_REBUILT.format(rebuild="compressed_tensors_moe_w4a4_mxfp4.py:238 "
-                            "`get_fused_moe_quant_config`, :241 `make_mxfp4_moe_kernel`",
-                            replaced=", after rebinding the swizzled CUTLASS scales as new "
-                            "`nn.Parameter`s (:206-211)")),
-    ("MoeWNA16Method@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scales)$",
-     "vllm/model_executor/layers/quantization/moe_wna16.py:415",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, moe_wna16.py:415 "
-                            "`get_fused_moe_quant_config` (the layer's `w13_scales`/"
-                            "`w2_scales`, :404-406), :417 `make_wna16_moe_kernel`",
-                            replaced="")),
-    ("ModelOptMxFp8FusedMoE@marlin", _SCALES,
-     "vllm/model_executor/layers/quantization/modelopt.py:1449",
-     _CONFIG_REBUILT.format(rebuild="modelopt.py:1449 `get_fused_moe_quant_config`, :1452 "
-                            "`make_fp8_moe_kernel`",
-                            replaced=", after replacing the converted scales (:1446-1447)")),
+    _rebuilt("Int8OnlineMoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scale)$",
+             "vllm/model_executor/layers/quantization/online/int8.py:112",
+             "`_setup_kernel`, online/int8.py:112 "
+             "`get_fused_moe_quant_config`, :115 `make_int8_moe_kernel`",
+             ", after `_quantize_weights` replaced the scales "
+             "(:98-99)"),
+    _rebuilt("CompressedTensorsW8A8Int8MoEMethod@triton", _SCALES,
+             _CT + "compressed_tensors_moe_w8a8_int8.py:223",
+             "compressed_tensors_moe_w8a8_int8.py:223 "
+             "`get_fused_moe_quant_config`, :225 `make_int8_moe_kernel`",
+             ""),
+    _rebuilt("QuarkW8A8Int8MoEMethod@triton", _SCALES, f"{_Q}:1309",
+             "quark_moe.py:1309 `get_fused_moe_quant_config`, :1315 "
+             "`make_int8_moe_kernel`",
+             ""),
+    _rebuilt("QuarkW4A16Int4MoEMethod@triton", _SCALES, f"{_Q}:459",
+             "`_setup_kernel`, quark_moe.py:459 "
+             "`get_fused_moe_quant_config`, :461 `make_wna16_moe_kernel`",
+             ", after replacing the converted scales (:452-453)"),
+    _rebuilt("QuarkOCP_MX_MoEMethod@marlin", _SCALES, f"{_Q}:1847",
+             "`_setup_kernel`, quark_moe.py:1847 "
+             "`get_fused_moe_quant_config`, :1849 `make_mxfp4_moe_kernel`",
+             ", after replacing the converted scales (:1837-1838)"),
+    _rebuilt("GptOssMxfp4MoEMethod@marlin", _SCALES,
+             "vllm/model_executor/layers/quantization/mxfp4.py:379",
+             "`_setup_kernel`, mxfp4.py:379 "
+             "`get_fused_moe_quant_config`, :383 `make_mxfp4_moe_kernel`",
+             ", after replacing the converted scales (:366-367)"),
+    _rebuilt("CompressedTensorsW4A4Mxfp4MoEMethod@marlin", _SCALES,
+             _CT + "compressed_tensors_moe_w4a4_mxfp4.py:238",
+             "compressed_tensors_moe_w4a4_mxfp4.py:238 "
+             "`get_fused_moe_quant_config`, :241 `make_mxfp4_moe_kernel`",
+             ", after rebinding the swizzled CUTLASS scales as new "
+             "`nn.Parameter`s (:206-211)"),
+    _rebuilt("MoeWNA16Method@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scales)$",
+             "vllm/model_executor/layers/quantization/moe_wna16.py:415",
+             "`_setup_kernel`, moe_wna16.py:415 "
+             "`get_fused_moe_quant_config` (the layer's `w13_scales`/"
+             "`w2_scales`, :404-406), :417 `make_wna16_moe_kernel`",
+             ""),
+    _rebuilt("ModelOptMxFp8FusedMoE@marlin", _SCALES,
+             "vllm/model_executor/layers/quantization/modelopt.py:1449",
+             "modelopt.py:1449 `get_fused_moe_quant_config`, :1452 "
+             "`make_fp8_moe_kernel`",
+             ", after replacing the converted scales (:1446-1447)"),
 ]
 
 # The @cpu rows (Note [audit CPU experts]): the same process_weights_after_loading lines as
