@@ -15,9 +15,9 @@ through the code vLLM runs for it:
    parameter's weight loader, `finalize_layerwise_reload`), then `t.diff()` and, where the
    graph has stale edges, a flip test on the emulated replay.
 
-The harness is the only place that pretends: see Note [audit stand-ins]. Run:
-
-    PYTHONPATH=$PWD .venv-vllm/bin/python analysis/vllm_kernel_audit.py [--quick] [--out DIR]
+This is the harness: the rows, findings and stand-ins are tables (docs/audit.md), and only the
+stand-ins pretend (Note [audit stand-ins]). Run:
+    PYTHONPATH=$PWD .venv-vllm/bin/python analysis/vllm_kernel_audit.py [--kernel NAME] [--out DIR]
 
 Writes analysis/results/vllm_kernel_audit.md and .csv (one row per kernel class) and .cpu.json
 (the CPU they were made on). Every row runs in a process of its own (Note [audit row
@@ -43,7 +43,7 @@ from __future__ import annotations
 # - nothing else is patched: the scheme's create_weights, the weight loaders, the kernel's
 #   process_weights_after_loading and apply_weights, and vLLM's reload all run as shipped.
 # A finding is reported against vLLM only after the source line that rebinds or holds the
-# tensor has been read (FINDING_SOURCES below); a stale edge whose owner is made by the
+# tensor has been read (FINDING_SOURCES, vllm_audit_findings.py); a stale edge whose owner is made by the
 # harness would be a stand-in artifact, and is listed as such.
 import argparse
 import contextlib
@@ -79,6 +79,37 @@ K_IN, N_OUT, BATCH = 256, 128, 4   # in features, out features, tokens: tiny, bl
 # Stand-ins (Note [audit stand-ins]): analysis/vllm_audit_standins.py
 
 import vllm_audit_standins as standins  # noqa: E402
+
+# The rows and findings are data, reviewed apart from this harness: analysis/vllm_audit_rows.py
+# (what each row runs and what is expected of it), analysis/vllm_audit_findings.py (the vLLM
+# line behind each finding); how to add a row: docs/audit.md.
+from vllm_audit_findings import (  # noqa: E402
+    PUBLISHED_MOE_BUGS,
+    RELOAD_DROP_SOURCE,
+    RELOAD_FAILURES,
+    finding_source,
+)
+from vllm_audit_rows import (  # noqa: E402,F401 (CPU_DEPENDENT: read by the tests)
+    ACT_DTYPE,
+    BUILD_DEPENDENT,
+    CPU_DEPENDENT,
+    LINEAR_SCHEMES,
+    MOE_BASE_WHY_NOT,
+    MOE_BASES,
+    MOE_CONFIGS,
+    MOE_EXPERTS,
+    MOE_FORCED_BACKENDS,
+    MOE_FORCED_WHY_NOT,
+    MOE_HIDDEN,
+    MOE_INTER,
+    MOE_LAYER_ARGS,
+    MOE_NOT_DRIVEN,
+    MOE_PACKAGES,
+    MOE_TOPK,
+    NO_FLIP,
+    SELECTION_LISTS,
+    linear_scheme_row,
+)
 
 
 def install_standins() -> list[str]:
@@ -117,21 +148,6 @@ def _rel(path: str) -> str:
         except ValueError:
             continue
     return path
-
-
-# selection list in kernels/linear/__init__.py -> family, in the order a kernel listed in
-# several is assigned (Marlin FP8 is in the FP8, block and W8A16 lists: audit it as FP8)
-SELECTION_LISTS = {
-    "_POSSIBLE_KERNELS": "wNa16",
-    "_POSSIBLE_INT8_KERNELS": "int8",
-    "_POSSIBLE_FP8_KERNELS": "fp8",
-    "_POSSIBLE_FP8_BLOCK_KERNELS": "fp8_block",
-    "_POSSIBLE_WFP8A16_KERNELS": "fp8_w8a16",
-    "_POSSIBLE_NVFP4_KERNELS": "nvfp4",
-    "_POSSIBLE_MXFP4_KERNELS": "mxfp4",
-    "_POSSIBLE_MXFP8_KERNELS": "mxfp8",
-    "_POSSIBLE_MXFP6_KERNELS": "mxfp6",
-}
 
 
 def discover() -> list[KernelInfo]:
@@ -179,72 +195,36 @@ def _backend_of(cls) -> str | None:
     return None
 
 
-PER_TENSOR_FP8 = ("PerTensor", "B12xTensor", "FlashInferFP8", "CPUFp8PerTensor")
-W4A8_FP8 = ("CutlassW4A8LinearKernel",)
-W4A8_INT = ("XPUW4A8IntLinearKernel",)
-
-
-ACT_DTYPE = {"wNa16": torch.float16}
-
-
-class _Default(dict):
-    def __missing__(self, key):
-        return torch.bfloat16
-
-
-ACT_DTYPE = _Default(ACT_DTYPE)
-
-
 def make_scheme(k: KernelInfo):
-    """(scheme, quant-method class, activation dtype) that selects `k` in vLLM's own code."""
+    """(scheme, quant-method class, activation dtype) that selects `k` in vLLM's own code: its
+    LINEAR_SCHEMES row (analysis/vllm_audit_rows.py) built from vLLM's classes."""
+    import importlib
+
     from compressed_tensors.quantization import QuantizationArgs
     from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors as ct
-    from vllm.model_executor.layers.quantization.compressed_tensors import schemes as s
 
-    method = ct.CompressedTensorsLinearMethod
-    dt = torch.float16
-    if k.family == "wNa16":
-        if k.name in W4A8_FP8:
-            return s.CompressedTensorsW4A8Fp8("group", 4, 128), method, torch.float16
-        if k.name in W4A8_INT:
-            return s.CompressedTensorsW4A8Int("group", 4, 128), method, dt
-        return s.CompressedTensorsWNA16("group", 4, 128, symmetric=True), method, dt
-    if k.family == "int8":
-        return s.CompressedTensorsW8A8Int8("channel", False, True), method, torch.bfloat16
-    if k.family in ("fp8", "fp8_block"):
-        if k.family == "fp8_block":
-            args = QuantizationArgs(num_bits=8, type="float", strategy="block",
-                                    block_structure=[128, 128], symmetric=True, dynamic=False)
-            return s.CompressedTensorsW8A8Fp8(args, False), method, torch.bfloat16
-        # per-tensor kernels get per-tensor weights; activations are quantized dynamically
-        # (this CPU build declares `_C::static_scaled_fp8_quant` with no arguments)
-        per_tensor = any(p in k.name for p in PER_TENSOR_FP8)
-        args = QuantizationArgs(num_bits=8, type="float",
-                                strategy="tensor" if per_tensor else "channel",
-                                symmetric=True, dynamic=False)
-        return s.CompressedTensorsW8A8Fp8(args, False), method, torch.bfloat16
-    if k.family == "fp8_w8a16":
-        args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True,
-                                dynamic=False)
-        return s.CompressedTensorsW8A16Fp8(args, False), method, torch.bfloat16
-    if k.family == "nvfp4":
-        import vllm.model_executor.kernels.linear as kl
+    row = linear_scheme_row(k.name, k.family)
+    if row not in LINEAR_SCHEMES:
+        raise NotImplementedError(f"no driver for family {k.family!r}")
+    name, args, kwargs = LINEAR_SCHEMES[row]
+    quant = "vllm.model_executor.layers.quantization"
 
-        a16 = k.cls in (kl.B12xNvFp4W4A16LinearKernel,
-                        kl.FlashInferCuteDslNvFp4W4A16LinearKernel, kl.MarlinNvFp4LinearKernel,
-                        kl.HummingNvFp4LinearKernel)
-        return s.CompressedTensorsW4A4Fp4(use_a16=a16), method, torch.bfloat16
-    if k.family == "mxfp4":
-        return s.CompressedTensorsW4A4Mxfp4(), method, torch.bfloat16
-    if k.family == "mxfp8":
-        return s.CompressedTensorsW8A8Mxfp8(), method, torch.bfloat16
-    if k.family == "mxfp6":
-        from vllm.model_executor.layers.quantization.quark.quark import QuarkLinearMethod
-        from vllm.model_executor.layers.quantization.quark.schemes.quark_ocp_mx import QuarkOCP_MX
-        from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp6E3M2Static
+    def value(a):
+        if isinstance(a, dict):
+            return QuantizationArgs(**a)
+        if isinstance(a, str) and a.startswith("quant_utils:"):
+            return getattr(importlib.import_module(f"{quant}.utils.quant_utils"), a.split(":")[1])
+        return a
 
-        return QuarkOCP_MX(kMxfp6E3M2Static, None), QuarkLinearMethod, torch.bfloat16
-    raise NotImplementedError(f"no driver for family {k.family!r}")
+    if name.startswith("quark:"):
+        from vllm.model_executor.layers.quantization.quark import schemes
+        from vllm.model_executor.layers.quantization.quark.quark import QuarkLinearMethod as method
+        name = name.split(":")[1]
+    else:
+        from vllm.model_executor.layers.quantization.compressed_tensors import schemes
+        method = ct.CompressedTensorsLinearMethod
+    scheme = getattr(schemes, name)(*map(value, args), **kwargs)
+    return scheme, method, ACT_DTYPE[k.family]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,11 +384,7 @@ def audit_kernel(k: KernelInfo) -> Outcome:
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    res = Outcome(k)
-    t0 = time.perf_counter()
-    standins.reset_used()
-    res.stage = "select"
-    try:
+    with row_outcome(k) as res:
         with forced(k, ACT_DTYPE[k.family]):
             # vLLM builds schemes while the model's dtype is the default (some read it)
             with set_default_torch_dtype(ACT_DTYPE[k.family]):
@@ -431,11 +407,26 @@ def audit_kernel(k: KernelInfo) -> Outcome:
             res.stage = "apply"
             x = torch.randn(BATCH, K_IN, generator=torch.Generator().manual_seed(0)).to(act_dtype)
             capture_reload_diff(res, model, x, lambda: load(layer, _reload_checkpoint(model)))
-    except Exception as exc:  # every failure is a row: the step and the exact reason
+    return res
+
+
+@contextlib.contextmanager
+def row_outcome(k: KernelInfo, on_failure=None):
+    """One row's Outcome: the stand-ins it uses, the seconds it takes, and any failure as its
+    reason (every failure is a row: the step, `res.stage`, and the exact reason), which
+    `on_failure(res)` may extend."""
+    res = Outcome(k)
+    t0 = time.perf_counter()
+    standins.reset_used()
+    res.stage = "select"
+    try:
+        yield res
+    except Exception as exc:
         res.reason = _reason(exc)
+        if on_failure is not None:
+            on_failure(res)
     res.standins = standins.used()
     res.seconds = time.perf_counter() - t0
-    return res
 
 
 def capture_reload_diff(res: Outcome, model, x, load_new) -> None:
@@ -500,150 +491,7 @@ def capture_reload_diff(res: Outcome, model, x, load_new) -> None:
 # vLLM's oracle picks for this CPU platform (CPU experts where vLLM has them); no backend is
 # forced.
 
-MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, MOE_TOPK = 4, 128, 128, 2
-MOE_PACKAGES = ("vllm.model_executor.layers.quantization", "vllm.model_executor.layers.fused_moe")
-MOE_BASES = ("FusedMoEMethodBase", "CompressedTensorsMoEMethod", "QuarkMoEMethod",
-             "OnlineMoEMethodBase", "_Fp8OnlineMoEBase", "Mxfp4MoEMethod")
 MOE_IMPORT_FAILURES: dict[str, str] = {}     # class name -> why its module did not import
-
-
-def _ct_group(weights: dict, acts: dict | None = None, fmt: str = "float-quantized") -> dict:
-    return {"quant_method": "compressed-tensors", "format": fmt,
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": acts}},
-            "ignore": []}
-
-
-_FP8_T = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
-          "dynamic": False}
-_FP8_CH = dict(_FP8_T, strategy="channel")
-_FP8_DYN_TOK = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
-                "dynamic": True}
-_INT8_CH = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True,
-            "dynamic": False}
-_INT8_DYN_TOK = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
-                 "dynamic": True}
-_INT4_G = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
-           "symmetric": True, "dynamic": False}
-_FP4_G = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-          "symmetric": True, "dynamic": False}
-_FP4_DYN = dict(_FP4_G, dynamic="local")
-_MXFP4 = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
-          "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"}
-_MXFP8 = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32,
-          "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"}
-
-
-def _quark(weight: dict, act: dict | None) -> dict:
-    return {"quant_method": "quark", "export": {"kv_cache_group": [], "pack_method": "reorder"},
-            "global_quant_config": {"weight": weight, "input_tensors": act, "output_tensors": None,
-                                    "bias": None},
-            "layer_quant_config": {}, "layer_type_quant_config": {}, "exclude": []}
-
-
-_Q_FP8 = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False, "symmetric": True}
-_Q_INT8_CH = {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 0, "is_dynamic": False,
-              "symmetric": True}
-_Q_INT8_TOK = {"dtype": "int8", "qscheme": "per_channel", "ch_axis": 1, "is_dynamic": True,
-               "symmetric": True}
-_Q_INT4_G = {"dtype": "int4", "qscheme": "per_group", "group_size": 128, "ch_axis": 1,
-             "is_dynamic": False, "symmetric": True}
-_Q_INT4_CH = {"dtype": "int4", "qscheme": "per_channel", "ch_axis": 0, "is_dynamic": False,
-              "symmetric": True}
-_Q_MXFP4 = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1,
-            "is_dynamic": False, "scale_format": "e8m0"}
-_Q_MXFP4_DYN = dict(_Q_MXFP4, is_dynamic=True)
-_Q_NVFP4 = {"dtype": "fp4", "qscheme": "per_group", "group_size": 16, "ch_axis": -1,
-            "is_dynamic": False, "scale_format": "float8_e4m3fn"}
-
-# method class -> (quant config name for vLLM's registry, the checkpoint's config dict) or
-# ("online", None): built as vLLM's online config builds it
-MOE_CONFIGS: dict[str, tuple[str, dict | None]] = {
-    "Fp8MoEMethod": ("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic"}),
-    "ModelOptFp8MoEMethod": ("modelopt", {"quantization": {"quant_algo": "FP8"}}),
-    "ModelOptNvFp4FusedMoE": ("modelopt_fp4", {"quantization": {
-        "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": [],
-        "kv_cache_quant_algo": None}}),
-    # the fields modelopt.py:815 / :1243 require of an hf_quant_config.json
-    "ModelOptMxFp8FusedMoE": ("modelopt_mxfp8", {"quantization": {
-        "quant_algo": "MXFP8", "kv_cache_quant_algo": None, "exclude_modules": []}}),
-    "Mxfp4MoEMethod": ("mxfp4", {}),
-    "GptOssMxfp4MoEMethod": ("gpt_oss_mxfp4", {}),
-    "AutoAWQMoEMethod": ("awq", {"quant_method": "awq", "bits": 4, "group_size": 128,
-                                 "zero_point": True}),
-    "AutoGPTQMoEMethod": ("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128,
-                                   "desc_act": False, "sym": True}),
-    "MoeWNA16Method": ("moe_wna16", {"quant_method": "gptq", "bits": 4, "group_size": 128,
-                                     "desc_act": False, "sym": True}),
-    "CompressedTensorsW8A8Fp8MoEMethod": ("compressed-tensors", _ct_group(_FP8_CH,
-                                                                         _FP8_DYN_TOK)),
-    "CompressedTensorsW8A8Int8MoEMethod": ("compressed-tensors", _ct_group(
-        _INT8_CH, _INT8_DYN_TOK, "int-quantized")),
-    "CompressedTensorsWNA16MoEMethod": ("compressed-tensors", _ct_group(
-        _INT4_G, None, "pack-quantized")),
-    "CompressedTensorsW4A4Nvfp4MoEMethod": ("compressed-tensors", _ct_group(
-        _FP4_G, _FP4_DYN, "nvfp4-pack-quantized")),
-    "CompressedTensorsW4A4Mxfp4MoEMethod": ("compressed-tensors", _ct_group(
-        _MXFP4, None, "mxfp4-pack-quantized")),
-    "CompressedTensorsW8A8Mxfp8MoEMethod": ("compressed-tensors", _ct_group(
-        _MXFP8, dict(_MXFP8, dynamic=True), "mxfp8-quantized")),
-    "CompressedTensorsW4A8Int8MoEMethod": ("compressed-tensors", _ct_group(
-        dict(_INT4_G, strategy="group"), _INT8_DYN_TOK, "int-quantized")),
-    "CompressedTensorsW4A8Fp8MoEMethod": ("compressed-tensors", _ct_group(
-        _INT4_G, _FP8_DYN_TOK, "int-quantized")),
-    "CompressedTensorsW4A8Mxfp4MoEMethod": ("compressed-tensors", _ct_group(
-        _MXFP4, _FP8_DYN_TOK, "mxfp4-pack-quantized")),
-    "QuarkW8A8Fp8MoEMethod": ("quark", _quark(_Q_FP8, _Q_FP8)),
-    "QuarkW8A8Int8MoEMethod": ("quark", _quark(_Q_INT8_CH, _Q_INT8_TOK)),
-    "QuarkW4A16Int4MoEMethod": ("quark", _quark(_Q_INT4_G, None)),
-    "QuarkOCP_MX_MoEMethod": ("quark", _quark(_Q_MXFP4, _Q_MXFP4_DYN)),
-    # two-element weight/input lists: what quark_moe.py:185-197 (`_is_fp8_w4a8`, `_is_nvfp4`,
-    # quark.py:366, :602) match; a single dict is read as another scheme
-    "QuarkNvfp4MoEMethod": ("quark", _quark([_Q_NVFP4, _Q_FP8], [dict(_Q_NVFP4, is_dynamic=True),
-                                                                  _Q_FP8])),
-    "QuarkW4A8Fp8MoEMethod": ("quark", _quark([_Q_FP8, _Q_INT4_CH], _Q_FP8)),
-    # FlashInferExperts takes FP8 with static per-tensor activation scales
-    # (experts/flashinfer_cutlass_moe.py:_supports_quant_scheme)
-    "Fp8MoEMethod@flashinfer_cutlass": ("fp8", {"quant_method": "fp8",
-                                                "activation_scheme": "static"}),
-    # AutoRound (Intel Neural Compressor) MX exports: the fields INCConfig.from_config and
-    # `_validate_raw_config` read (quantization/inc/inc.py:223-256, :274-309)
-    "INCMxfp8MoEMethod": ("inc", {"quant_method": "auto-round", "bits": 8, "group_size": 32,
-                                  "data_type": "mx_fp", "sym": True, "act_bits": 8,
-                                  "act_data_type": "mx_fp", "act_group_size": 32,
-                                  "act_sym": True, "act_dynamic": True}),
-    "INCMxfp4MoEMethod": ("inc", {"quant_method": "auto-round", "bits": 4, "group_size": 32,
-                                  "data_type": "mx_fp", "sym": True, "act_bits": 4,
-                                  "act_data_type": "mx_fp", "act_group_size": 32,
-                                  "act_sym": True, "act_dynamic": True}),
-    # a ModelOpt MIXED_PRECISION export whose experts use a GGUF-style block codec: the
-    # per-layer recipe fields ModelOptMixedPrecisionConfig checks (modelopt.py:1563-1575), the
-    # expert projections listed per expert, as a model's config.json lists them
-    "ModelOptBlockQuantMoEMethod": ("modelopt_mixed", {"quantization": {
-        "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "exclude_modules": [],
-        "quantized_layers": {
-            f"moe.experts.{e}.{proj}": {"quant_algo": "IQ2_XS", "group_size": 256,
-                                        "block_payload_bytes": 74, "packing": "ggml"}
-            for e in range(MOE_EXPERTS) for proj in ("gate_proj", "up_proj", "down_proj")}}}),
-    "Fp8PerTensorOnlineMoEMethod": ("online", None),
-    "Fp8PerBlockOnlineMoEMethod": ("online", None),
-    "Fp8PtpcOnlineMoEMethod": ("online", None),
-    "Int8OnlineMoEMethod": ("online", None),
-    "Mxfp4OnlineMoEMethod": ("online", None),
-    "Mxfp8OnlineMoEMethod": ("online", None),
-    "Nvfp4OnlineMoEMethod": ("online", None),
-}
-
-# methods with no checkpoint config the harness can build, and why (read in the source)
-MOE_NOT_DRIVEN: dict[str, str] = {
-    "HummingMoEMethod": "needs the `humming` package (quantization/humming.py)",
-    "CompressedTensorsW4A16FlydslMoEMethod": (
-        "vLLM builds it only on ROCm: the compressed-tensors MoE selection returns it when "
-        "`current_platform.is_rocm()`, the GPU is a gfx950, LoRA is off and moe_backend is "
-        "\"flydsl\" (compressed_tensors_moe.py:105-126); its apply runs aiter's FlyDSL MoE "
-        "kernels (`aiter.ops.flydsl.kernels.moe_2stage_a16wmix` and aiter's `moe_sorting`, "
-        "fused_moe/fused_flydsl_moe.py:81, :188), so a ROCm gfx950 GPU with aiter would run it"),
-}
 
 
 # Note [audit MoE LoRA]
@@ -761,200 +609,6 @@ def _one_cpu_extension() -> None:
     sys.modules["vllm._C"] = types.ModuleType(
         "vllm._C", "placeholder: the ops of vllm._C_AVX2/_C_AVX512 are registered as torch.ops._C "
                    "(analysis/vllm_kernel_audit.py, Note [audit CPU extension])")
-
-
-# Note [audit MoE backends]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~
-# On this CPU vLLM's oracles pick no backend for most quantized methods (the CPU experts need
-# AMX, experts/cpu_moe.py; what an AMX CPU would pick: Note [audit AMX probe]). The published
-# MoE bugs live in the CUDA/ROCm backends, so a method also runs once per backend listed in
-# MOE_FORCED_BACKENDS, as a row `Class@backend`: the backend is requested the way a user does
-# (`kernel_config.moe_backend`, which the oracle's "explicit moe_backend from user" branch
-# honours, e.g. oracle/fp8.py select_fp8_moe_backend), and inside `forced_moe_device()` the
-# platform is a Hopper (SM 9.0) and every experts class answers yes to
-# `_supports_current_device()`. Its quant-scheme, activation and shape checks still run as
-# shipped; a device question asked inside a scheme check (TritonExperts' INT8 needs
-# `is_cuda()` and SM 7.5, experts/triton_moe.py:137-144) gets the forced device's answer
-# (`_as_cuda`). `torch.accelerator.empty_cache()`, which raises with no accelerator
-# (quark_moe.py:1844), does nothing there. The backend's CUDA ops, Triton kernels and library
-# calls are stand-ins (Note [audit stand-ins]). vLLM's real CPU ops are never reached this
-# way (their AMX paths would SIGILL). A row that still cannot run says why
-# (MOE_FORCED_WHY_NOT); a method's row without a forced backend names the forced rows of the
-# method that ran (note_forced_rows).
-# CPU experts class (fused_moe/experts/cpu_moe.py) -> the methods whose oracle picks it on a CPU
-# with AMX (Note [audit AMX probe]); each also runs as a row `Class@cpu` (Note [audit CPU experts])
-MOE_CPU_EXPERTS: dict[str, tuple[str, ...]] = {
-    "CPUExpertsInt4": ("AutoAWQMoEMethod", "AutoGPTQMoEMethod", "MoeWNA16Method",
-                       "CompressedTensorsWNA16MoEMethod", "QuarkW4A16Int4MoEMethod"),
-    "CPUExpertsInt8": ("CompressedTensorsW8A8Int8MoEMethod", "QuarkW8A8Int8MoEMethod",
-                       "Int8OnlineMoEMethod"),
-    "CPUExpertsMxfp4": ("Mxfp4MoEMethod", "GptOssMxfp4MoEMethod", "Mxfp4OnlineMoEMethod",
-                        "CompressedTensorsW4A8Mxfp4MoEMethod", "QuarkOCP_MX_MoEMethod"),
-    "CPUExpertsFp8": ("Fp8PerBlockOnlineMoEMethod",),
-}
-
-MOE_FORCED_BACKENDS: list[tuple[str, str]] = [
-    ("CompressedTensorsW8A8Fp8MoEMethod", "cutlass"),        # vLLM #41670
-    ("Fp8MoEMethod", "flashinfer_cutlass"),                  # vLLM #50521
-    ("Fp8MoEMethod", "aiter"),                               # vLLM #40390
-    ("Fp8MoEMethod", "triton"),
-    # the FP8 checkpoint formats on the Triton experts (oracle/fp8.py map_fp8_backend)
-    ("ModelOptFp8MoEMethod", "triton"),
-    ("QuarkW8A8Fp8MoEMethod", "triton"),
-    ("CompressedTensorsW8A8Fp8MoEMethod", "triton"),
-    # weight-only FP8 through Marlin MoE (oracle/fp8.py: "marlin" -> MarlinExperts)
-    ("Fp8MoEMethod", "marlin"),
-    # WNA16 through Marlin MoE (oracle/int_wna16.py map_wna16_backend: "marlin")
-    ("AutoGPTQMoEMethod", "marlin"),
-    ("AutoAWQMoEMethod", "marlin"),
-    ("CompressedTensorsWNA16MoEMethod", "marlin"),
-    ("MoeWNA16Method", "marlin"),
-    ("QuarkW4A16Int4MoEMethod", "marlin"),
-    # Int8 on the Triton experts (oracle/int8.py map_int8_backend: "triton")
-    ("CompressedTensorsW8A8Int8MoEMethod", "triton"),
-    ("QuarkW8A8Int8MoEMethod", "triton"),
-    ("Int8OnlineMoEMethod", "triton"),
-    # MXFP4 (oracle/mxfp4.py map_mxfp4_backend: "marlin", "emulation")
-    ("Mxfp4MoEMethod", "marlin"),
-    ("GptOssMxfp4MoEMethod", "marlin"),
-    ("QuarkOCP_MX_MoEMethod", "marlin"),
-    # compressed-tensors W4A4 MXFP4 does not read moe_backend: it takes CutlassExpertsMxfp4
-    # wherever that class supports the device (compressed_tensors_moe_w4a4_mxfp4.py:63-79),
-    # so under the forced device this row runs the CUTLASS MXFP4 experts (its scheme column)
-    ("CompressedTensorsW4A4Mxfp4MoEMethod", "marlin"),
-    # AutoRound (INC) W4A4 MXFP4 picks likewise (quantization/inc/schemes/inc_mxfp4_moe.py:69:
-    # CUTLASS W4A4 where CutlassExpertsMxfp4 supports the device, else Marlin W4A16)
-    ("INCMxfp4MoEMethod", "marlin"),
-    ("Mxfp4MoEMethod", "emulation"),
-    # NVFP4 (oracle/nvfp4.py map_nvfp4_backend: "emulation", "marlin")
-    ("ModelOptNvFp4FusedMoE", "emulation"),
-    ("ModelOptNvFp4FusedMoE", "marlin"),
-    ("CompressedTensorsW4A4Nvfp4MoEMethod", "emulation"),
-    ("CompressedTensorsW4A4Nvfp4MoEMethod", "marlin"),
-    ("QuarkNvfp4MoEMethod", "emulation"),
-    ("QuarkNvfp4MoEMethod", "marlin"),
-    # the FP8 online methods on the Triton experts and Marlin (oracle/fp8.py map_fp8_backend)
-    ("Fp8PerTensorOnlineMoEMethod", "triton"),
-    ("Fp8PerBlockOnlineMoEMethod", "triton"),
-    ("Fp8PtpcOnlineMoEMethod", "triton"),
-    ("Fp8PerTensorOnlineMoEMethod", "marlin"),
-    # the other FP8 checkpoint formats on Marlin and AITER
-    ("ModelOptFp8MoEMethod", "marlin"),
-    ("QuarkW8A8Fp8MoEMethod", "marlin"),
-    ("CompressedTensorsW8A8Fp8MoEMethod", "marlin"),
-    ("ModelOptFp8MoEMethod", "aiter"),
-    ("QuarkW8A8Fp8MoEMethod", "aiter"),
-    ("CompressedTensorsW8A8Fp8MoEMethod", "aiter"),
-    # MXFP8 weights requested on Marlin
-    ("ModelOptMxFp8FusedMoE", "marlin"),
-    # WNA16 on the Triton experts (AutoAWQ's layout and GPTQ's bias are refused there,
-    # oracle/int_wna16.py:194-198) and on the INT4 emulation experts
-    ("CompressedTensorsWNA16MoEMethod", "triton"),
-    ("QuarkW4A16Int4MoEMethod", "triton"),
-    ("MoeWNA16Method", "triton"),
-    ("AutoAWQMoEMethod", "emulation"),
-    ("AutoGPTQMoEMethod", "emulation"),
-    # unquantized experts (oracle/unquantized.py map_unquantized_backend)
-    ("UnquantizedFusedMoEMethod", "triton"),
-    ("UnquantizedFusedMoEMethod", "aiter"),
-    ("UnquantizedFusedMoEMethod", "flashinfer_cutlass"),
-    # more methods on Marlin, and WNA16 on the INT4 emulation experts
-    ("Fp8PerBlockOnlineMoEMethod", "marlin"),
-    ("Mxfp4OnlineMoEMethod", "marlin"),
-    ("CompressedTensorsW4A8Mxfp4MoEMethod", "marlin"),
-    ("CompressedTensorsWNA16MoEMethod", "emulation"),
-    # vLLM's CPU experts without their AMX condition (Note [audit CPU experts])
-    *((name, "cpu") for names in MOE_CPU_EXPERTS.values() for name in names),
-]
-
-# forced-backend rows that still do not run, and why, read in vLLM's source (appended to the
-# row's reason)
-MOE_FORCED_WHY_NOT: dict[str, str] = {
-    "QuarkW4A16Int4MoEMethod@marlin": (
-        "on any device: Marlin MoE takes only AutoAWQ, AutoGPTQ and compressed-tensors "
-        "configs, a Quark config gets \"Marlin not supported for this layer\" "
-        "(fused_moe/oracle/int_wna16.py:208-221); the row QuarkW4A16Int4MoEMethod@triton runs"),
-    "MoeWNA16Method@marlin": (
-        "on any device: Marlin MoE (and the emulation experts) refuse the MoeWNA16 checkpoint "
-        "layout (`allow_marlin = not isinstance(quant_config, MoeWNA16Config)`, fused_moe/"
-        "oracle/int_wna16.py:208, :228-233); the row MoeWNA16Method@triton runs"),
-    "Mxfp4MoEMethod@emulation": (
-        "the OCP MX emulation experts (experts/ocp_mx_emulation_moe.py:131: amd-quark, which "
-        "the Makefile installs) dequantize MXFP4 with amd-quark's `mx.dq_mxfp4` at apply "
-        "(quantization/utils/mxfp4_utils.py:150-158), whose C++ kernel is CUDA/HIP only "
-        "(quark/torch/kernel/hw_emulation/csrc/python_function_export.cpp:75): a GPU with "
-        "amd-quark would run it"),
-}
-
-# the @cpu rows that do not run: vLLM's own code fails on the path an AMX CPU takes (Note
-# [audit CPU experts]); read in the source, the same with AMX
-_INT4_CPU_TYPE = (
-    "a bug on CPUs with AMX: the WNA16 oracle offers CPUExpertsInt4 to every int4 config "
-    "(its scheme check is only `kInt4Static`, fused_moe/experts/cpu_moe.py), so the AMX "
-    "probe's construction picks it, but the CPU weight processing accepts only AutoAWQ, "
-    "AutoGPTQ and compressed-tensors configs (`_process_weights_cpu`, fused_moe/oracle/"
-    "int_wna16.py:1005-1028) and raises TypeError when the weights are processed; the row {row} runs")
-MOE_FORCED_WHY_NOT.update({
-    "MoeWNA16Method@cpu": _INT4_CPU_TYPE.format(row="MoeWNA16Method@triton"),
-    "QuarkW4A16Int4MoEMethod@cpu": _INT4_CPU_TYPE.format(row="QuarkW4A16Int4MoEMethod@triton"),
-    "QuarkW8A8Int8MoEMethod@cpu": (
-        "a bug on CPUs with AMX: process_weights_after_loading builds the int8 kernel "
-        "(quark/quark_moe.py:1309 `get_fused_moe_quant_config`, :1315 `make_int8_moe_kernel`) "
-        "but never calls the experts' `process_weights_after_loading`, which for CPUExpertsInt8 "
-        "VNNI-packs the weights (`convert_weight_packed`, fused_moe/experts/cpu_moe.py:"
-        "1080-1085); compressed-tensors and online int8 call it (compressed_tensors_moe_w8a8_"
-        "int8.py:232, online/int8.py:122, and those rows run here). The unpacked weight "
-        "reaches `fused_experts_cpu` (_custom_ops.py:3371), which rejects it at the first "
-        "forward (K 128 where the packed layout has 132: 128 plus the int32 compensation)"),
-    "QuarkOCP_MX_MoEMethod@cpu": (
-        "a bug on vLLM's CPU platform: process_weights_after_loading calls "
-        "`torch.accelerator.empty_cache()` (quark/quark_moe.py:1844), which raises with no "
-        "accelerator (the forced-device row QuarkOCP_MX_MoEMethod@marlin runs because the "
-        "harness makes that call do nothing there, Note [audit MoE backends])"),
-})
-
-# methods with no row that runs, neither here nor on a forced backend, and what would change
-# that, read in vLLM's source (appended to the reason of the method's row)
-MOE_BASE_WHY_NOT: dict[str, str] = {
-    "CompressedTensorsW4A8Int8MoEMethod": (
-        "vLLM lists one W4A8 INT8 backend, on CPU only (fused_moe/oracle/w4a8_int8.py:39-41), "
-        "and its experts take only an Arm CPU (experts/cpu_int4_moe.py:60-64): an Arm CPU "
-        "would change it, not AMX or a GPU; their native op says so too (tried while "
-        "writing the @cpu rows, with that check answered Arm: `_C::dynamic_4bit_int_moe` "
-        "raised \"dynamic 4-bit int MoE path requires AArch64\" at apply, cpu_int4_moe.py:260)"),
-    "CompressedTensorsW4A8Fp8MoEMethod": (
-        "its experts are CUTLASS and Humming (fused_moe/oracle/w4a8.py), so it needs a GPU "
-        "(Humming also the `humming` package), and the method asserts hidden and intermediate "
-        "sizes divisible by 256 for CUTLASS's reorder "
-        "(compressed_tensors_moe_w4a8_fp8.py:69-72), twice the audit's MoE layer"),
-    "Nvfp4OnlineMoEMethod": (
-        "its constructor requires a Blackwell GPU "
-        "(`is_device_capability_family(100)`, quantization/online/nvfp4.py:100-102)"),
-    "FusedMoEModularMethod": (
-        "built by vLLM's LoRA wrapper (Note [audit MoE LoRA]), its apply reaches the LoRA "
-        "delta of the CPU platform's punica wrapper, PunicaWrapperCPU, which implements "
-        "embedding, linear and logits LoRA only (lora/punica_wrapper/punica_cpu.py) and "
-        "inherits `add_lora_w13`, which raises (punica_base.py:485-523): vLLM has no MoE LoRA "
-        "on CPU; a GPU's punica wrapper has it (punica_gpu.py:527)"),
-    "ModelOptBlockQuantMoEMethod": (
-        "its constructor requires B12xExperts on the current device "
-        "(modelopt_block_quant.py:72-73), which takes only a CUDA GPU of the SM 12.x family "
-        "with the `b12x` package (fused_moe/b12x.py:491-497); past that check, its "
-        "`maybe_roundup_sizes` requires hidden and intermediate sizes aligned to the "
-        "codec's 256-value blocks (modelopt_block_quant.py:108-112), twice the audit's MoE "
-        "layer"),
-    "QuarkW4A8Fp8MoEMethod": (
-        "its constructor asserts ROCm AITER fused MoE (quark/quark_moe.py:1404-1405): a ROCm "
-        "GPU with aiter would change it"),
-}
-
-# extra FusedMoE arguments for a row, as a model's MoE block passes them (layer.py
-# FusedMoEFactory): a SwiGLU clamp limit, as gpt-oss-style models set, is what FlashInfer
-# CUTLASS turns into the per-expert `gemm1_clamp_limit` tensor of vLLM #50521 (fp8.py:777
-# -> oracle/fp8.py:801 -> experts/flashinfer_cutlass_moe.py:109)
-MOE_LAYER_ARGS: dict[str, dict] = {
-    "Fp8MoEMethod@flashinfer_cutlass": {"swiglu_limit": 7.0},
-}
 
 
 @contextlib.contextmanager
@@ -1251,11 +905,7 @@ def audit_moe(k: KernelInfo) -> Outcome:
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    res = Outcome(k)
-    t0 = time.perf_counter()
-    standins.reset_used()
-    res.stage = "select"
-    try:
+    with row_outcome(k, _moe_why_not) as res:
         if k.name in MOE_IMPORT_FAILURES:
             raise ImportError(MOE_IMPORT_FAILURES[k.name])
         dt = torch.bfloat16
@@ -1309,17 +959,18 @@ def audit_moe(k: KernelInfo) -> Outcome:
             logits = torch.randn(BATCH, MOE_EXPERTS, generator=g).to(dt)
             capture_reload_diff(res, model, (x, logits),
                                 lambda: load_moe(layer, seed=2, dropped=res.dropped))
-    except Exception as exc:
-        res.reason = _reason(exc)
-        if not k.backend and res.stage in ("create_weights", "load",
-                                           "process_weights_after_loading"):
-            res.reason += f"; {amx_probe(k)}"
-        why = MOE_FORCED_WHY_NOT.get(k.name) or MOE_BASE_WHY_NOT.get(k.name)
-        if why:
-            res.reason += f"; {why}"
-    res.standins = standins.used()
-    res.seconds = time.perf_counter() - t0
     return res
+
+
+def _moe_why_not(res: Outcome) -> None:
+    """A MoE row that did not run: what AMX would change, and why, where the source was read."""
+    k = res.kernel
+    if not k.backend and res.stage in ("create_weights", "load",
+                                       "process_weights_after_loading"):
+        res.reason += f"; {amx_probe(k)}"
+    why = MOE_FORCED_WHY_NOT.get(k.name) or MOE_BASE_WHY_NOT.get(k.name)
+    if why:
+        res.reason += f"; {why}"
 
 
 def _moe_layer(k: KernelInfo, config, dt: torch.dtype):
@@ -1474,23 +1125,6 @@ def _perturb(t: torch.Tensor) -> None:
         flat.bitwise_xor_(0x11)
 
 
-# Rows whose flip test says nothing reproducible: their stand-in's output is a hash of every
-# tensor it reads, uninitialized workspaces included (seen: the committed and a CI rerun of the
-# same code disagreed), so whether eager output follows a flipped value is luck.
-NO_FLIP = {
-    "Fp8MoEMethod@flashinfer_cutlass": "not run: the flashinfer cutlass_fused_moe stand-in's "
-                                       "output hashes uninitialized workspaces too, so a flip "
-                                       "proves nothing here",
-    "CompressedTensorsW4A4Mxfp4MoEMethod@marlin": (
-        "not run: vLLM hands `_C::get_cutlass_moe_mm_data` a fresh `torch.empty` "
-        "`blockscale_offsets` (experts/cutlass_moe.py:885) that the CUDA kernel fills, though "
-        "the op's schema declares it read-only (`Tensor? blockscale_offsets`); the stand-in "
-        "follows the schema, so the stand-ins after it hash uninitialized memory (seen: every "
-        "perturbation changed both eager and replay) and a flip proves nothing here"),
-}
-NO_FLIP["INCMxfp4MoEMethod@marlin"] = NO_FLIP["CompressedTensorsW4A4Mxfp4MoEMethod@marlin"]
-
-
 def flip_test(kernel: str, sc, stale) -> str:
     """For each moved owner of a stale edge: change the live tensor's values; a graph that
     reads the captured storage replays the same output while eager code changes (the
@@ -1555,592 +1189,6 @@ def reload_with_lineage(res: Outcome, sc, model, reload) -> None:
     res.findings += [("dangling-source", f"{r.holder} <- {r.source}", 0, "unknown")
                      for r in found.itertuples() if r.kind == "dangling source"]
 
-
-# ---------------------------------------------------------------------------------------------
-# Findings: the vLLM line behind each stale owner, checked by reading the code
-
-# (kernel class, owner path) -> (vLLM source line that rebinds or holds the tensor, what it
-# does). Filled by reading the installed vLLM 0.32 source for each stale edge the audit
-# found; an edge missing here is reported as "unchecked", never as a vLLM bug.
-FINDING_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
-    ("CPUInt8ScaledMMLinearKernel", "proj.scheme.kernel.dnnl_handler.handler_tensor"): (
-        "vllm/model_executor/kernels/linear/scaled_mm/cpu.py:136",
-        "the stale edge is the recorder's view, not a bug a user can hit: "
-        "process_weights_after_loading rebinds `self.dnnl_handler = "
-        "ops.create_onednn_scaled_mm(...)` (cpu.py:136) on every run, the reload's included, and "
-        "the old handler's `__del__` releases its oneDNN primitive (vllm/_custom_ops.py:3726-3728), "
-        "so a graph captured before the reload would hold a freed handle; but vLLM's CPU platform "
-        "captures no graphs (`cudagraph_capture_sizes = []`, vllm/platforms/cpu.py:353), and the "
-        "forward reads the kernel's current handler on every call (`ops.onednn_scaled_mm("
-        "self.dnnl_handler, ...)`, cpu.py:208, which passes `dnnl_handler.handler_tensor`, "
-        "vllm/_custom_ops.py:3837-3844). What the reload does break on this path: the handler "
-        "is built from the layer's weight scale as it is during the reload's process step "
-        "(`getattr(layer, w_s_name)`, cpu.py:138), which is the temporary the reload "
-        "materialised for the layer (model_loader/reload/layerwise.py:354, process step :388); "
-        "the reload then copies the values into the original parameter (:425) and re-registers "
-        "the original (:444), and once the layer's reload state is reset (:400, "
-        "model_loader/reload/types.py:36-39) nothing in Python keeps the temporary. The native "
-        "handler "
-        "does not copy the scales: `create_onednn_scaled_mm_handler` stores "
-        "`b_scales.data_ptr()` and the handler wraps that pointer in its weight-scale "
-        "dnnl::memory (csrc/cpu/dnnl_kernels.cpp and dnnl_helper.cpp, "
-        "`init_runtime_memory_cache`, read in the vllm-project/vllm repository, not in this "
-        "wheel), so every forward after a reload reads the scales through a pointer to freed "
-        "memory (read in the code; this audit runs no value test of it). The prepacked weight lives only inside the primitive (the registered `weight` "
-        "is set to None, cpu.py:146)"),
-    ("CPUInt8ScaledMMLinearKernel",
-     "proj.scheme.kernel.dnnl_handler.handler_tensor <- proj.weight_scale"): (
-        "vllm/model_executor/kernels/linear/scaled_mm/cpu.py:136",
-        "found by lineage (Note [audit dangling sources]): during the reload's process step "
-        "`ops.create_onednn_scaled_mm(weight, getattr(layer, w_s_name), ...)` (cpu.py:136-138) "
-        "makes the new handler from the reload's temporary `weight_scale` "
-        "(`_C::create_onednn_scaled_mm_handler` returns the pointer held in `handler_tensor`, "
-        "vllm/_custom_ops.py:3776); the reload copies the values into the original parameter, "
-        "registers it again and drops the temporary, so the live handler's source is freed "
-        "while the layer keeps that value in another storage; every forward after the reload "
-        "reads the scales through that pointer (reproduced from vLLM alone: "
-        "analysis/repro/cpu_int8_scale_after_reload.py). The weight it prepacked is released "
-        "on purpose (cpu.py:146) and not listed"),
-    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w1_scale_val'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.w13_weight_scale'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w2_scale_val'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('CompressedTensorsW8A8Mxfp8MoEMethod', 'moe.routed_experts.w2_weight_scale'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (compressed_tensors_moe_w8a8_mxfp8.py:134-137: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w1_scale_val'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.w13_weight_scale'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.quant_method.moe_kernel.impl.fused_experts.w2_scale_val'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-    ('Mxfp8OnlineMoEMethod', 'moe.routed_experts.w2_weight_scale'): (
-        'vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40',
-        "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` (and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts object is rebuilt by every process_weights_after_loading (quantization/online/mxfp8.py:201: `self.moe_kernel = make_fp8_moe_kernel(...)` from a fresh `get_fused_moe_quant_config`), so during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The captured graph reads the layer parameter (refreshed, same values), eager reads the kernel's orphaned copy: diverged, the pattern of vLLM #41670 (`moe_quant_config._w1.scale` left pointing at the orphaned scale)"),
-}
-
-# Note [audit diverged scales]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Why a rebuilt quant config's scale diverges from the layer's after vLLM's layerwise reload,
-# read in model_loader/reload/layerwise.py: `initialize_layerwise_reload` snapshots the layer's
-# parameters and buffers (:109) and puts the layer on meta (:114); `_layerwise_process`
-# materialises fresh temporaries (:354), loads them and runs process_weights_after_loading on
-# them (:388), then copies the processed values into the snapshot's storage (:425) and
-# re-registers the snapshot (:444). A quant config built during that process step holds the
-# temporaries. `prefer_copy` on `replace_parameter` (model_executor/utils.py:71-99) is not the
-# cause and would not help: it would copy into the temporary, which the quant config holds all
-# the same. Right after a reload the two storages hold equal values (graphtrace: diverged; the
-# flip test shows which one each side reads); they part when the parameters are written in
-# place without processing: `reload_weights(is_checkpoint_format=False)` copies each tensor
-# into the registered parameter (`param.copy_(loaded_weight)`, model_loader/reload/inplace.py:
-# 104-108), which a captured graph sees and the eager path, reading the quant config's
-# temporary, does not.
-_SCALE_REBUILT = (
-    "process_weights_after_loading replaces the scale parameter with the converted tensor "
-    "({replace}) and builds a new `moe_quant_config` from it and a new experts object around "
-    "that config ({rebuild}); during vLLM's layerwise reload this runs on the temporaries the "
-    "reload materialised (model_loader/reload/layerwise.py:354, :388), so the new quant config "
-    "(`moe_quant_config._w1.scale`, and the experts' `quant_config._w1.scale`) holds that run's "
-    "temporary, while the reload copies the values into the original parameter (:425) and "
-    "re-registers it (:444), the storage the graph read. `prefer_copy` is not the cause (it "
-    "would copy into the temporary). Equal values after the reload; they part when the "
-    "parameters are later written in place (`is_checkpoint_format=False`, "
-    "model_loader/reload/inplace.py:104-108), which the eager path, reading the quant config's "
-    "temporary, does not see (Note [audit diverged scales]): vLLM #41670 "
-    "(`moe_quant_config._w1.scale` orphaned)")
-_TENSORS_REBUILT = (
-    "process_weights_after_loading replaces the {what} with converted tensors and builds a new "
-    "`moe_quant_config` from them and a new experts object around that config ({rebuild}); "
-    "during vLLM's layerwise reload this runs on the temporaries the reload materialised "
-    "(model_loader/reload/layerwise.py:354, :388), so the new quant config "
-    "(`moe_quant_config._w1.*`, and the experts' `quant_config`) holds that run's temporaries, "
-    "while the reload copies their values into the original parameters (:425) and "
-    "re-registers them (:444), the storage the graph read. `prefer_copy` is not the cause. "
-    "Equal values after the reload; they part when the parameters are later written in place "
-    "(`is_checkpoint_format=False`, model_loader/reload/inplace.py:104-108; Note [audit "
-    "diverged scales]): the pattern of vLLM #41670 (`moe_quant_config._w1.scale` orphaned)")
-_STRIDES_REBUILT = (
-    "`CutlassExpertsFp8Base.__init__` allocates the CUTLASS stride tensors `ab_strides1` (= "
-    "`c_strides2`), `ab_strides2`, `c_strides1` with `torch.full` and holds them as plain "
-    "attributes (cutlass_moe.py:299-307); the experts object is rebuilt by every "
-    "process_weights_after_loading (compressed_tensors_moe_w8a8_fp8.py:319-327 "
-    "`self.moe_kernel = make_fp8_moe_kernel(...)`), so after vLLM's layerwise reload the live "
-    "kernel holds new stride tensors and the captured graph reads the old kernel's (same "
-    "values; freed with the old kernel): vLLM #41670 (kernel rebuilt with new ab_strides*/"
-    "c_strides*)")
-
-# (kernel row, owner-path regex) -> (vLLM line, what it does): the MoE findings, where one
-# cause covers every path of an edge (the quant config is reachable from several owners)
-FINDING_PATTERNS: list[tuple[str, str, str, str]] = [
-    ("CompressedTensorsW8A8Fp8MoEMethod@cutlass", r"(ab|c)_strides[12]$",
-     "vllm/model_executor/layers/fused_moe/experts/cutlass_moe.py:299", _STRIDES_REBUILT),
-    ("CompressedTensorsW8A8Fp8MoEMethod@cutlass", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
-     "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
-     "compressed_tensors_moe_w8a8_fp8.py:319",
-     _SCALE_REBUILT.format(replace="compressed_tensors_moe_w8a8_fp8.py:313-314",
-                           rebuild="compressed_tensors_moe_w8a8_fp8.py:319-327")),
-    ("Fp8MoEMethod@aiter", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
-     "vllm/model_executor/layers/quantization/fp8.py:697",
-     _SCALE_REBUILT.format(replace="fp8.py:690-691, after the AITER shuffle of "
-                           "convert_to_fp8_moe_kernel_format, oracle/fp8.py:599", rebuild="fp8.py:693-700 "
-                           "`_init_moe_kernel`")),
-    ("Fp8MoEMethod@flashinfer_cutlass", r"gemm1_clamp_limit$",
-     "vllm/model_executor/layers/fused_moe/experts/flashinfer_cutlass_moe.py:109",
-     "`FlashInferExperts.__init__` turns the quant config's `gemm1_clamp_limit` float (the "
-     "layer's `swiglu_limit`, fp8.py:777 -> oracle/fp8.py:801) into a per-expert tensor with "
-     "`torch.full` (`_per_expert`, flashinfer_cutlass_moe.py:99-106) held as a plain attribute "
-     "(:109, likewise `gemm1_alpha`/`gemm1_beta`, :110-111) and handed to "
-     "`cutlass_fused_moe(swiglu_limit=...)` (:375); the experts object is rebuilt by every "
-     "process_weights_after_loading (fp8.py:700 `make_fp8_moe_kernel`), so after vLLM's "
-     "layerwise reload the captured graph reads the old kernel's tensor (same value; freed "
-     "with the old kernel): vLLM #50521"),
-    ("Fp8MoEMethod@flashinfer_cutlass", r"(g[12]_alphas|_w[12]\.alpha_or_gscale)$",
-     "vllm/model_executor/layers/fused_moe/oracle/fp8.py:782",
-     "for FlashInfer CUTLASS per-tensor FP8, `make_fp8_moe_quant_config` computes "
-     "`g1_alphas = w1_scale * a1_scale` (oracle/fp8.py:779), registers it on the layer as a "
-     "new `nn.Parameter` (`layer.register_parameter(\"g1_alphas\", ...)`, :782-783; "
-     "`g2_alphas` :785-786) and hands the layer's parameter to the quant config (:788-789) on "
-     "every process_weights_after_loading (fp8.py:697 via `get_fused_moe_quant_config`). The "
-     "first run's `g1_alphas`/`g2_alphas` exist when `initialize_layerwise_reload` snapshots "
-     "the layer (model_loader/reload/layerwise.py:109), so the reload copies the new values "
-     "into them (:425) and re-registers them (:444): the graph reads refreshed values. The "
-     "quant config built during the reload holds the parameter registered in that run (the "
-     "reload's temporary): diverged, equal values after the reload, as for vLLM #41670 "
-     "(Note [audit diverged scales]). The FP8 per-tensor path hands `g1_alphas`, "
-     "`a2_gscale`, `g2_alphas` to the kernel (experts/flashinfer_cutlass_moe.py:288-292)"),
-    ("Fp8MoEMethod@flashinfer_cutlass", r"_a2\.alpha_or_gscale$",
-     "vllm/model_executor/layers/fused_moe/oracle/fp8.py:798",
-     "`a2_gscale=(1.0 / a2_scale)` (oracle/fp8.py:798) is a fresh tensor held only by the "
-     "quant config, rebuilt with the kernel by every process_weights_after_loading "
-     "(fp8.py:697-700), and the FP8 per-tensor path hands it to the kernel "
-     "(experts/flashinfer_cutlass_moe.py:290): after the reload the graph reads the old quant "
-     "config's tensor (freed with it). `a1_gscale` (oracle/fp8.py:797) is built the same way "
-     "but read only on the NVFP4 path (flashinfer_cutlass_moe.py:306), so it is no edge here"),
-    ("Fp8MoEMethod@flashinfer_cutlass", r"(_a1\.scale|w13_input_scale)$",
-     "vllm/model_executor/layers/quantization/fp8.py:744",
-     "per-tensor kernels take one activation scale: process_weights_after_loading reduces the "
-     "per-expert input scales to their max (`process_fp8_input_tensor_strategy_moe`, "
-     "fp8.py:739) and replaces the parameters (`replace_parameter(layer, "
-     "\"w13_input_scale\", ...)`, :744-745); during the reload this runs on the reload's "
-     "temporaries (model_loader/reload/layerwise.py:354, :388), so the new `moe_quant_config` "
-     "(fp8.py:697) holds that run's temporary as `_a1.scale` while the reload copies the "
-     "values into the original parameter (:425, :444): diverged, equal values after the "
-     "reload, the #41670 pattern for the activation scale (Note [audit diverged scales])"),
-    ("Fp8MoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
-     "vllm/model_executor/layers/quantization/fp8.py:697",
-     _SCALE_REBUILT.format(replace="fp8.py:690-691", rebuild="fp8.py:693-700 "
-                           "`_init_moe_kernel`")),
-    ("Fp8MoEMethod@marlin", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
-     "vllm/model_executor/layers/quantization/fp8.py:697",
-     _SCALE_REBUILT.format(replace="fp8.py:690-691, after the Marlin repack of "
-                           "convert_to_fp8_moe_kernel_format", rebuild="fp8.py:693-700 "
-                           "`_init_moe_kernel`")),
-    ("CompressedTensorsW8A8Fp8MoEMethod@triton",
-     r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
-     "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
-     "compressed_tensors_moe_w8a8_fp8.py:319",
-     _SCALE_REBUILT.format(replace="compressed_tensors_moe_w8a8_fp8.py:313-314",
-                           rebuild="compressed_tensors_moe_w8a8_fp8.py:319-327")),
-    ("ModelOptFp8MoEMethod@triton", r"(quant_config\._[wa][12]\.scale|w(13|2)_(weight|input)_scale)$",
-     "vllm/model_executor/layers/quantization/modelopt.py:611",
-     _TENSORS_REBUILT.format(
-         what="weight scales (modelopt.py:607-608) and the per-tensor input scales reduced "
-              "to their max (:635-636)", rebuild="modelopt.py:611 `get_fused_moe_quant_config`, "
-              ":613 `make_fp8_moe_kernel`")),
-    ("QuarkW8A8Fp8MoEMethod@triton", r"(quant_config\._[wa][12]\.scale|w(13|2)_(weight|input)_scale)$",
-     "vllm/model_executor/layers/quantization/quark/quark_moe.py:945",
-     _TENSORS_REBUILT.format(
-         what="weight scales (quark_moe.py:942-943) and rebinds the input scales to new "
-              "`nn.Parameter`s of their max (:841-845)",
-         rebuild="quark_moe.py:945 `get_fused_moe_quant_config`, :948 `make_fp8_moe_kernel`")),
-    ("AutoGPTQMoEMethod@marlin", r"(quant_config\._w[12]\.(scale|bias)|w(13|2)_(scales|bias))$",
-     "vllm/model_executor/layers/quantization/auto_gptq.py:693",
-     _TENSORS_REBUILT.format(
-         what="scales (auto_gptq.py:676-677) and biases (`replace_or_register`, :680-681)",
-         rebuild="auto_gptq.py:693 `get_fused_moe_quant_config`, :694 "
-                 "`make_wna16_moe_kernel`")),
-    ("AutoAWQMoEMethod@marlin", r"(quant_config\._w[12]\.(scale|zp)|w(13|2)_(scales|qzeros))$",
-     "vllm/model_executor/layers/quantization/auto_awq.py:705",
-     _TENSORS_REBUILT.format(
-         what="scales (auto_awq.py:688-689) and zero points (`_replace_or_register_parameter`, "
-              ":690-691)",
-         rebuild="auto_awq.py:705 `get_fused_moe_quant_config`, :706 `make_wna16_moe_kernel`")),
-    ("CompressedTensorsWNA16MoEMethod@marlin", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
-     "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
-     "compressed_tensors_moe_wna16.py:363",
-     _TENSORS_REBUILT.format(
-         what="weight scales (compressed_tensors_moe_wna16.py:445-446)",
-         rebuild="compressed_tensors_moe_wna16.py:481 -> :363 `get_fused_moe_quant_config`, "
-                 ":366 `make_wna16_moe_kernel`")),
-    ("Mxfp4MoEMethod@marlin", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
-     "vllm/model_executor/layers/quantization/mxfp4.py:866",
-     _TENSORS_REBUILT.format(
-         what="weight scales (mxfp4.py:849-850)",
-         rebuild="mxfp4.py:862 `_build_moe_kernel` -> :866 `get_fused_moe_quant_config`, :868 "
-                 "`make_mxfp4_moe_kernel`")),
-]
-# NVFP4: the three checkpoint formats share make_nvfp4_moe_kernel; where each replaces its
-# tensors and rebuilds the kernel, read per method
-_NVFP4_REBUILD = {
-    "ModelOptNvFp4FusedMoE": (
-        "vllm/model_executor/layers/quantization/modelopt.py:1075",
-        "weight scales, global scales and input scales (modelopt.py:1063-1065, :1067-1069)",
-        "modelopt.py:1071 `_build_moe_kernel` -> :1075 `get_fused_moe_quant_config`, :1077 "
-        "`make_nvfp4_moe_kernel`"),
-    "CompressedTensorsW4A4Nvfp4MoEMethod": (
-        "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
-        "compressed_tensors_moe_w4a4_nvfp4.py:249",
-        "weight scales and global scales (compressed_tensors_moe_w4a4_nvfp4.py:240, :242-244)",
-        "compressed_tensors_moe_w4a4_nvfp4.py:249 `get_fused_moe_quant_config`, :251 "
-        "`make_nvfp4_moe_kernel`"),
-    "QuarkNvfp4MoEMethod": (
-        "vllm/model_executor/layers/quantization/quark/quark_moe.py:2162",
-        "weight scales, global scales and input scales (quark_moe.py:2152-2154, :2157-2159)",
-        "quark_moe.py:2162 `get_fused_moe_quant_config`, :2165 `make_nvfp4_moe_kernel`"),
-}
-for _method, (_src, _what, _rebuild) in _NVFP4_REBUILD.items():
-    for _backend in ("emulation", "marlin"):
-        FINDING_PATTERNS.append((
-            f"{_method}@{_backend}",
-            r"(quant_config\._[wa][12]\.(scale|alpha_or_gscale)|"
-            r"w(13|2)_(weight_scale|weight_scale_2|input_scale|input_scale_2))$",
-            _src, _TENSORS_REBUILT.format(what=_what, rebuild=_rebuild)))
-    FINDING_PATTERNS.insert(0, (
-        f"{_method}@emulation", r"fused_experts\.w[12]_scale_val$",
-        "vllm/model_executor/layers/fused_moe/experts/nvfp4_emulation_moe.py:356",
-        "`Nvfp4QuantizationEmulationTritonExperts.__init__` stashes `self.w1_scale_val = "
-        "self.quant_config.w1_scale` (and `w2_scale_val`, :357) and clears the quant config's "
-        "scales (:359-360); the experts object is rebuilt by every "
-        f"process_weights_after_loading ({_rebuild}), so during vLLM's layerwise reload the "
-        "new kernel stashes that run's processed block-scale tensor while "
-        "`_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) copies its "
-        "values into the layer's original `w13_weight_scale` / `w2_weight_scale` storage, "
-        "which the graph read: diverged, as for the MXFP8 emulation experts "
-        "(mxfp8_emulation_moe.py:40)"))
-# compressed-tensors NVFP4 keeps its activation scales as plain attributes: stale, not diverged
-FINDING_PATTERNS.insert(0, (
-    "CompressedTensorsW4A4Nvfp4MoEMethod@emulation",
-    r"(quant_config\._a[12]\.alpha_or_gscale|w(13|2)_input_scale)$",
-    "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
-    "compressed_tensors_moe_w4a4_nvfp4.py:245",
-    "process_weights_after_loading computes the activation scales as new tensors "
-    "(`a13_scale=(1.0 / layer.w13_input_global_scale)`, compressed_tensors_moe_w4a4_nvfp4.py:"
-    "230, `a2_scale`, :234) and binds them as plain attributes (`layer.w13_input_scale = "
-    "a13_scale`, :245, `w2_input_scale`, :246), not parameters, so vLLM's layerwise reload "
-    "has no original storage to copy them back into; the new quant config (:249) holds the "
-    "new tensors and the captured graph keeps reading the old ones (freed with the old "
-    "kernel): stale"))
-
-# The same method on another requested backend: its process_weights_after_loading replaces
-# the converted tensors and rebuilds the quant config and kernel on the same lines whatever
-# the backend (the backend changes only the conversion before them: convert_to_fp8_moe_
-# kernel_format at modelopt.py:592, compressed_tensors_moe_w8a8_fp8.py:300, quark_moe.py:929-
-# 943; the WNA16 conversion before compressed_tensors_moe_wna16.py:445 and auto_gptq.py:676)
-for _row, _base in (("ModelOptFp8MoEMethod@marlin", "ModelOptFp8MoEMethod@triton"),
-                    ("ModelOptFp8MoEMethod@aiter", "ModelOptFp8MoEMethod@triton"),
-                    ("QuarkW8A8Fp8MoEMethod@marlin", "QuarkW8A8Fp8MoEMethod@triton"),
-                    ("QuarkW8A8Fp8MoEMethod@aiter", "QuarkW8A8Fp8MoEMethod@triton"),
-                    ("CompressedTensorsW8A8Fp8MoEMethod@marlin",
-                     "CompressedTensorsW8A8Fp8MoEMethod@triton"),
-                    ("CompressedTensorsW8A8Fp8MoEMethod@aiter",
-                     "CompressedTensorsW8A8Fp8MoEMethod@triton"),
-                    ("CompressedTensorsWNA16MoEMethod@triton",
-                     "CompressedTensorsWNA16MoEMethod@marlin"),
-                    ("AutoGPTQMoEMethod@emulation", "AutoGPTQMoEMethod@marlin"),
-                    ("AutoAWQMoEMethod@emulation", "AutoAWQMoEMethod@marlin"),
-                    ("CompressedTensorsWNA16MoEMethod@emulation",
-                     "CompressedTensorsWNA16MoEMethod@marlin"),
-                    # inherits Mxfp4MoEMethod.process_weights_after_loading
-                    # (compressed_tensors_moe_w4a8_mxfp4.py:10, :34)
-                    ("CompressedTensorsW4A8Mxfp4MoEMethod@marlin", "Mxfp4MoEMethod@marlin")):
-    FINDING_PATTERNS += [(_row, pat, src, what) for name, pat, src, what in FINDING_PATTERNS
-                         if name == _base]
-_CONFIG_REBUILT = (
-    "process_weights_after_loading builds a new `moe_quant_config` from the layer's scale "
-    "parameters and a new experts object around that config ({rebuild}){replaced}; during "
-    "vLLM's layerwise reload this runs on the temporaries the reload materialised "
-    "(model_loader/reload/layerwise.py:354, :388), so the new quant config "
-    "(`moe_quant_config._w1.scale`, and the experts' `quant_config`) holds that run's "
-    "temporary, while the reload copies the values into the original parameter (:425) and "
-    "re-registers it (:444), the storage the graph read. `prefer_copy` is not the cause. "
-    "Equal values after the reload; they part when the parameters are later written in place "
-    "(`is_checkpoint_format=False`, model_loader/reload/inplace.py:104-108; Note [audit "
-    "diverged scales]): the pattern of vLLM #41670 (`moe_quant_config._w1.scale` orphaned)")
-_SCALES = r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$"
-_CT = "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
-_Q = "vllm/model_executor/layers/quantization/quark/quark_moe.py"
-FINDING_PATTERNS += [
-    (f"{_m}@triton", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale(_inv)?)$",
-     "vllm/model_executor/layers/quantization/online/fp8.py:567",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
-                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
-                            replaced=", after replacing the quantized weights and scales "
-                            "(:562-565)"))
-    for _m in ("Fp8PerTensorOnlineMoEMethod", "Fp8PerBlockOnlineMoEMethod",
-               "Fp8PtpcOnlineMoEMethod")]
-FINDING_PATTERNS += [
-    ("Fp8PerBlockOnlineMoEMethod@marlin",
-     r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale_inv)$",
-     "vllm/model_executor/layers/quantization/online/fp8.py:567",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
-                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
-                            replaced=", after replacing the Marlin-converted weights and "
-                            "scales (:562-565)")),
-    ("Mxfp4OnlineMoEMethod@marlin", r"(quant_config\._w[12]\.scale|w(13|2)_weight_scale)$",
-     "vllm/model_executor/layers/quantization/online/mxfp4.py:252",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/mxfp4.py:252 "
-                            "`get_fused_moe_quant_config`, :254 `make_mxfp4_moe_kernel`",
-                            replaced=", after replacing the converted weights and scales "
-                            "(:243-246)")),
-]
-FINDING_PATTERNS += [
-    ("Fp8PerTensorOnlineMoEMethod@marlin", _SCALES,
-     "vllm/model_executor/layers/quantization/online/fp8.py:567",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/fp8.py:567 "
-                            "`get_fused_moe_quant_config`, :570 `make_fp8_moe_kernel`",
-                            replaced=", after replacing the Marlin-converted weights and "
-                            "scales (:562-565)")),
-    ("Int8OnlineMoEMethod@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scale)$",
-     "vllm/model_executor/layers/quantization/online/int8.py:112",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, online/int8.py:112 "
-                            "`get_fused_moe_quant_config`, :115 `make_int8_moe_kernel`",
-                            replaced=", after `_quantize_weights` replaced the scales "
-                            "(:98-99)")),
-    ("CompressedTensorsW8A8Int8MoEMethod@triton", _SCALES,
-     _CT + "compressed_tensors_moe_w8a8_int8.py:223",
-     _CONFIG_REBUILT.format(rebuild="compressed_tensors_moe_w8a8_int8.py:223 "
-                            "`get_fused_moe_quant_config`, :225 `make_int8_moe_kernel`",
-                            replaced="")),
-    ("QuarkW8A8Int8MoEMethod@triton", _SCALES, f"{_Q}:1309",
-     _CONFIG_REBUILT.format(rebuild="quark_moe.py:1309 `get_fused_moe_quant_config`, :1315 "
-                            "`make_int8_moe_kernel`", replaced="")),
-    ("QuarkW4A16Int4MoEMethod@triton", _SCALES, f"{_Q}:459",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, quark_moe.py:459 "
-                            "`get_fused_moe_quant_config`, :461 `make_wna16_moe_kernel`",
-                            replaced=", after replacing the converted scales (:452-453)")),
-    ("QuarkOCP_MX_MoEMethod@marlin", _SCALES, f"{_Q}:1847",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, quark_moe.py:1847 "
-                            "`get_fused_moe_quant_config`, :1849 `make_mxfp4_moe_kernel`",
-                            replaced=", after replacing the converted scales (:1837-1838)")),
-    ("GptOssMxfp4MoEMethod@marlin", _SCALES,
-     "vllm/model_executor/layers/quantization/mxfp4.py:379",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, mxfp4.py:379 "
-                            "`get_fused_moe_quant_config`, :383 `make_mxfp4_moe_kernel`",
-                            replaced=", after replacing the converted scales (:366-367)")),
-    ("CompressedTensorsW4A4Mxfp4MoEMethod@marlin", _SCALES,
-     _CT + "compressed_tensors_moe_w4a4_mxfp4.py:238",
-     _CONFIG_REBUILT.format(rebuild="compressed_tensors_moe_w4a4_mxfp4.py:238 "
-                            "`get_fused_moe_quant_config`, :241 `make_mxfp4_moe_kernel`",
-                            replaced=", after rebinding the swizzled CUTLASS scales as new "
-                            "`nn.Parameter`s (:206-211)")),
-    ("MoeWNA16Method@triton", r"(quant_config\._w[12]\.scale|w(13|2)_scales)$",
-     "vllm/model_executor/layers/quantization/moe_wna16.py:415",
-     _CONFIG_REBUILT.format(rebuild="`_setup_kernel`, moe_wna16.py:415 "
-                            "`get_fused_moe_quant_config` (the layer's `w13_scales`/"
-                            "`w2_scales`, :404-406), :417 `make_wna16_moe_kernel`",
-                            replaced="")),
-    ("ModelOptMxFp8FusedMoE@marlin", _SCALES,
-     "vllm/model_executor/layers/quantization/modelopt.py:1449",
-     _CONFIG_REBUILT.format(rebuild="modelopt.py:1449 `get_fused_moe_quant_config`, :1452 "
-                            "`make_fp8_moe_kernel`",
-                            replaced=", after replacing the converted scales (:1446-1447)")),
-]
-
-# The @cpu rows (Note [audit CPU experts]): the same process_weights_after_loading lines as
-# the method's other rows (the CPU experts change only the conversion before them:
-# convert_to_wna16_moe_kernel_format -> int_wna16.py `_process_weights_cpu`, the int8 and
-# FP8 conversions, oracle/mxfp4.py for MXFP4); the INT4 rows also replace their zero points
-for _row, _base in (("AutoAWQMoEMethod@cpu", "AutoAWQMoEMethod@marlin"),
-                    ("CompressedTensorsW8A8Int8MoEMethod@cpu",
-                     "CompressedTensorsW8A8Int8MoEMethod@triton"),
-                    ("Int8OnlineMoEMethod@cpu", "Int8OnlineMoEMethod@triton"),
-                    ("Mxfp4MoEMethod@cpu", "Mxfp4MoEMethod@marlin"),
-                    ("CompressedTensorsW4A8Mxfp4MoEMethod@cpu", "Mxfp4MoEMethod@marlin"),
-                    ("GptOssMxfp4MoEMethod@cpu", "GptOssMxfp4MoEMethod@marlin"),
-                    ("Mxfp4OnlineMoEMethod@cpu", "Mxfp4OnlineMoEMethod@marlin"),
-                    ("Fp8PerBlockOnlineMoEMethod@cpu", "Fp8PerBlockOnlineMoEMethod@marlin")):
-    FINDING_PATTERNS += [(_row, pat, src, what) for name, pat, src, what in FINDING_PATTERNS
-                         if name == _base]
-FINDING_PATTERNS += [
-    ("AutoGPTQMoEMethod@cpu", r"(quant_config\._w[12]\.(scale|zp)|w(13|2)_(scales|qzeros))$",
-     "vllm/model_executor/layers/quantization/auto_gptq.py:693",
-     _TENSORS_REBUILT.format(
-         what="scales (auto_gptq.py:676-677) and zero points (`replace_or_register`, "
-              ":682-683; `_process_weights_cpu` makes them for a symmetric checkpoint, "
-              "fused_moe/oracle/int_wna16.py:1053 -> experts/cpu_moe.py "
-              "`prepare_int4_moe_layer_for_cpu`)",
-         rebuild="auto_gptq.py:693 `get_fused_moe_quant_config`, :694 "
-                 "`make_wna16_moe_kernel`")),
-    ("CompressedTensorsWNA16MoEMethod@cpu",
-     r"(quant_config\._w[12]\.(scale|zp)|w(13|2)_weight_(scale|zero_point))$",
-     "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/"
-     "compressed_tensors_moe_wna16.py:363",
-     _TENSORS_REBUILT.format(
-         what="weight scales (compressed_tensors_moe_wna16.py:445-446) and zero points "
-              "(:461-462; made by `_process_weights_cpu` for a symmetric checkpoint, "
-              "fused_moe/oracle/int_wna16.py:1053)",
-         rebuild="compressed_tensors_moe_wna16.py:481 -> :363 `get_fused_moe_quant_config`, "
-                 ":366 `make_wna16_moe_kernel`")),
-]
-
-FINDING_PATTERNS.append((
-    "INCMxfp4MoEMethod@marlin", _SCALES, "vllm/model_executor/layers/quantization/inc/schemes/"
-    "inc_mxfp4_moe.py:218",
-    _CONFIG_REBUILT.format(rebuild="inc_mxfp4_moe.py:218 `get_fused_moe_quant_config`, :221 "
-                           "`make_mxfp4_moe_kernel`",
-                           replaced=", after rebinding the swizzled CUTLASS scales as new "
-                           "`nn.Parameter`s (:202-207)")))
-FINDING_PATTERNS.append((
-    "INCMxfp8MoEMethod", r"(fused_experts\.w[12]_scale_val|w(13|2)_weight_scale)$",
-    "vllm/model_executor/layers/fused_moe/experts/mxfp8_emulation_moe.py:40",
-    "`Mxfp8TritonExpertsBase.__init__` stashes `self.w1_scale_val = self.quant_config.w1_scale` "
-    "(and `w2_scale_val`, :41) and clears the quant config's scales (:42-43); the experts "
-    "object is rebuilt by every process_weights_after_loading (quantization/inc/schemes/"
-    "inc_mxfp8_moe.py:144-147 replace the weights and scales, :149 a fresh "
-    "`get_fused_moe_quant_config`, :151 `self.moe_kernel = make_fp8_moe_kernel(...)`), so "
-    "during vLLM's layerwise reload the new kernel stashes the *processed* scale tensor of "
-    "that run, and `_copy_and_restore_kernel_tensors` (model_loader/reload/layerwise.py) then "
-    "copies it into the layer's original `w13_weight_scale` / `w2_weight_scale` storage. The "
-    "captured graph reads the layer parameter (refreshed, same values), eager reads the "
-    "kernel's orphaned copy: diverged, as for compressed-tensors MXFP8 (the pattern of vLLM "
-    "#41670)"))
-
-
-def finding_source(kernel: str, path: str) -> tuple[str, str] | None:
-    """The vLLM line read for a finding's owner path, or None (unchecked)."""
-    if (kernel, path) in FINDING_SOURCES:
-        return FINDING_SOURCES[(kernel, path)]
-    for name, pattern, src, what in FINDING_PATTERNS:
-        if name == kernel and re.search(pattern, path):
-            return src, what
-    return None
-
-
-# Note [audit reload drops]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# vLLM's layerwise reload counts the elements each weight-loader call copies and processes a
-# layer as soon as the count reaches the layer's size (`if info.load_numel >=
-# info.load_numel_total: _layerwise_process(...)`, model_loader/reload/layerwise.py:217);
-# every later call for that layer is dropped (`if not info.can_load(): ... return`, :156-171,
-# "Excessive loading"). The count is capped per call (model_loader/reload/meta.py:206-209,
-# the fix of vLLM #44814) but not across calls, and FusedMoE loads a per-expert per-tensor
-# `input_scale` (and compressed-tensors' `weight_shape`) once for w1 and once for w3 into the
-# same element (`_load_single_value`: `param_data[expert_id] = loaded_weight`,
-# fused_moe/routed_experts.py:633, reached from :804-839 for input_scale, :960-965 for
-# weight_shape). A checkpoint has both (`gate_proj.input_scale`,
-# `up_proj.input_scale`), so the count reaches the total one element per expert early and
-# the layer's last loads are dropped: what they would have filled stays as the reload
-# materialized it (uninitialized). The harness loads in a fixed order (parameter by
-# parameter, experts in order, w1 before w3) and records, during the reload, each load that
-# vLLM's own `can_load()` says will be dropped (column reload_dropped). Which tensors lose
-# their values depends on the order a trainer sends weights in. The stand-ins then read
-# uninitialized memory, so the flip test is not run for such a row. A load into a parameter
-# with no elements loses nothing and is not listed (MoeWNA16Method's zero-point placeholders,
-# load_moe).
-# What a real model does instead (analysis/repro/moe_reload_drops_loads.py, vLLM's own loader
-# and `reload_weights` from a sorted safetensors checkpoint): `RoutedExperts.load_weights`
-# looks the parameter up by name at call time (`getattr(self, param_name)`), which after the
-# early processing is the processed parameter, so a late load is not dropped at `can_load()`:
-# it lands on that parameter and raises (ValueError at fused_moe/routed_experts.py:955). The
-# first MoE layer's last expert has then been requantized with an uninitialized w3 scale and
-# every later layer is left on the meta device. The harness calls the loaders it collected
-# before the reload, which is why it sees the drop.
-RELOAD_DROP_SOURCE = (
-    "vllm/model_executor/model_loader/reload/layerwise.py:217",
-    "vLLM's layerwise reload processed the layer before these loads and dropped them "
-    "(Note [audit reload drops]): the per-expert input scale (or `weight_shape`) is loaded "
-    "twice per expert, for w1 and w3, into one element (fused_moe/routed_experts.py:804-839 "
-    "and :960-965, `_load_single_value` :633), and each copy is counted toward `load_numel_total` "
-    "(layerwise.py:186-187; the per-call cap of model_loader/reload/meta.py:206-209 does not "
-    "see across calls), so `load_numel >= load_numel_total` (:217) fires one element per "
-    "expert early; later calls return at `if not info.can_load()` (:156). The dropped "
-    "tensors keep the uninitialized memory the reload materialized")
-
-# kernels whose run vLLM's own reload breaks, with the lines read that cause it
-RELOAD_FAILURES: dict[str, tuple[str, str]] = {
-    "ZentorchWNA16LinearKernel": (
-        "vllm/model_executor/kernels/linear/mixed_precision/zentorch.py:193",
-        "process_weights_after_loading returns at once when the plain layer attribute "
-        "`_zentorch_processed_weights` is set (zentorch.py:193-194, set at :268); that "
-        "attribute survives the reload, so the reload's process step repacks nothing, while "
-        "the first run emptied the registered parameters (`param.data = torch.empty(0)`, "
-        ":265). vLLM's `_copy_and_restore_kernel_tensors` "
-        "(model_executor/model_loader/reload/layerwise.py:425) then copies the new, "
-        "unprocessed weight into the emptied kernel tensor and raises; had it not, the "
-        "forward would keep reading `layer._zentorch_woq_packed` / `_zentorch_woq_scale` "
-        "(plain attributes, :254-256) of the old weights"),
-}
-
-# the published fused-MoE bugs of issue #15: (status in 0.32, the line read, what the audit
-# ran of it). Upstream states from the vLLM issue threads (search corpus "issues").
-PUBLISHED_MOE_BUGS: dict[str, tuple[str, str, str]] = {
-    "vLLM #41670 (CUTLASS FP8 MoE kernel rebuilt on reload; `moe_quant_config._w1.scale` "
-    "orphaned)": (
-        "still present in 0.32: every process_weights_after_loading rebuilds the kernel "
-        "(fp8.py:693 `_init_moe_kernel`, :697 new `moe_quant_config`, :700 "
-        "`make_fp8_moe_kernel`), and `CutlassExpertsFp8Base.__init__` allocates new stride "
-        "tensors each time",
-        "vllm/model_executor/layers/fused_moe/experts/cutlass_moe.py:299-307",
-        "found: CompressedTensorsW8A8Fp8MoEMethod@cutlass (the CUTLASS backend requested, "
-        "Note [audit MoE backends]) has stale `ab_strides1`/`ab_strides2`/`c_strides1` edges "
-        "(the old kernel's strides) and diverged `moe_quant_config._w1.scale`/`_w2.scale` "
-        "(the reload's temporaries, equal in value to the refreshed parameters until those "
-        "are written in place; `prefer_copy` is not the cause: Note [audit diverged scales]); "
-        "Fp8MoEMethod@triton has the same diverged scales (fp8.py:697); the MXFP8 emulation "
-        "experts show the pattern too (Findings). Upstream: issue closed (stale label), no "
-        "fix cited in the thread"),
-    "vLLM #40390 (`replace_parameter` reallocating `w13_weight`/`w2_weight` after a "
-    "shuffle)": (
-        "fixed in 0.32 for the unquantized method: `replace_parameter(layer, \"w13_weight\", "
-        "w13_new, prefer_copy=is_weight_update)` (and w2, :189), `prefer_copy` copying into "
-        "the existing storage (model_executor/utils.py:120-125); the quantized methods "
-        "still call `replace_parameter` without it (fp8.py:688-691) and rely on the "
-        "layerwise reload's copy-back",
-        "vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py:188",
-        "UnquantizedFusedMoEMethod ran (CPUUnquantizedExperts): no stale edge; the quantized "
-        "path without `prefer_copy` (fp8.py:688-691) ran as Fp8MoEMethod@triton and "
-        "CompressedTensorsW8A8Fp8MoEMethod@cutlass: the weights themselves come back through "
-        "the layerwise reload's copy-back (no stale weight edge), the scales do not (diverged, "
-        "#41670 above); the AITER shuffle path ran as Fp8MoEMethod@aiter (`rocm_aiter_ops."
-        "shuffle_weights`, oracle/fp8.py:599, then fp8.py:688-691): the shuffled weights come "
-        "back through the copy-back too (no stale weight edge); the scales are diverged as "
-        "for Triton (flip: eager reads the orphaned quant-config scale, the graph the "
-        "refreshed parameter)"),
-    "vLLM #46009 (MoE padding through `.data =`)": (
-        "`.data =` rebinding remains in 0.32's MoE weight conversions (e.g. "
-        "oracle/mxfp4.py:1207-1220, 1256-1275; unquantized_fused_moe_method.py:245-246; "
-        "quantization/utils/flashinfer_utils.py:115-118); whether each runs on a reload "
-        "path that a graph captured is not established here",
-        "vllm/model_executor/layers/fused_moe/oracle/mxfp4.py:1207",
-        "not exercised: the MXFP4 backends that pad/shuffle (AITER, FlashInfer, Triton "
-        "kernels) are not selected on this CPU (Mxfp4MoEMethod row)"),
-    "vLLM #50521 (FlashInfer CUTLASS MoE SwiGLU constants unregistered)": (
-        "still present in 0.32: `FlashInferExperts.__init__` turns the config's floats "
-        "(fused_moe/config.py:256-258) into per-expert device tensors held as plain "
-        "attributes (`self.gemm1_alpha = _per_expert(...)`, :109-111, `torch.full`, :99-106), "
-        "unregistered, and the experts object is rebuilt by every process_weights_after_loading "
-        "(e.g. fp8.py:700), so a captured graph keeps the old kernel's tensors (same values; "
-        "freed with the old kernel)",
-        "vllm/model_executor/layers/fused_moe/experts/flashinfer_cutlass_moe.py:110",
-        "found: Fp8MoEMethod@flashinfer_cutlass (backend requested, layer built with "
-        "`swiglu_limit=7.0`) has a stale `fused_experts.gemm1_clamp_limit` edge (the old "
-        "kernel's tensor), plus diverged `g1_alphas`/`g2_alphas` (registered anew by every "
-        "run, oracle/fp8.py:782-786; the reload refreshes the first run's parameters, "
-        "layerwise.py:109, :425, and the rebuilt quant config holds the reload's temporaries: "
-        "equal values), stale `_a2.alpha_or_gscale` (`a2_gscale`, oracle/fp8.py:798; "
-        "`a1_gscale`, :797, is not read on the FP8 per-tensor path, flashinfer_cutlass_moe.py:"
-        "288-292) and diverged `w13_input_scale` (fp8.py:744); `cutlass_fused_moe` ran as a "
-        "stand-in. Flip test: not "
-        "run, the reload dropped this row's `w2_input_scale` loads (Note [audit reload drops])"),
-}
 
 FIELDS = ["kernel", "family", "source", "scheme", "ran", "failed_at", "reason", "stable",
           "stale", "dangling", "diverged", "orphaned", "unowned", "stale_owners",
@@ -2351,37 +1399,6 @@ def _cause(reason: str) -> str:
 # results (analysis/results/vllm_kernel_audit.*) are of one kind; rows that differ on another
 # kind are compared with that kind's run in analysis/results/audit-cpu/<kind>/, where one is
 # committed.
-
-# row -> why its outcome depends on the CPU (Note [audit CPU paths])
-CPU_DEPENDENT: dict[str, str] = {
-    "CPUInt8ScaledMMLinearKernel": "sgl-kernels int8 GEMM with AMX, oneDNN without "
-                                   "(scaled_mm/cpu.py:50-57)",
-    "CPUWNA16LinearKernel": "`cpu_gemm_wna16` is not in the AVX2 build; ISA hint by AMX "
-                            "(mixed_precision/cpu.py:211-213)",
-    "CPUFp8BlockScaledMMKernel": "`convert_weight_packed` (sgl-kernels) is not in the AVX2 "
-                                 "build (scaled_mm/cpu.py:278)",
-    "CPUFp8PerTensorScaledMMLinearKernel": "CPU FP8 ops of the AVX-512 builds",
-    "CPUFP8W8A8ScaledMMLinearKernel": "CPU FP8 ops of the AVX-512 builds",
-    "CPUFp8W8A8BlockScaledMMKernel": "CPU FP8 ops of the AVX-512 builds",
-    "UnquantizedFusedMoEMethod": "CPU experts: AMX kernels with AMX "
-                                 "(fused_moe/experts/cpu_moe.py:318-330)",
-}
-# the methods whose MoE oracle offers a CPU experts class only with AMX (cpu_moe.py, Note
-# [audit AMX probe]): on an AMX CPU the row takes it, here it finds no backend
-CPU_DEPENDENT.update({name: f"with AMX the oracle picks {experts} (fused_moe/experts/cpu_moe.py)"
-                      for experts, names in MOE_CPU_EXPERTS.items() for name in names})
-# the @cpu rows (Note [audit CPU experts]): the sgl-kernels MoE ops of the AVX-512 build, whose
-# inner GEMM is AMX brgemm or AVX-512 by the CPU and the rows per block
-CPU_DEPENDENT.update({f"{name}@cpu": f"{experts} (sgl-kernels `fused_experts_cpu`): AMX or "
-                      "AVX-512 GEMMs by the CPU; not in the AVX2 build"
-                      for experts, names in MOE_CPU_EXPERTS.items() for name in names})
-# the rows of CPU_DEPENDENT whose outcome depends on the ops vLLM's build has: the AVX2 build
-# lacks them, the AVX-512 build (which AMX CPUs load too) has them
-BUILD_DEPENDENT = frozenset({"CPUWNA16LinearKernel", "CPUFp8BlockScaledMMKernel",
-                             "CPUFp8PerTensorScaledMMLinearKernel",
-                             "CPUFP8W8A8ScaledMMLinearKernel", "CPUFp8W8A8BlockScaledMMKernel",
-                             *(f"{name}@cpu" for names in MOE_CPU_EXPERTS.values()
-                               for name in names)})
 
 
 def _build(kind: str) -> str:

@@ -50,14 +50,11 @@ def reload_backend(request) -> str:
 @pytest.fixture
 def gc_off():
     """The garbage collector off: what must die must die by reference counting alone."""
-    was = gc.isenabled()
+    from graphtrace.owners import gc_paused
+
     gc.collect()
-    gc.disable()
-    try:
+    with gc_paused():
         yield
-    finally:
-        if was:
-            gc.enable()
 
 
 @pytest.fixture
