@@ -251,6 +251,7 @@ class Guard:
         self._fresh_sources: dict | bool | None = None
         self._owner_views: list[View | None] = [
             r.owner_views.get((m, p)) for r in self._storages for m, p, _ in r.owners]
+        self._geometry: dict | None = None  # _views_kept's baselines, made on first use
         # per model: its owner paths resolved together, and the owner rows they answer
         rows: dict[str, list[int]] = {}
         for r, (_, m, _, _) in enumerate(self._owners):
@@ -421,20 +422,23 @@ class Guard:
     def _views_kept(self, models: Mapping[str, torch.nn.Module]) -> bool:
         """Does every owner whose capture-time view is known hold its tensor under that view
         still (Note [re-laid views] in graphtrace/verdict.py)? The native fast path compares
-        storages only; this pass resolves the owner paths in Python (~0.5 us per owner) and
-        compares each plain tensor's geometry, exact (`same_view`) only where it differs."""
-        views = self._owner_views
+        storages only; this pass resolves the owner paths in Python and compares each plain
+        tensor's geometry with the one it had (exactly, `same_view`, only where it differs)."""
+        if self._geometry is None:  # per model: (dtype, torch.Size, stride, offset) or None
+            self._geometry = {name: [(v.dtype, torch.Size(v.shape), v.stride, v.offset)
+                                     if v is not None else None
+                                     for v in map(self._owner_views.__getitem__, rows)]
+                              for name, (_, rows) in self._paths.items()}
+        plain = (torch.Tensor, torch.nn.Parameter)
         for name, (paths, rows) in self._paths.items():
-            if all(views[r] is None for r in rows):
+            geometry = self._geometry[name]
+            if not any(geometry):
                 continue
-            for r, t in zip(rows, paths.resolve(models[name])):
-                v = views[r]
-                if v is None or not (type(t) is torch.Tensor or type(t) is torch.nn.Parameter):
+            for g, t in zip(geometry, paths.resolve(models[name])):
+                if g is None or type(t) not in plain or \
+                        (t.dtype, t.shape, t.stride(), t.storage_offset()) == g:
                     continue
-                if (t.dtype is v.dtype and t.storage_offset() == v.offset and t.shape == v.shape
-                        and t.stride() == v.stride):
-                    continue
-                if not same_view(v, View.of(t)):
+                if not same_view(View(g[0], tuple(g[1]), g[2], g[3]), View.of(t)):
                     return False
         return True
 
