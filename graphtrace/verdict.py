@@ -36,8 +36,8 @@ from graphtrace.stage import same_storage
 from graphtrace.vocab import HOLDS, MOVED, ORPHANED, OWNER_STATUSES, VERDICTS
 
 __all__ = ["View", "same_view", "relaid_note", "on_storage", "owner_status", "verdict_of",
-           "storage_verdicts", "impact_of", "source_changed", "unrefreshed", "freshness_of", "unrefreshed_impact",
-           "freed_sources"]
+           "storage_verdicts", "impact_of", "source_changed", "unrefreshed", "freshness_of",
+           "unrefreshed_impact", "freed_sources"]
 
 # verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
 _V = {v: v for v in VERDICTS}
