@@ -91,7 +91,7 @@ test-sglang: $(SGLANG_VENV)/.installed
 # "Supported versions"). 0.32 is checked by `make test-vllm` (tests/vllm/test_contract.py).
 VLLM_CONTRACT_DIR ?= .vllm-contract
 VLLM_CONTRACT_RELEASES ?= 0.33.0 0.34.0
-CONTRACT_TESTS := tests/vllm/test_contract.py tests/vllm/test_runner_v2.py
+CONTRACT_TESTS := tests/vllm/test_contract.py tests/vllm/test_runner_v2.py tests/vllm/test_direct_reload.py
 
 $(VLLM_CONTRACT_DIR)/%/.installed: $(VLLM_VENV)/.installed
 	rm -rf $(VLLM_CONTRACT_DIR)/$*

@@ -42,6 +42,7 @@ from graphtrace.verdict import (
     freed_sources,
     freshness_of,
     impact_of,
+    on_storage,
     owner_status,
     storage_verdicts,
     unrefreshed_impact,
@@ -106,9 +107,10 @@ def _live_paths(models: dict, snapshot: OwnerSnapshot, fail) -> dict[str, Mappin
 
 
 def _resolve_owners(handles, captured: dict, sids: np.ndarray,
-                    live: Mapping[str, Mapping]) -> tuple[pd.DataFrame, dict, dict]:
+                    live: Mapping[str, Mapping], view_of=None) -> tuple[pd.DataFrame, dict, dict]:
     """One row per (storage, capture-time owner), with its status on the live model (`live`:
-    `_live_paths`; an owner of a model no longer watched is orphaned); rows in the order of
+    `_live_paths`; an owner of a model no longer watched is orphaned; `view_of(sid, model,
+    path)`: the owner's capture-time view, Note [re-laid views]); rows in the order of
     `sids` (ascending), then model, path and owner kind. Also, per storage with a moved
     owner, the live tensor the first one moved to and that owner's (model, path)."""
     rows = []
@@ -123,7 +125,8 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
         for model, path, owner_kind in (sorted(owners) if len(owners) > 1 else owners):
             paths = live.get(model)  # a path not among the matched: resolved on its own
             tensor = paths[path] if paths is not None else None
-            status, ptr = owner_status(tensor, handle)
+            view = view_of(sid, model, path) if view_of is not None else None
+            status, ptr = owner_status(tensor, handle, view=View(*view) if view else None)
             if status == MOVED and sid not in moved_to:
                 moved_to[sid] = tensor
                 moved_by[sid] = (model, path)
@@ -306,10 +309,14 @@ def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndar
     for i in np.flatnonzero((verdict == STALE) | (verdict == DIVERGED)).tolist():
         k = sid, v = int(sids[i]), int(views[i])
         if k not in cache:
+            relaid = False
             if sid in moved_to:
                 owner = snapshot.view_of(sid, *moved_by[sid])
-                impact, note = impact_of(recorder.storages.upgrade(sid), View(*items[v]),
-                                         moved_to[sid], View(*owner) if owner else None)
+                old = recorder.storages.upgrade(sid)
+                impact, note = impact_of(old, View(*items[v]), moved_to[sid],
+                                         View(*owner) if owner else None)
+                relaid = on_storage(moved_to[sid], old)  # Note [re-laid views]
+                del old
             else:
                 impact, note = "unknown", ""
             cache[k] = names.index(impact)
@@ -317,7 +324,8 @@ def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndar
                 found = sorted(owners.get(sid, ()))
                 paths = ", ".join(sorted(p for _, p, _ in found))
                 notes.append(BlindSpot(
-                    "dtype/shape change", f"storage {sid} ({paths}): {note} since capture; "
+                    "dtype/shape change", f"storage {sid} ({paths}): {note}; impact {impact}"
+                    if relaid else f"storage {sid} ({paths}): {note} since capture; "
                     f"impact {impact} compares values cast to a common dtype",
                     holder=found[0][1] if found else "", model=found[0][0] if found else ""))
         codes[i] = cache[k]
@@ -489,7 +497,7 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
     with gc_paused():
         live = _live_paths(models, snapshot, rec.fail)
         owners, moved_to, moved_by = _resolve_owners(table.handles, snapshot.owners, edge_sids,
-                                                     live)
+                                                     live, snapshot.view_of)
         try:
             unrefreshed, derived_from, freed, fresh_impacts = _freshness(
                 lineage, edge_sids, table.handles, alive, live, n_storages)

@@ -99,7 +99,8 @@ FIX_TEXTS: tuple[FixText, ...] = (
             "keep the registered Parameter and copy into it (replace_parameter(layer, name, "
             "new) with equal shape, stride, dtype and device, or param.data.copy_(new)); "
             "with VLLM_RELOAD_MODE=direct the reload re-lays new data into the old storages, "
-            "so process_weights_after_loading must keep addresses"),
+            "so process_weights_after_loading must keep addresses and lay each tensor out "
+            "again as at capture (same dtype, shape, stride and offset)"),
     FixText("register-or-copy", ("vllm",), (0, 34), None,
             "refill the attribute in place with refill_derived(obj, name, new) "
             "(vllm.model_executor.utils) or, for an experts object, "

@@ -50,7 +50,9 @@ from graphtrace.verdict import (
     freed_sources,
     freshness_of,
     impact_of,
+    on_storage,
     owner_status,
+    same_view,
     unrefreshed_impact,
     verdict_of,
 )
@@ -249,6 +251,7 @@ class Guard:
         self._fresh_sources: dict | bool | None = None
         self._owner_views: list[View | None] = [
             r.owner_views.get((m, p)) for r in self._storages for m, p, _ in r.owners]
+        self._geometry: dict | None = None  # _views_kept's baselines, made on first use
         # per model: its owner paths resolved together, and the owner rows they answer
         rows: dict[str, list[int]] = {}
         for r, (_, m, _, _) in enumerate(self._owners):
@@ -359,10 +362,11 @@ class Guard:
         statuses: list[str] = []
         live_ptrs: list[int | None] = []
         bad: set[int] = set()
-        for (i, _, _, _), tensor in zip(self._owners, tensors):
+        for (i, _, _, _), tensor, view in zip(self._owners, tensors, self._owner_views):
             r = req[i]
             status, ptr = owner_status(tensor, r.ref.cdata if r.ref is not None else None,
-                                       data_ptr=r.data_ptr, nbytes=r.nbytes, dead=r.dead)
+                                       data_ptr=r.data_ptr, nbytes=r.nbytes, dead=r.dead,
+                                       view=view)
             statuses.append(status)
             live_ptrs.append(ptr)
             if status != HOLDS:
@@ -408,10 +412,35 @@ class Guard:
         if native is None or expected is None or not self._paths:
             return False
         try:
-            return not any(name not in models or paths.moved(models[name], expected[name], native)
-                           for name, (paths, _) in self._paths.items())
+            if any(name not in models or paths.moved(models[name], expected[name], native)
+                   for name, (paths, _) in self._paths.items()):
+                return False
+            return self._views_kept(models)
         except Exception:  # the slow path decides
             return False
+
+    def _views_kept(self, models: Mapping[str, torch.nn.Module]) -> bool:
+        """Does every owner whose capture-time view is known hold its tensor under that view
+        still (Note [re-laid views] in graphtrace/verdict.py)? The native fast path compares
+        storages only; this pass resolves the owner paths in Python and compares each plain
+        tensor's geometry with the one it had (exactly, `same_view`, only where it differs)."""
+        if self._geometry is None:  # per model: (dtype, torch.Size, stride, offset) or None
+            self._geometry = {name: [(v.dtype, torch.Size(v.shape), v.stride, v.offset)
+                                     if v is not None else None
+                                     for v in map(self._owner_views.__getitem__, rows)]
+                              for name, (_, rows) in self._paths.items()}
+        plain = (torch.Tensor, torch.nn.Parameter)
+        for name, (paths, rows) in self._paths.items():
+            geometry = self._geometry[name]
+            if not any(geometry):
+                continue
+            for g, t in zip(geometry, paths.resolve(models[name])):
+                if g is None or type(t) not in plain or \
+                        (t.dtype, t.shape, t.stride(), t.storage_offset()) == g:
+                    continue
+                if not same_view(View(g[0], tuple(g[1]), g[2], g[3]), View.of(t)):
+                    return False
+        return True
 
     def _freed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> dict[int, list]:
         """The captured handles with a dangling source, and those sources (the verdict
@@ -612,19 +641,22 @@ class Guard:
             live = live_of.get(i, pd.NA)
             kinds = sorted({self._owners[r][3] for r in owner_rows})
             old = _upgrade(ref) if verdict in ("stale", "diverged") else None
-            impacts: dict[View | None, str] = {}
+            impacts: dict[View | None, tuple[str, str]] = {}
             derived = self._derived.get(i)
             derived_from = derived.derived_from if derived is not None else ""
             if i in freed:
                 derived_from = derived.marked(freed[i])
+            relaid = old is not None and moved and on_storage(tensors[moved[0]], old)
             for g, view in zip(req.graphs, req.views):
+                note = ""
                 if verdict in ("stale", "diverged"):
                     if view not in impacts:
                         impacts[view] = (impact_of(old, view, tensors[moved[0]],
-                                                   self._owner_views[moved[0]])[0]
+                                                   self._owner_views[moved[0]])
                                          if old is not None and view is not None and moved
-                                         else "unknown")
-                    impact = impacts[view]
+                                         else ("unknown", ""))
+                    impact, note = impacts[view]
+                    note = note if relaid else ""  # Note [re-laid views]: both views named
                 elif verdict == "unrefreshed":
                     impact = self._fresh_impacts.get(i, "unknown")
                 else:
@@ -634,7 +666,7 @@ class Guard:
                              "; ".join(self._owners[r][2] for r in owner_rows),
                              ";".join(kinds), ";".join(st), live, verdict, impact,
                              "storage" if ref is not None else "data_ptr",
-                             derived_from, "", ""))
+                             derived_from, "", note))
             del old
         rows.sort(key=lambda r: (r[0], r[2]))  # by graph, then storage
         rows.extend(blind)  # after the edges: Note [blind spots in the guard]
@@ -885,6 +917,8 @@ def _describe_edges(problems: pd.DataFrame, limit: int) -> list[str]:
         lines.append(f"  {r['verdict']:<8} storage {sid} ({r['dtype']} {r['shape']}, "
                      f"{r['nbytes']} bytes) owned by {r['owners']} [{r['statuses']}]"
                      f"{derived}; read by: {graphs}")
+        if r.get("note"):  # a re-laid owner: both views (Note [re-laid views])
+            lines.append(f"           {r['note']}")
     for verdict in GUARD_PROBLEMS:
         if (problems["verdict"] == verdict).any():
             lines.append(f"  ({verdict}: {_WHAT[verdict]})")

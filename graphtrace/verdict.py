@@ -6,7 +6,8 @@ verdict, an owner's status or an impact:
 
 - `owner_status`: does a capture-time owner, resolved on the live model, still hold the
   captured storage (identity by weak handle, or by address and size where only that is
-  known: Note [guard identity] in graphtrace/guard.py)?
+  known: Note [guard identity] in graphtrace/guard.py), under the view it had at capture
+  (Note [re-laid views])?
 - `verdict_of` (scalar) and `storage_verdicts` (vectorised, per storage): the rule, from the
   owners' statuses, whether the captured storage is alive and whether every graph overwrites
   it before reading it (Note [write before read] in graphtrace/edges.py).
@@ -34,9 +35,9 @@ from graphtrace.opaque import is_opaque, storage_of
 from graphtrace.stage import same_storage
 from graphtrace.vocab import HOLDS, MOVED, ORPHANED, OWNER_STATUSES, VERDICTS
 
-__all__ = ["View", "owner_status", "verdict_of", "storage_verdicts", "impact_of",
-           "source_changed", "unrefreshed", "freshness_of", "unrefreshed_impact",
-           "freed_sources"]
+__all__ = ["View", "same_view", "relaid_note", "on_storage", "owner_status", "verdict_of",
+           "storage_verdicts", "impact_of", "source_changed", "unrefreshed", "freshness_of",
+           "unrefreshed_impact", "freed_sources"]
 
 # verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
 _V = {v: v for v in VERDICTS}
@@ -61,25 +62,79 @@ class View(NamedTuple):
 
 # -- owner status ----------------------------------------------------------------------------
 
+# Note [re-laid views]
+# ~~~~~~~~~~~~~~~~~~~~
+# A graph reads a storage through the view its op was given (dtype, shape, stride, storage
+# offset), taken from what the owner held at capture. A reload can lay new data into the same
+# storage under another view: vLLM 0.34's direct reload (VLLM_RELOAD_MODE=direct) views each
+# re-laid-out parameter back to its checkpoint layout on its own storage, the loaders write
+# there, and post-load processing must lay it out again as at capture. Where it does not (a
+# one-shot "already processed" guard, a repack to another shape), the owner holds the right
+# storage and a graph reads checkpoint bytes through its runtime view. So an owner holds the
+# captured storage only under the view it had at capture (`same_view`: dtype, shape, storage
+# offset and the strides of every dimension longer than one); the same storage under another
+# view is `moved`, and the verdict is `stale` (the graph reads bytes laid out for another
+# view), its note naming both views (`relaid_note`). An owner whose capture-time view is not
+# known (an opaque handle, a manifest from before views were kept) is judged by storage alone.
+
+def same_view(a: View, b: View) -> bool:
+    """Do `a` and `b` address the same elements the same way? The strides of dimensions of
+    length one (and of empty views) address nothing, so they are not compared."""
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    if any(n == 0 for n in a.shape):
+        return True
+    return a.offset == b.offset and all(
+        n == 1 or s == t for n, s, t in zip(a.shape, a.stride, b.stride))
+
+
+def _view_text(v: View) -> str:
+    return (f"{_dtype_name(v.dtype)} {tuple(v.shape)} stride {tuple(v.stride)} "
+            f"offset {v.offset}")
+
+
+def relaid_note(read: View, owner: View, live: View) -> str:
+    """The note of an owner that holds the captured storage under another view than at
+    capture (Note [re-laid views]): the view the graph reads, the owner's then and now."""
+    through = "" if same_view(read, owner) else f" (taken from the owner's {_view_text(owner)})"
+    return (f"re-laid in the captured storage: the graph reads {_view_text(read)}{through}, "
+            f"the owner now holds {_view_text(live)}")
+
+
+def on_storage(tensor: object, storage: torch.UntypedStorage | None) -> bool:
+    """Is `tensor` a tensor on `storage` itself (a moved owner that was re-laid: Note
+    [re-laid views])?"""
+    try:
+        return storage is not None and isinstance(tensor, torch.Tensor) and \
+            tensor.untyped_storage()._cdata == storage._cdata
+    except Exception:  # no storage (meta, functional wrappers)
+        return False
+
+
 def owner_status(tensor: object, cdata: int | None = None, *, data_ptr: int = 0,
-                 nbytes: int = 0, dead: bool = False) -> tuple[str, int | None]:
+                 nbytes: int = 0, dead: bool = False,
+                 view: View | None = None) -> tuple[str, int | None]:
     """(status, live data_ptr) of one capture-time owner whose path now reaches `tensor`.
 
     The captured storage is known by its StorageImpl address `cdata` (a live weak handle keeps
     it unique: exact identity), or, where `cdata` is None, by `data_ptr` and `nbytes` only
     (`dead`: it was freed before that was recorded, so nothing holds it). `tensor` None: the
     path no longer resolves (orphaned). An owner reaching something without a storage (meta,
-    functional wrappers) does not hold the captured storage. The live pointer is 0 for an
-    opaque handle and None where unknown."""
+    functional wrappers) does not hold the captured storage. `view`: the owner's View at
+    capture; the captured storage under another view is moved (Note [re-laid views]). The
+    live pointer is 0 for an opaque handle and None where unknown."""
     if tensor is None:
         return ORPHANED, None
+    plain = type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter
     try:
-        if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:  # most owners
+        if plain:  # most owners
             storage, ptr = tensor.untyped_storage(), tensor.data_ptr()
         else:
             storage = storage_of(tensor)  # an opaque handle's proxy storage too
             ptr = 0 if is_opaque(tensor) else tensor.data_ptr()
         same = (cdata is not None or not dead) and same_storage(storage, cdata, data_ptr, nbytes)
+        if same and plain and view is not None:
+            same = same_view(view, View.of(tensor))
     except Exception:  # no storage (meta, functional wrappers): not the captured one
         return MOVED, None
     return (HOLDS if same else MOVED), ptr
@@ -286,6 +341,8 @@ def impact_of(old: torch.UntypedStorage | None, view: View, live: object,
     except Exception:
         return "unknown", ""
     note = _change_note(owner, live)
+    if owner is not None and on_storage(live, old):  # Note [re-laid views]
+        note = relaid_note(view, owner, View.of(live))
     if owner is not None and tuple(live.shape) != owner.shape:
         return "manifest", note  # the graph reads a tensor of another shape than the model holds
     offset, stride = view.offset, view.stride

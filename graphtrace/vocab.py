@@ -131,7 +131,8 @@ GUARD_SCHEMA: tuple[tuple[str, str], ...] = (
     ("nbytes", "int"), ("dtype", "str"), ("shape", "str"), ("owners", "str"),
     ("owner_kinds", "str"), ("statuses", "str"), ("live_data_ptr", "Int"), ("verdict", "str"),
     ("impact", "str?"), ("identity", "str"), ("derived_from", "str"),
-    # a blind spot's row (Note [blind spots in the guard]): its kind and text; "" on edge rows
+    # a blind spot's row (Note [blind spots in the guard]): its kind and text; "" on edge
+    # rows, but for a stale edge's re-laid owner `note` names both views (Note [re-laid views])
     ("blind_spot", "str"), ("note", "str"),
 )
 # the verdict of a guard row for a blind spot the update may have invalidated: its holder

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from graphtrace.verdict import View, impact_of, owner_status, storage_verdicts, verdict_of
+from graphtrace.verdict import (
+    View,
+    impact_of,
+    owner_status,
+    same_view,
+    storage_verdicts,
+    verdict_of,
+)
 from graphtrace.vocab import OWNER_STATUSES, VERDICTS
 
 # every storage: 0-3 owners, each holds / moved / orphaned, x alive / dead
@@ -120,6 +127,24 @@ def test_owner_status_by_weak_handle_and_by_address():
     assert owner_status(w, None, data_ptr=ptr, nbytes=nbytes)[0] == "holds"
     assert owner_status(w, None, data_ptr=ptr, nbytes=nbytes + 4)[0] == "moved"
     assert owner_status(w, None, data_ptr=ptr, nbytes=nbytes, dead=True)[0] == "moved"
+
+
+def test_owner_status_under_the_capture_time_view():
+    """Note [re-laid views]: the captured storage under another view is moved; the strides
+    of length-one dimensions do not count; without a view, the storage alone decides."""
+    w = torch.rand(4, 8)
+    cdata, view = w.untyped_storage()._cdata, View.of(w)
+    assert owner_status(w, cdata, view=view)[0] == "holds"
+    for geometry in [((8, 4), (4, 1), 0), ((4, 8), (1, 4), 0), ((4, 7), (8, 1), 1)]:
+        relaid = torch.empty(0).set_(w.untyped_storage(), geometry[2], *geometry[:2])
+        assert owner_status(relaid, cdata, view=view)[0] == "moved", geometry
+        assert owner_status(relaid, cdata)[0] == "holds"
+    as_int = torch.empty(0, dtype=torch.int32).set_(w.untyped_storage(), 0, (4, 8), (8, 1))
+    assert owner_status(as_int, cdata, view=view)[0] == "moved"
+    row = torch.rand(1, 8)
+    same = torch.empty(0).set_(row.untyped_storage(), 0, (1, 8), (99, 1))
+    assert owner_status(same, row.untyped_storage()._cdata, view=View.of(row))[0] == "holds"
+    assert same_view(View(torch.float32, (0, 3), (3, 1), 0), View(torch.float32, (0, 3), (1, 5), 2))
 
 
 # -- impact (Note [impact]) ----------------------------------------------------------------
