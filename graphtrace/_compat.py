@@ -30,7 +30,7 @@ What a torch outside it lacks is handled by what depends on it:
 - `CAPTURE_HOOKS`: torch 2.14 made CUDA-graph lifecycle hooks public
   (`torch.cuda.graphs.register_graph_capture_start_hook` / `..._end_hook`); where they exist a
   trace learns of captures through them, elsewhere (2.11 to 2.13) it wraps
-  `CUDAGraph.capture_begin/capture_end` (Note [CUDA graph capture hooks] in tracing.py). Not a
+  `CUDAGraph.capture_begin/capture_end` (Note [CUDA graph capture hooks] in tracing/cudagraphs.py). Not a
   missing feature: no warning either way.
 - `OP_CALLS_OP_DIRECTLY`: the native dispatch calls an OpOverload's `_op` itself only while
   `OpOverload.__call__` is exactly `return self._op(*args, **kwargs)` (torch 2.13); torch 2.14

@@ -164,7 +164,7 @@ def _wrapper_for(module: torch.nn.Module) -> types.MethodType:
 # Note [attribution while serving]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Only a capture's writer reads the module stack. So under the rule of Note [recording while
-# serving] (graphtrace/tracing.py) the keepers are off while the model serves: when the rule
+# serving] (graphtrace/tracing/rule.py) the keepers are off while the model serves: when the rule
 # pauses provenance and lineage, `pause()` removes the wrappers and hooks (and the trace its
 # serve hooks), and a serving forward runs `nn.Module._call_impl`'s fast path, as with no
 # trace. `resume()` puts them back, on every watched model's modules as they are then, when an

@@ -179,9 +179,9 @@ def test_emulated_graph_keeps_an_intermediate_something_else_holds():
 
 
 def test_without_use_counts_an_emulated_graph_keeps_everything(monkeypatch):
-    import graphtrace.tracing as tracing
+    import graphtrace.tracing.emulated as emulated
 
-    monkeypatch.setattr(tracing, "SCRATCH", False)
+    monkeypatch.setattr(emulated, "SCRATCH", False)
     model = Chain()
     x = torch.rand(3, 4)
     with torch.no_grad(), gt.trace(model, strict=True):
