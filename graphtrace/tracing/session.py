@@ -242,7 +242,8 @@ class Trace(RecordingRule, CudaGraphCaptures):
             _active = None
         self._open = False
         self._closed = True
-        self._refresh_owners()
+        if self.recorder.captures:  # Note [owners at trace exit]
+            self._match_owners()
         pending, self._patch.pending[:] = list(self._patch.pending), []
         if pending and (not exc or exc[0] is None):  # strict: raised in torch's capture hook
             raise pending[0]
@@ -298,12 +299,25 @@ class Trace(RecordingRule, CudaGraphCaptures):
         self._attribution.install(model, self.recorder.names, f"{name}:" if name else "")
 
     def _refresh_owners(self) -> None:
-        """Walk the watched models again (trace exit, watch) and match captured storages."""
+        """Walk the watched models again (a model watched after captures) and match every
+        captured storage."""
         self._snapshot(self.owner_snapshot.refresh)
 
     def _match_owners(self) -> None:
-        """Match the storages captured since the last snapshot (after each capture)."""
+        """Match the storages captured since the last snapshot (after each capture, at exit)."""
         self._snapshot(self.owner_snapshot.update)
+
+    # Note [owners at trace exit]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Owners are capture-time owners: each capture's end matches its storages against a walk
+    # of the models then (cached, and walked again when a matched path moved). At exit the
+    # trace only matches what is not matched yet (a CUDA region closed by the exit, a match
+    # that failed); it does not walk the models again. A walk at exit (as before) cost a
+    # short script a third walk of its model, and was wrong after an update made inside the
+    # trace: it added the holders of the captured storages at exit to their owners, so a swap
+    # of two captured weights (`a.weight, b.weight = b.weight, a.weight`) read `diverged`
+    # with both names as owners from a diff after the block, and `stale` with the one
+    # capture-time owner from a diff inside it. A trace without captures walks nothing.
 
     def _snapshot(self, step) -> None:
         try:
