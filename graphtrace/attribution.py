@@ -37,11 +37,11 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from torch.nn.modules import module as _nn_module  # the global hook tables _call_impl reads
 
 from graphtrace._compat import (
     DYNAMO_CACHE,
     MODULE_CALL_CODE,
+    MODULE_FAST_PATH,
     dynamo_cache_entries,
     dynamo_skip_code,
 )
@@ -62,8 +62,11 @@ _fqn_ids: dict[int, int] = {}
 # path (`call` below; Note [one frame per module call]). Missing: the call goes through
 # `nn.Module._call_impl` and the forward wrapper.
 _calls: dict[int, tuple[int, Any]] = {}
-_MODULE_CALL_IMPL = torch.nn.Module._call_impl
-_tracing_state = torch._C._get_tracing_state
+if MODULE_FAST_PATH is not None:
+    _MODULE_CALL_IMPL, _tracing_state, _global_hooks = MODULE_FAST_PATH
+else:  # pragma: no cover - every tested torch has them: no one-frame call
+    _MODULE_CALL_IMPL, _tracing_state, _global_hooks = None, None, ({}, {}, {}, {})
+_global_forward_pre, _global_forward, _global_backward_pre, _global_backward = _global_hooks
 
 
 def forward(self, *args, **kwargs):
@@ -109,9 +112,8 @@ def call(self, *args, **kwargs):
     call])."""
     if (_dynamo_compiling() or self._forward_pre_hooks or self._forward_hooks
             or self._backward_pre_hooks or self._backward_hooks
-            or _nn_module._global_forward_pre_hooks or _nn_module._global_forward_hooks
-            or _nn_module._global_backward_pre_hooks or _nn_module._global_backward_hooks
-            or _tracing_state()):
+            or _global_forward_pre or _global_forward or _global_backward_pre
+            or _global_backward or _tracing_state()):
         return type(self)._call_impl(self, *args, **kwargs)
     entry = _calls.get(id(self))
     if entry is None or type(self)._call_impl is not _MODULE_CALL_IMPL \
@@ -315,6 +317,8 @@ class ModuleAttribution:
         """The one-frame call of a wrapped module (Note [one frame per module call]), where its
         `_call_impl` is torch's own and not already replaced on the instance by someone else."""
         mine = module.__dict__.get("_call_impl")
+        if _MODULE_CALL_IMPL is None:
+            return
         if mine is None and type(module)._call_impl is _MODULE_CALL_IMPL:
             module.__dict__["_call_impl"] = _call_for(module)
         elif not (is_call(mine) and mine.__self__ is module):
