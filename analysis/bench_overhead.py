@@ -688,18 +688,18 @@ def liveness(model, inputs, emulate: bool):
 # (depth) and the wrappers' own cost (about a µs per call). These are graphtrace internals:
 # a name that no longer exists is reported as missing, not timed.
 PHASES = [
-    ("graphtrace.tracing", "_CaptureContext.__enter__", "capture enter", 0),
-    ("graphtrace.tracing", "_Region.__init__", "region: capture, writer, mode", 1),
+    ("graphtrace.tracing.session", "_CaptureContext.__enter__", "capture enter", 0),
+    ("graphtrace.tracing.region", "_Region.__init__", "region: capture, writer, mode", 1),
     ("graphtrace.recorder", "Recorder.new_writer", "writers (Python + native)", 2),
-    ("graphtrace.tracing", "EmulatedGraph.__init__", "emulated graph + keeper", 2),
-    ("graphtrace.tracing", "_Region.open", "provenance pause, mode push", 1),
-    ("graphtrace.tracing", "_CaptureContext.__exit__", "capture exit", 0),
+    ("graphtrace.tracing.emulated", "EmulatedGraph.__init__", "emulated graph + keeper", 2),
+    ("graphtrace.tracing.region", "_Region.open", "provenance pause, mode push", 1),
+    ("graphtrace.tracing.session", "_CaptureContext.__exit__", "capture exit", 0),
     ("graphtrace.recorder", "RecordingMode.__exit__", "mode pop", 1),
     ("graphtrace.provenance", "Provenance.resume", "provenance resume", 1),
     ("graphtrace.recorder", "RecordingMode.finish", "writer flush (native rows land)", 1),
-    ("graphtrace.tracing", "EmulatedGraph.seal", "emulated graph seal", 1),
+    ("graphtrace.tracing.emulated", "EmulatedGraph.seal", "emulated graph seal", 1),
     ("graphtrace.recorder", "StorageTable.sweep", "storage table sweep", 1),
-    ("graphtrace.tracing", "Trace._after_capture", "after capture", 1),
+    ("graphtrace.tracing.session", "Trace._after_capture", "after capture", 1),
     ("graphtrace.owners", "OwnerSnapshot.update", "owner snapshot update", 2),
     ("graphtrace.recorder", "StorageTable.registered_since", "storages registered since", 3),
     ("graphtrace.owners", "OwnerSnapshot._moved_since_walk", "cached walk still valid?", 3),
@@ -711,7 +711,7 @@ PHASES = [
     ("graphtrace.owners", "PathSet.resolve", "registry steps learned", 4),
     ("graphtrace.provenance", "Provenance.match", "provenance match", 2),
     ("graphtrace.lineage", "Lineage.match", "lineage match", 2),
-    ("graphtrace.tracing", "Trace._note_scalars", "baked scalars", 1),
+    ("graphtrace.tracing.session", "Trace._note_scalars", "baked scalars", 1),
     ("graphtrace.recorder", "Recorder.unpin", "unpin", 1),
 ]
 

@@ -4,7 +4,7 @@ An engine opens `gt.trace()` before it loads, captures its graphs, and then serv
 with the trace still open (so that a later weight update is recorded). Its forwards outside
 captures should cost at most 1.1x a forward with no trace open. Under the default
 `record="auto"` provenance and lineage pause once graphs exist and the model serves (Note
-[recording while serving] in graphtrace/tracing.py); `record="always"` is the cost without
+[recording while serving] in graphtrace/tracing/rule.py); `record="always"` is the cost without
 that rule (every op through provenance's and lineage's dispatch mode).
 
 Per workload, per round, interleaved (the order rotates each round): N forwards with no trace

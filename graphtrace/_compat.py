@@ -30,7 +30,7 @@ What a torch outside it lacks is handled by what depends on it:
 - `CAPTURE_HOOKS`: torch 2.14 made CUDA-graph lifecycle hooks public
   (`torch.cuda.graphs.register_graph_capture_start_hook` / `..._end_hook`); where they exist a
   trace learns of captures through them, elsewhere (2.11 to 2.13) it wraps
-  `CUDAGraph.capture_begin/capture_end` (Note [CUDA graph capture hooks] in tracing.py). Not a
+  `CUDAGraph.capture_begin/capture_end` (Note [CUDA graph capture hooks] in tracing/cudagraphs.py). Not a
   missing feature: no warning either way.
 - `OP_CALLS_OP_DIRECTLY`: the native dispatch calls an OpOverload's `_op` itself only while
   `OpOverload.__call__` is exactly `return self._op(*args, **kwargs)` (torch 2.13); torch 2.14
@@ -72,7 +72,7 @@ __all__ = [
     # emulated graphs let go of their intermediates
     "SCRATCH", "storage_use_count",
     # Dynamo's cache, a module call's frame (attribution)
-    "DYNAMO_CACHE", "dynamo_cache_entries", "MODULE_CALL_CODE",
+    "DYNAMO_CACHE", "dynamo_cache_entries", "MODULE_CALL_CODE", "MODULE_FAST_PATH",
     # how a trace learns of CUDA graph captures
     "CAPTURE_HOOKS",
     # the native dispatch
@@ -210,6 +210,24 @@ if not DYNAMO_CACHE:
 # the code of `nn.Module._call_impl`: a frame running it is a module call (attribution's seed;
 # None where torch has no such method: no module is found running then)
 MODULE_CALL_CODE = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
+
+
+def _module_fast_path() -> tuple | None:
+    """What `nn.Module._call_impl` reads to take its fast path: (the method itself, the JIT
+    tracing check, its four global hook tables: dicts torch fills and empties in place, never
+    rebinds), for attribution's one-frame call (Note [one frame per module call] in
+    graphtrace/attribution.py); None where this torch lacks one of them (no one-frame call)."""
+    try:
+        from torch.nn.modules import module
+
+        return (getattr(torch.nn.Module, "_call_impl"), torch._C._get_tracing_state,
+                (module._global_forward_pre_hooks, module._global_forward_hooks,
+                 module._global_backward_pre_hooks, module._global_backward_hooks))
+    except AttributeError:
+        return None
+
+
+MODULE_FAST_PATH = _module_fast_path()
 
 
 # -- CUDA graph capture hooks: public since torch 2.14 ---------------------------------------

@@ -4,12 +4,13 @@ Every recorded op is attributed to the innermost watched module running when it 
 dispatched. Two ways keep the stack, chosen by `gt.trace(modules=...)`:
 
 - ``"forward"`` (default): each watched module gets an instance attribute ``forward``, a
-  method bound to it that pushes its id, runs ``type(module).forward`` and pops. A module call
-  stays on ``nn.Module._call_impl``'s fast path (hooks cost more: docs/performance.md,
-  "Module attribution: forward wrappers against hooks"). Because it is a bound method, a
-  ``copy.deepcopy`` of a watched module gets a wrapper bound to the copy (it computes with the
-  copy's own forward and is attributed to nothing), and ``pickle`` stores it as
-  ``getattr(module, "forward")``. Modules that already carry an instance ``forward`` (someone
+  method bound to it that pushes its id, runs ``type(module).forward`` and pops, and an
+  instance ``_call_impl`` that does the same in the frame of torch's own when the call takes
+  ``nn.Module._call_impl``'s fast path (Note [one frame per module call]); hooks cost more:
+  docs/performance.md, "Module attribution: forward wrappers against hooks". Because it is
+  a bound method, a ``copy.deepcopy`` of a watched module gets a wrapper bound to the copy (it
+  computes with the copy's own forward and is attributed to nothing), and ``pickle`` stores
+  it as ``getattr(module, "forward")``. Modules that already carry an instance ``forward`` (someone
   else's wrapper) get hooks instead, so theirs is never shadowed.
   ``inspect.signature(module.forward)`` still reads the class forward's signature (the
   wrapper's ``__wrapped__``).
@@ -23,8 +24,8 @@ so its guards never see the stack, and ops inside compiled code are not attribut
 that Dynamo's cached graphs already inlined get hooks even under ``"forward"``
 (`compiled_inside`): those graphs guard on each inlined module's ``__dict__`` lacking
 ``forward``, so wrappers would make them compile again, while hooks added after a compile are
-not guarded (``torch._dynamo.config.skip_nnmodule_hook_guards``). The wrapper's frame is marked
-for Dynamo to skip (``skip_code``), so a compiled module's own call enters Dynamo at its class
+not guarded (``torch._dynamo.config.skip_nnmodule_hook_guards``). The wrappers' frames are
+marked for Dynamo to skip (``skip_code``), so a compiled module's own call enters Dynamo at its class
 forward, as it would without the trace.
 """
 
@@ -40,6 +41,7 @@ import torch
 from graphtrace._compat import (
     DYNAMO_CACHE,
     MODULE_CALL_CODE,
+    MODULE_FAST_PATH,
     dynamo_cache_entries,
     dynamo_skip_code,
 )
@@ -56,6 +58,15 @@ except AttributeError:  # pragma: no cover - every tested torch has it
 # id(module) -> FQN id, for the modules whose forward is wrapped by the open trace (one trace
 # is open at a time). A module missing here runs its plain forward, unattributed.
 _fqn_ids: dict[int, int] = {}
+# id(module) -> (FQN id, its forward wrapper), for the modules whose call takes the one-frame
+# path (`call` below; Note [one frame per module call]). Missing: the call goes through
+# `nn.Module._call_impl` and the forward wrapper.
+_calls: dict[int, tuple[int, Any]] = {}
+if MODULE_FAST_PATH is not None:
+    _MODULE_CALL_IMPL, _tracing_state, _global_hooks = MODULE_FAST_PATH
+else:  # pragma: no cover - every tested torch has them: no one-frame call
+    _MODULE_CALL_IMPL, _tracing_state, _global_hooks = None, None, ({}, {}, {}, {})
+_global_forward_pre, _global_forward, _global_backward_pre, _global_backward = _global_hooks
 
 
 def forward(self, *args, **kwargs):
@@ -67,6 +78,49 @@ def forward(self, *args, **kwargs):
         return type(self).forward(self, *args, **kwargs)
     stack = module_stack.stack
     stack.append(fqn)
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        stack.pop()
+
+
+# Note [one frame per module call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A module call runs `Module.__call__` (`_wrapped_call_impl`), then `self._call_impl`, then
+# `self.forward`: a forward wrapper alone adds a fourth Python frame, and with it an argument
+# tuple and a keyword dict, per module call (measured: most of attribution's cost on a model
+# that makes one module call per op; docs/performance.md, "A short script"). So a wrapped
+# module also gets an instance `_call_impl` (`call`), which `_wrapped_call_impl` finds
+# before the class's: on `nn.Module._call_impl`'s fast path -- no hooks on the module or
+# global, no JIT tracing -- it pushes, runs `type(module).forward` and pops, in the frame
+# torch's `_call_impl` would have run; the forward wrapper is not called. Otherwise (a hook,
+# JIT tracing, Dynamo tracing it, someone else's `forward` or class `_call_impl` installed
+# since) it hands the call to the class's `_call_impl`, which calls the forward wrapper as
+# before: ops in hooks stay with the caller's module, ops in forward with this one, as with
+# the wrapper alone. The fast-path test is the one `_call_impl` makes (the same eight hook
+# tables and `torch._C._get_tracing_state()`), so the two paths cannot disagree on which a
+# call takes. A module whose `_call_impl` someone else replaced on the instance keeps it (and
+# the forward wrapper alone). Removed with the wrapper; a deep copy gets a `call` bound to
+# the copy, which finds no entry in `_calls` and hands over to the class's `_call_impl`;
+# pickle stores it as `getattr(module, "_call_impl")`, the class's.
+
+
+def call(self, *args, **kwargs):
+    """graphtrace's `_call_impl` of a wrapped module: `nn.Module._call_impl`'s fast path (no
+    hooks, no JIT tracing) with the push and pop of the forward wrapper, one frame where the
+    two take two; anything else goes through `nn.Module._call_impl` (Note [one frame per module
+    call])."""
+    if (_dynamo_compiling() or self._forward_pre_hooks or self._forward_hooks
+            or self._backward_pre_hooks or self._backward_hooks
+            or _global_forward_pre or _global_forward or _global_backward_pre
+            or _global_backward or _tracing_state()):
+        return type(self)._call_impl(self, *args, **kwargs)
+    entry = _calls.get(id(self))
+    if entry is None or type(self)._call_impl is not _MODULE_CALL_IMPL \
+            or self.forward is not entry[1]:
+        return type(self)._call_impl(self, *args, **kwargs)
+    stack = module_stack.stack
+    stack.append(entry[0])
     try:
         return type(self).forward(self, *args, **kwargs)
     finally:
@@ -86,6 +140,7 @@ def _dynamo_skips_wrapper() -> None:
     _frame_skipped = True
     try:
         dynamo_skip_code(forward.__code__)
+        dynamo_skip_code(call.__code__)
     except (ImportError, AttributeError):  # a torch without Dynamo: nothing compiles frames
         return
 
@@ -150,6 +205,19 @@ def is_wrapper(method: object) -> bool:
             and getattr(method.__func__, "__code__", None) is forward.__code__)
 
 
+def is_call(method: object) -> bool:
+    """Whether `method` is one of graphtrace's bound `_call_impl` overrides."""
+    return (isinstance(method, types.MethodType)
+            and getattr(method.__func__, "__code__", None) is call.__code__)
+
+
+def _call_for(module: torch.nn.Module) -> types.MethodType:
+    """`call` bound to `module`, as its own function object (pickled as
+    `getattr(module, "_call_impl")`, the class's)."""
+    return types.MethodType(types.FunctionType(call.__code__, call.__globals__, "_call_impl"),
+                            module)
+
+
 def _wrapper_for(module: torch.nn.Module) -> types.MethodType:
     """`forward` bound to `module`, as its own function object whose `__wrapped__` is the class
     forward, so that `inspect.signature(module.forward)` reads the real signature."""
@@ -164,7 +232,7 @@ def _wrapper_for(module: torch.nn.Module) -> types.MethodType:
 # Note [attribution while serving]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Only a capture's writer reads the module stack. So under the rule of Note [recording while
-# serving] (graphtrace/tracing.py) the keepers are off while the model serves: when the rule
+# serving] (graphtrace/tracing/rule.py) the keepers are off while the model serves: when the rule
 # pauses provenance and lineage, `pause()` removes the wrappers and hooks (and the trace its
 # serve hooks), and a serving forward runs `nn.Module._call_impl`'s fast path, as with no
 # trace. `resume()` puts them back, on every watched model's modules as they are then, when an
@@ -227,20 +295,35 @@ class ModuleAttribution:
             mine = module.__dict__.get("forward")
             if wrap and is_wrapper(mine) and mine.__self__ is module:  # kept while paused
                 _fqn_ids[id(module)] = fid
+                self._fast_call(module, fid, mine)
                 self.wrapped.append(module)
                 continue
             if id(module) in self.hooks:  # kept while paused
                 continue
             if (wrap and id(module) not in inlined and "forward" not in module.__dict__
                     and not isinstance(module, torch.jit.ScriptModule)):
-                module.__dict__["forward"] = _wrapper_for(module)
+                wrapper = module.__dict__["forward"] = _wrapper_for(module)
                 _fqn_ids[id(module)] = fid
+                self._fast_call(module, fid, wrapper)
                 self.wrapped.append(module)
                 continue
             live = [True]
             self.hooks[id(module)] = (
                 live, module.register_forward_pre_hook(_push_hook(fid, live)),
                 module.register_forward_hook(_pop_hook(fid), always_call=True))
+
+    @staticmethod
+    def _fast_call(module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> None:
+        """The one-frame call of a wrapped module (Note [one frame per module call]), where its
+        `_call_impl` is torch's own and not already replaced on the instance by someone else."""
+        mine = module.__dict__.get("_call_impl")
+        if _MODULE_CALL_IMPL is None:
+            return
+        if mine is None and type(module)._call_impl is _MODULE_CALL_IMPL:
+            module.__dict__["_call_impl"] = _call_for(module)
+        elif not (is_call(mine) and mine.__self__ is module):
+            return
+        _calls[id(module)] = (fid, wrapper)
 
     def _detach(self, keep: set[int] = frozenset()) -> None:
         """Remove the keepers, but those of the modules in `keep`."""
@@ -250,6 +333,10 @@ class ModuleAttribution:
                 kept.append(module)
                 continue
             _fqn_ids.pop(id(module), None)
+            _calls.pop(id(module), None)
+            c = module.__dict__.get("_call_impl")
+            if is_call(c) and c.__self__ is module:
+                del module.__dict__["_call_impl"]
             f = module.__dict__.get("forward")
             if is_wrapper(f) and f.__self__ is module:  # leave alone whatever replaced it since
                 del module.__dict__["forward"]
@@ -302,7 +389,7 @@ class ModuleAttribution:
         walked = []
         frame = sys._getframe(1)
         while frame is not None:
-            if frame.f_code is MODULE_CALL_CODE:
+            if frame.f_code is MODULE_CALL_CODE or frame.f_code is call.__code__:
                 fid = self.ids.get(id(frame.f_locals.get("self")))
                 if fid is not None:
                     walked.append(fid)

@@ -81,7 +81,7 @@ __all__ = ["ENV", "enabled_by_default", "skipped_file", "ProvenanceTable", "Prov
 # while (the vLLM adapters pause it after warm-up and resume it around weight updates, so
 # an engine's steady-state forwards pay nothing); storages made meanwhile are `not recorded`.
 # A plain trace pauses and resumes itself by a rule: Note [recording while serving] in
-# graphtrace/tracing.py.
+# graphtrace/tracing/rule.py.
 #
 # "Before the trace": storages reachable from the models watched when the trace opens are
 # noted as `before trace` (a census by the owner walk); anything else the trace never saw

@@ -106,7 +106,7 @@ def test_modules_are_left_as_found_and_outputs_unchanged(modules):
         t, out = capture_once(model, x, modules)
     assert torch.equal(out, expected)
     for m in model.modules():
-        assert "forward" not in m.__dict__
+        assert "forward" not in m.__dict__ and "_call_impl" not in m.__dict__
         assert not m._forward_hooks and not m._forward_pre_hooks
     assert torch.equal(model(x), expected)
 
@@ -181,6 +181,78 @@ def test_someone_elses_forward_wrapper_is_kept_and_still_attributed():
     assert op_modules(t, "aten::addmm")[-1] == "head"
     assert model.head.__dict__["forward"] is theirs
     assert not model.head._forward_hooks and not model.head._forward_pre_hooks
+
+
+@pytest.mark.parametrize("hook", ["module", "global"])
+def test_ops_in_hooks_stay_with_the_caller_and_forward_ops_with_the_module(hook):
+    """A module call with hooks (registered while traced) goes through torch's `_call_impl`
+    (Note [one frame per module call]): what a hook computes is the caller's, what forward
+    computes is the module's, as for a call without hooks."""
+    model, x = Net(), torch.randn(3, 4)
+
+    def triple(module, args):
+        if module is model.head:
+            return (args[0] * 3,)
+        return None
+
+    with gt.trace(model, strict=True, name="net") as t:
+        register = (model.head.register_forward_pre_hook if hook == "module"
+                     else torch.nn.modules.module.register_module_forward_pre_hook)
+        handle = register(triple)
+        try:
+            with gt.capture("fwd", emulate=False):
+                model(x)
+        finally:
+            handle.remove()
+    assert op_modules(t, "aten::mul.Tensor") == ["net:", "net:"]  # the root's, the hook's
+    assert op_modules(t, "aten::addmm")[-1] == "head"
+
+
+def test_a_traced_module_call_runs_no_more_python_calls_than_an_untraced_one():
+    """Note [one frame per module call]: the attribution of a module call takes the place of
+    torch's `_call_impl` frame instead of adding a frame of its own (beside the Dynamo check,
+    `torch.compiler.is_dynamo_compiling`, which is not counted)."""
+    import sys
+
+    model, x = Net(), torch.randn(3, 4)
+    dynamo_check = torch.compiler.is_dynamo_compiling.__code__
+
+    def python_calls() -> int:
+        n = 0
+
+        def count(frame, event, arg):
+            nonlocal n
+            n += event == "call" and frame.f_code is not dynamo_check
+
+        sys.setprofile(count)
+        try:
+            model(x)
+        finally:
+            sys.setprofile(None)
+        return n
+
+    with torch.no_grad():
+        untraced = python_calls()
+        with gt.trace(model, strict=True, provenance=False):  # no mode: module calls only
+            traced = python_calls()
+    assert traced == untraced
+
+
+def test_someone_elses_call_impl_is_kept_and_still_attributed():
+    model = Net()
+    calls = []
+    original = model.head._call_impl
+
+    def theirs(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    model.head.__dict__["_call_impl"] = theirs
+    t, _ = capture_once(model, torch.randn(3, 4), "forward")
+    assert calls == [1]
+    assert op_modules(t, "aten::addmm")[-1] == "head"
+    assert model.head.__dict__["_call_impl"] is theirs
+    assert "forward" not in model.head.__dict__
 
 
 def test_torch_compile_fullgraph_of_a_watched_model():

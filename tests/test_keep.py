@@ -1,5 +1,5 @@
 """What an emulated graph keeps, with the native Keeper and the Python one (Note [native keep]
-in graphtrace/csrc/recorder.cpp, Note [Emulated graphs keep storages] in tracing.py): the same
+in graphtrace/csrc/recorder.cpp, Note [Emulated graphs keep storages] in tracing/emulated.py): the same
 ops and baked floats either way, intermediates let go of while the capture still runs, and a
 replay equal to eager over many ops, views and in-place writes."""
 

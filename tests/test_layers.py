@@ -245,7 +245,7 @@ def test_the_private_torch_check_finds_what_it_looks_for(tmp_path):
                      "torch.utils", "reads torch._C", "reads a foreign private attribute ._weak_ref"], found
 # -- direction: the core below the session, the session below the integrations --------------
 
-SESSION = {"graphtrace.tracing"}
+SESSION = {m for m in MODULES if m == "graphtrace.tracing" or m.startswith("graphtrace.tracing.")}
 ABOVE_CORE = ("graphtrace.tracing", "graphtrace.cli", "graphtrace.__main__", "graphtrace.vllm",
               "graphtrace.sglang", "graphtrace.demo")
 TRACE_INTERNALS = {"recorder", "owner_snapshot", "compiled_regions", "derived"}

@@ -270,9 +270,9 @@ def test_cuda_graph_capture_api_is_wrapped_only_while_tracing(monkeypatch):
     both paths: Note [CUDA graph capture hooks])."""
     from torch.cuda.graphs import CUDAGraph
 
-    from graphtrace import tracing
+    from graphtrace.tracing import cudagraphs
 
-    monkeypatch.setattr(tracing, "CAPTURE_HOOKS", None)
+    monkeypatch.setattr(cudagraphs, "CAPTURE_HOOKS", None)
     begin, end = CUDAGraph.capture_begin, CUDAGraph.capture_end
     with gt.trace():
         assert CUDAGraph.capture_begin is not begin and CUDAGraph.capture_end is not end

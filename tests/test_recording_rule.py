@@ -1,5 +1,5 @@
 """Note [recording while serving]: provenance and lineage pause while a traced model serves
-and record again when an update begins (graphtrace/tracing.py)."""
+and record again when an update begins (graphtrace/tracing/rule.py)."""
 
 from __future__ import annotations
 

@@ -179,9 +179,9 @@ def test_emulated_graph_keeps_an_intermediate_something_else_holds():
 
 
 def test_without_use_counts_an_emulated_graph_keeps_everything(monkeypatch):
-    import graphtrace.tracing as tracing
+    import graphtrace.tracing.emulated as emulated
 
-    monkeypatch.setattr(tracing, "SCRATCH", False)
+    monkeypatch.setattr(emulated, "SCRATCH", False)
     model = Chain()
     x = torch.rand(3, 4)
     with torch.no_grad(), gt.trace(model, strict=True):
@@ -265,6 +265,61 @@ def test_diff_of_a_dropped_model_names_it():
     assert set(t.models) == {"ref"}
     with pytest.raises(gt.GraphtraceError, match="'policy'.*garbage-collected"):
         t.diff()
+
+
+class Pair(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _owners_and_verdicts(report) -> list[tuple[str, str]]:
+    e = report.edges
+    e = e[e.owners.astype(str).str.contains("weight")]
+    return sorted(zip(e.owners.astype(str), e.verdict.astype(str)))
+
+
+def test_a_diff_after_the_trace_block_reads_the_capture_time_owners():
+    """Note [owners at trace exit]: closing the trace adds no owners, so an update made
+    inside the block (two captured weights swapped) reads the same before and after it."""
+    reports = []
+    for inside in (True, False):
+        model = Pair()
+        with torch.no_grad(), gt.trace(model, strict=True) as t:
+            with gt.capture("g"):
+                model(torch.rand(2, 4))
+            model.a.weight, model.b.weight = model.b.weight, model.a.weight
+            if inside:
+                reports.append(t.diff())
+        if not inside:
+            reports.append(t.diff())
+    expected = [("a.weight", "stale"), ("b.weight", "stale")]
+    assert _owners_and_verdicts(reports[0]) == _owners_and_verdicts(reports[1]) == expected
+
+
+@pytest.mark.parametrize("provenance", [True, False])
+def test_a_short_script_walks_its_model_once_for_owners(monkeypatch, provenance):
+    """Trace entered, one capture, trace closed: the capture's owner walk is the one walk for
+    owners (provenance's census at entry is the other, when it is on); none at exit."""
+    from graphtrace import owners
+
+    walked = []
+    real = owners.walk_owners
+
+    def counting(model, *args, **kwargs):
+        walked.append(type(model).__name__)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(owners, "walk_owners", counting)
+    model = Pair()
+    with gt.trace(model, strict=True, provenance=provenance) as t:
+        with gt.capture("g"):
+            model(torch.rand(2, 4))
+    assert walked == ["Pair"] * (2 if provenance else 1)
+    assert set(t.diff().edges.owners.astype(str)) >= {"a.weight", "b.weight", "a.bias"}
 
 
 def test_a_new_model_may_take_the_name_of_a_dropped_one():

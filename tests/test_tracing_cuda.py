@@ -21,7 +21,8 @@ import torch
 from torch.cuda.graphs import CUDAGraph
 
 import graphtrace as gt
-from graphtrace import _compat, tracing
+from graphtrace import _compat
+from graphtrace.tracing import cudagraphs, region
 
 
 class FakeGraph(CUDAGraph):
@@ -165,7 +166,7 @@ class FakeHookRegistry:
 
 def test_public_capture_hooks_path(monkeypatch):
     registry = FakeHookRegistry()
-    monkeypatch.setattr(tracing, "CAPTURE_HOOKS", registry.hooks())
+    monkeypatch.setattr(cudagraphs, "CAPTURE_HOOKS", registry.hooks())
     unwrapped = CUDAGraph.__dict__.get("capture_begin")
     g, model, x = fake_graph(), torch.nn.Linear(4, 4), torch.ones(2, 4)
     with gt.trace(model, strict=True) as t:
@@ -182,7 +183,7 @@ def test_public_capture_hooks_path(monkeypatch):
 
 def test_capture_wrap_path_without_public_hooks(monkeypatch):
     calls = []
-    monkeypatch.setattr(tracing, "CAPTURE_HOOKS", None)
+    monkeypatch.setattr(cudagraphs, "CAPTURE_HOOKS", None)
     monkeypatch.setattr(CUDAGraph, "capture_begin", lambda self, *a, **k: calls.append("begin"))
     monkeypatch.setattr(CUDAGraph, "capture_end", lambda self: calls.append("end"))
     fake_begin = CUDAGraph.__dict__["capture_begin"]
@@ -216,12 +217,12 @@ def test_the_path_follows_this_torch():
 
 def test_hook_errors_are_kept_despite_torch_swallowing_them(monkeypatch):
     registry = FakeHookRegistry()
-    monkeypatch.setattr(tracing, "CAPTURE_HOOKS", registry.hooks())
+    monkeypatch.setattr(cudagraphs, "CAPTURE_HOOKS", registry.hooks())
 
     def broken(self):
         raise RuntimeError("region open failed")
 
-    monkeypatch.setattr(tracing._Region, "open", broken)
+    monkeypatch.setattr(region._Region, "open", broken)
     with pytest.raises(RuntimeError, match="region open failed"):  # strict: raised at close
         with gt.trace(strict=True):
             registry.capture(fake_graph(), lambda: torch.ones(4) + 1)

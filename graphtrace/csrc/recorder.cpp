@@ -277,7 +277,7 @@ struct KeepFallback {};  // this op's arguments hold what the native walk does n
 // Note [native keep]
 // ~~~~~~~~~~~~~~~~~~
 // An emulated graph's per-op keep (Note [Emulated graphs keep storages] in
-// graphtrace/tracing.py) in C++: the same aliases, ops and scratch as the Python keeper there
+// graphtrace/tracing/emulated.py) in C++: the same aliases, ops and scratch as the Python keeper there
 // (`_PyKeeper`, the reference), without a Python frame per op or per tensor. A Keeper belongs
 // to one EmulatedGraph; the capture's Writer keeps each recorded op into it right after its
 // rows (Writer.set_keeper), so the native dispatch runs no Python per op with emulate=True
