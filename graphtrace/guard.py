@@ -16,6 +16,7 @@ See Note [guard identity] for what a guard loaded from JSON can and cannot tell.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -23,7 +24,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 import pandas as pd
@@ -31,8 +32,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphtrace import __version__, stage
+from graphtrace import verdict as engine
 from graphtrace._compat import storage_from_weak_ref
 from graphtrace.blindspots import BlindSpot
+from graphtrace.derived import CopyPair, DerivedCopies
 from graphtrace.errors import GraphtraceError
 from graphtrace.guardspots import (
     BlindHolders,
@@ -40,6 +43,7 @@ from graphtrace.guardspots import (
     adopt_blind,
     guarded_blind,
     opaque_spots,
+    spot_row,
 )
 from graphtrace.guardspots import storage_or_none as _storage
 from graphtrace.lineage import Derived, Source
@@ -49,7 +53,6 @@ from graphtrace.verdict import (
     View,
     freed_sources,
     freshness_of,
-    impact_of,
     owner_status,
     unrefreshed_impact,
     verdict_of,
@@ -144,8 +147,8 @@ class Required:
                    list(s.get("views") or [None] * len(s["graphs"])), list(s["owners"]),
                    dict(s.get("owner_views") or {}), s.get("derived"))
 
-    def to_json(self, derived: Derived | None) -> dict:
-        """The manifest entry, with `derived` (the baselines now) as its "derived"."""
+    def to_json(self) -> dict:
+        """The manifest entry, with its freshness baselines now as its "derived"."""
         owners = []
         for m, p, k in self.owners:
             entry = {"model": m, "path": p, "kind": k}
@@ -158,7 +161,8 @@ class Required:
                 "alive": not self.dead, "graphs": list(self.graphs), "internal": self.internal,
                 "views": [_view_json(v) if v is not None else None for v in self.views],
                 "owners": owners,
-                **({"derived": _derived_json(derived)} if derived is not None else {})}
+                **({"derived": _derived_json(self.derived)} if self.derived is not None
+                   else {})}
 
     @classmethod
     def from_json(cls, s: object, models: list, graphs: Mapping[int, str], fail) -> "Required":
@@ -208,7 +212,8 @@ class Guard:
 
     def __init__(self, *, models: Iterable[str], graphs: Mapping[int, str],
                  storages: list[dict], source: str = "trace", lineage=None,
-                 blind_spots: Iterable[dict] = (), accept: Iterable[str] = ()):
+                 blind_spots: Iterable[dict] = (), accept: Iterable[str] = (),
+                 copies: Iterable["CopyPair | dict"] = ()):
         """`storages`: per required storage a dict with keys storage_id, data_ptr, nbytes,
         device, dtype, shape, alive (bool), graphs (graph ids), owners ((model, path, kind)
         sorted), ref (a StorageWeakRef or None), and optionally internal (every graph
@@ -222,9 +227,19 @@ class Guard:
         recording could not see in these graphs, each a dict with the `BlindSpot` (`spot`),
         `graph_id` (-1: every graph) and its holder's identity at capture (`ref`,
         `data_ptr`, `nbytes`, `version`; Note [blind spots in the guard]); `accept`: the
-        blind-spot kinds the user accepts (`check()` leaves them out)."""
+        blind-spot kinds the user accepts (`check()` leaves them out). `copies`: the packed
+        copies and the weights they are made from (`Trace.watch_copy`; CopyPair, or dicts
+        with model, copy, source: fingerprinted at attach), checked as the diff checks them
+        (Note [derived copies] in graphtrace/derived.py)."""
         self.accept = accept  # validated by the property
         self._blind: list[dict] = [dict(b) for b in blind_spots]
+        self._copy_errors: list[tuple[str, BaseException]] = []  # a pair that failed its check
+        self._copies = DerivedCopies(lambda where, exc, errors=self._copy_errors:
+                                     errors.append((where, exc)))
+        for pair in copies:
+            pair = (dataclasses.replace(pair) if isinstance(pair, CopyPair)
+                    else CopyPair(pair["model"], pair["copy"], pair["source"]))
+            self._copies.pairs[(pair.model, pair.copy)] = pair
         self._holders: BlindHolders | None = None  # made on first check (Note [one look
         # per holder] in graphtrace/guardspots.py)
         self._model_names = list(models)
@@ -235,9 +250,6 @@ class Guard:
         # owner rows, flat: (storage index, model, path, kind); sorted by index, model, path
         self._owners: list[tuple[int, str, str, str]] = [
             (i, m, p, k) for i, r in enumerate(self._storages) for m, p, k in r.owners]
-        # freshness (Note [freshness] in graphtrace/verdict.py): index -> Derived
-        self._derived: dict[int, Derived] = {i: r.derived for i, r in enumerate(self._storages)
-                                             if r.derived is not None}
         self._lineage = weakref.ref(lineage) if lineage is not None else None
         self._late = lineage.late if lineage is not None else 0  # Note [derived during updates]
         self._fresh_paths: dict | None = None  # model -> (paths, PathSet), made on first use
@@ -286,6 +298,8 @@ class Guard:
     def _adopt(self, name: str, model: torch.nn.Module) -> None:
         self._adopt_sources(name, model)
         adopt_blind(self._blind, name, model)
+        if self._copies.pairs:  # fingerprinted now where the trace did not (from JSON)
+            self._copies.refresh({name: model})
         self._holders = None  # grouped again: adopted handles are part of a holder's key
         for i, m, path, _ in self._owners:
             r = self._storages[i]
@@ -300,7 +314,7 @@ class Guard:
         """Freshness baselines a manifest from another process cannot carry, taken now: a
         weak handle to each source storage still at its recorded address and size, and
         the version counters of the sources and of the storage's owners."""
-        for i, d in list(self._derived.items()):
+        for r, d in self._derived():
             sources = []
             for src in d.sources:
                 if src.model == name and (src.ref is None or src.version is None):
@@ -318,8 +332,13 @@ class Guard:
                     tensor = resolve_path(model, p)
                     versions[(m, p)] = tensor._version if isinstance(tensor, torch.Tensor) \
                         else None
-            self._derived[i] = d._replace(sources=tuple(sources), owner_versions=versions)
+            r.derived = d._replace(sources=tuple(sources), owner_versions=versions)
         self._fresh_sources = None  # the fast path's baselines, made again (Note above)
+
+    def _derived(self) -> Iterator[tuple[Required, Derived]]:
+        """The required storages with freshness baselines (Note [freshness] in
+        graphtrace/verdict.py), and those baselines."""
+        return ((r, r.derived) for r in self._storages if r.derived is not None)
 
     def _live_models(self) -> dict[str, torch.nn.Module]:
         live = {}
@@ -345,10 +364,11 @@ class Guard:
         every captured storage is still where its owners point."""
         models = self._live_models()
         self._adopt_late()
-        blind = self._blind_rows(models)
+        blind = self._blind_rows(models) + self._copy_rows(models)
         if self._nothing_moved(models):  # every owner still holds its storage
-            unrefreshed = self._unrefreshed(models, set()) if self._derived else set()
-            freed = self._freed(models, set()) if self._derived else {}
+            fresh = any(self._derived())
+            unrefreshed = self._unrefreshed(models, set()) if fresh else set()
+            freed = self._freed(models, set()) if fresh else {}
             if not unrefreshed and not blind and not freed:
                 return empty_problems()
         req = self._storages
@@ -367,8 +387,9 @@ class Guard:
             live_ptrs.append(ptr)
             if status != HOLDS:
                 bad.add(i)
-        unrefreshed = self._unrefreshed(models, bad) if self._derived else set()
-        freed = self._freed(models, bad) if self._derived else {}
+        fresh = any(self._derived())
+        unrefreshed = self._unrefreshed(models, bad) if fresh else set()
+        freed = self._freed(models, bad) if fresh else {}
         if not bad and not unrefreshed and not blind and not freed:
             return empty_problems()
         return self._problems(bad | unrefreshed | set(freed), statuses, live_ptrs, tensors,
@@ -385,9 +406,9 @@ class Guard:
             return
         self._late = lineage.late
         captured = lineage.captured
-        for i, r in enumerate(self._storages):
-            if i not in self._derived and r.storage_id in captured:
-                self._derived[i] = captured[r.storage_id]
+        for r in self._storages:
+            if r.derived is None and r.storage_id in captured:
+                r.derived = captured[r.storage_id]
                 self._fresh_paths = self._fresh_sources = None  # made again with it
                 self._fresh_clean = _NO_CLEAN_PASS
 
@@ -399,6 +420,19 @@ class Guard:
         if self._holders is None:
             self._holders = BlindHolders(self._blind, {(m, p) for _, m, p, _ in self._owners})
         return self._holders.rows(self._accept, models, self.graphs, self._native)
+
+    def _copy_rows(self, models: Mapping[str, torch.nn.Module]) -> list[tuple]:
+        """A row per packed copy not rebuilt since its source changed, as the diff finds
+        them (DerivedCopies.check), unless that kind is accepted; a pair that could not be
+        checked is one too (fail closed)."""
+        kind = "packed copy not rebuilt"
+        if not self._copies.pairs or kind in self._accept:
+            return []
+        found = self._copies.check(models)
+        found += [BlindSpot(kind, f"packed copy could not be checked ({where}: {exc!r})")
+                  for where, exc in self._copy_errors]
+        self._copy_errors.clear()
+        return [spot_row(b, "not rebuilt", self.graphs) for b in found]
 
     def _nothing_moved(self, models: Mapping[str, torch.nn.Module]) -> bool:
         """Does every owner path still reach the storage it reached at capture? Answered by
@@ -421,8 +455,9 @@ class Guard:
             return resolve_path(models[model], path) if model in models else None
 
         out = {}
-        for i, d in self._derived.items():
-            if not d.handle or i in bad or self._storages[i].internal:
+        for i, r in enumerate(self._storages):
+            d = r.derived
+            if d is None or not d.handle or i in bad or r.internal:
                 continue
             gone = freed_sources(d, resolve)
             if gone:
@@ -481,7 +516,7 @@ class Guard:
         """Per model: (PathSet of the sources' paths, their StorageImpls, their versions),
         or False when a source cannot be compared that way."""
         want: dict[tuple[str, str], tuple[int, int]] = {}
-        for d in self._derived.values():
+        for _, d in self._derived():
             if d.stale:
                 return False
             for src in d.sources:
@@ -513,7 +548,7 @@ class Guard:
         """The full freshness pass of `_unrefreshed`: every derived storage, in Python."""
         if self._fresh_paths is None:  # the sources' paths, resolved together
             by_model: dict[str, set] = {}
-            for d in self._derived.values():
+            for _, d in self._derived():
                 for src in d.sources:
                     by_model.setdefault(src.model, set()).add(src.path)
             self._fresh_paths = {m: (sorted(ps), PathSet(sorted(ps))) for m, ps in by_model.items()}
@@ -536,20 +571,21 @@ class Guard:
         lineage = self._lineage() if self._lineage is not None else None
         out = set()
         self._fresh_impacts = {}
-        for i, d in self._derived.items():
-            if i in bad or self._storages[i].internal:
+        for i, r in enumerate(self._storages):
+            d = r.derived
+            if d is None or i in bad or r.internal:
                 continue
-            ref = self._storages[i].ref
-            if (ref.expired() if ref is not None else self._storages[i].dead):
+            ref = r.ref
+            if (ref.expired() if ref is not None else r.dead):
                 continue
             if freshness_of(d, resolve, lineage, ref.cdata if ref is not None else None):
                 out.add(i)  # problems only: the impact's byte compare (Note [freshness])
                 self._fresh_impacts[i] = unrefreshed_impact(d, resolve, lineage)
             else:
-                self._rebaseline(i, d, resolve, lineage)
+                self._rebaseline(r, d, resolve, lineage)
         return out
 
-    def _rebaseline(self, i: int, d: Derived, resolve, lineage) -> None:
+    def _rebaseline(self, r: Required, d: Derived, resolve, lineage) -> None:
         """Note [guard rebaseline]: a derived storage found fresh although a source's version
         moved (so its owners' moved too: it was rewritten since) takes the versions now as
         its baseline, where every source still has its storage."""
@@ -584,7 +620,7 @@ class Guard:
         for (m, p), v in d.owner_versions.items():
             t = resolve(m, p)
             versions[(m, p)] = t._version if isinstance(t, torch.Tensor) else v
-        self._derived[i] = d._replace(sources=tuple(sources), owner_versions=versions)
+        r.derived = d._replace(sources=tuple(sources), owner_versions=versions)
         self._fresh_sources = None  # the fast path's baselines, made again (Note above)
 
     def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list,
@@ -612,30 +648,26 @@ class Guard:
             live = live_of.get(i, pd.NA)
             kinds = sorted({self._owners[r][3] for r in owner_rows})
             old = _upgrade(ref) if verdict in ("stale", "diverged") else None
-            impacts: dict[View | None, str] = {}
-            derived = self._derived.get(i)
+            impacts: dict[View | None, object] = {}
+            derived = req.derived
             derived_from = derived.derived_from if derived is not None else ""
             if i in freed:
                 derived_from = derived.marked(freed[i])
+            now, now_view = ((tensors[moved[0]], self._owner_views[moved[0]]) if moved
+                             else (None, None))
             for g, view in zip(req.graphs, req.views):
-                if verdict in ("stale", "diverged"):
-                    if view not in impacts:
-                        impacts[view] = (impact_of(old, view, tensors[moved[0]],
-                                                   self._owner_views[moved[0]])[0]
-                                         if old is not None and view is not None and moved
-                                         else "unknown")
-                    impact = impacts[view]
-                elif verdict == "unrefreshed":
-                    impact = self._fresh_impacts.get(i, "unknown")
-                else:
-                    impact = "unknown" if verdict == "dangling" else pd.NA
+                if view not in impacts:  # the diff's rule (verdict.edge_impact)
+                    impact = engine.edge_impact(verdict, old, view, now, now_view,
+                                                self._fresh_impacts.get(i, "unknown"))[0]
+                    impacts[view] = pd.NA if impact is None else impact
+                impact = impacts[view]
                 rows.append((g, self.graphs.get(g, ""), req.storage_id, req.data_ptr,
                              req.nbytes, req.dtype, req.shape,
                              "; ".join(self._owners[r][2] for r in owner_rows),
                              ";".join(kinds), ";".join(st), live, verdict, impact,
                              "storage" if ref is not None else "data_ptr",
                              derived_from, "", ""))
-            del old
+            del old, now
         rows.sort(key=lambda r: (r[0], r[2]))  # by graph, then storage
         rows.extend(blind)  # after the edges: Note [blind spots in the guard]
         columns = dict(zip(GUARD_COLUMNS, map(list, zip(*rows)))) if rows else {
@@ -692,8 +724,10 @@ class Guard:
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "models": list(self._model_names),
             "graphs": [{"graph_id": g, "label": label} for g, label in self.graphs.items()],
-            "storages": [r.to_json(self._derived.get(i)) for i, r in enumerate(self._storages)],
+            "storages": [r.to_json() for r in self._storages],
             **({"blind_spots": [_blind_json(b) for b in self._blind]} if self._blind else {}),
+            **({"copies": [{"model": p.model, "copy": p.copy, "source": p.source}
+                           for p in self._copies.pairs.values()]} if self._copies.pairs else {}),
         }
 
     def to_json(self, path: str | os.PathLike) -> Path:
@@ -862,7 +896,8 @@ def describe(problems: pd.DataFrame, limit: int = 20) -> str:
         for r in blind.head(limit).itertuples(index=False):
             what = {"": "nothing to check it by", "moved": "its holder moved",
                     "orphaned": "its holder is gone", "changed": "its holder's value changed",
-                    "written": "its holder was written in place"}.get(r.statuses, r.statuses)
+                    "written": "its holder was written in place",
+                    "not rebuilt": "its source changed since"}.get(r.statuses, r.statuses)
             lines.append(f"  {r.blind_spot}: {r.note} [{what}]")
         if len(blind) > limit:
             lines.append(f"  ... and {len(blind) - limit} more (guard.check() has all)")
@@ -895,8 +930,8 @@ def _describe_edges(problems: pd.DataFrame, limit: int) -> list[str]:
 def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
              models: Mapping[str, torch.nn.Module], first_graph: int = 0,
              lineage=None, blind_spots: Iterable[BlindSpot] = (),
-             accept: Iterable[str] = (), values: Mapping[BlindSpot, float] | None = None
-             ) -> Guard:
+             accept: Iterable[str] = (), values: Mapping[BlindSpot, float] | None = None,
+             copies: Iterable[CopyPair] = ()) -> Guard:
     """The guard of `recorder`'s captures (ids from `first_graph`): their owned storages by
     weak handle, with the capture-time owners `snapshot` holds (updated first with the
     storages it has not matched yet, as diff does), checked against `models`. With the
@@ -905,13 +940,15 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
     `blind_spots`: the trace's records; those that concern the guarded graphs (and the
     opaque handles they read) are kept with their holders' identity, and `check()` fails
     closed on them unless their kind is in `accept` (Note [blind spots in the guard]);
-    `values`: the float a `baked scalar` record's holder held at capture."""
+    `values`: the float a `baked scalar` record's holder held at capture; `copies`: the
+    trace's packed copies with their fingerprints (Note [derived copies])."""
     with gc_paused():  # the build allocates much, collects nothing: owners.gc_paused
         return _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept,
-                         values)
+                         values, copies)
 
 
-def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept, values):
+def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept, values,
+              copies):
     from graphtrace.edges import capture_edges
 
     accept = accepted_kinds(accept)  # a bad kind fails before any work
@@ -957,7 +994,7 @@ def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, acc
     spots = list(blind_spots) + cuts + opaque_spots(rec, found, owners, first_graph)
     blind = guarded_blind(spots, graphs, models, values or {})
     guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace",
-                  lineage=lineage, blind_spots=blind, accept=accept)
+                  lineage=lineage, blind_spots=blind, accept=accept, copies=copies)
     guard._native = rec.native  # check()'s fast path (a trace's guard: every storage by handle)
     for name, model in models.items():
         guard.attach(model, name=name)
@@ -1020,7 +1057,18 @@ def _from_dict(data: object, where: str) -> Guard:
     blind = [_blind_from_json(b, models, graphs, fail, f"blind_spots[{k}]")
              for k, b in enumerate(data.get("blind_spots") or [])]  # optional (older: none)
     return Guard(models=models, graphs=graphs, storages=storages, source=where,
-                 blind_spots=blind)
+                 blind_spots=blind, copies=_copies_from_json(data, models, fail))
+
+
+def _copies_from_json(data: dict, models: list, fail) -> list[dict]:
+    """The optional "copies" entry: [{model, copy, source}] (older manifests: none)."""
+    copies = data.get("copies") or []
+    for k, c in enumerate(copies if isinstance(copies, list) else [None]):
+        if not (isinstance(c, dict) and c.get("model") in models
+                and isinstance(c.get("copy"), str) and isinstance(c.get("source"), str)):
+            raise fail(f"copies[{k}] needs \"model\" (one of \"models\"), \"copy\" and "
+                       "\"source\" (owner paths)")
+    return copies
 
 
 def _list(data: dict, key: str, fail) -> list:

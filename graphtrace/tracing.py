@@ -1221,7 +1221,7 @@ class Trace:
         values = {b: self.baked_scalars.value_of(b) for b in baked}
         return guard_of(self.recorder, self.owner_snapshot, models, first_graph,
                         lineage=self.lineage, blind_spots=spots + baked, accept=accept,
-                        values=values)
+                        values=values, copies=self.derived.pairs.values())
 
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")

@@ -34,7 +34,7 @@ from graphtrace.opaque import is_opaque, storage_of
 from graphtrace.stage import same_storage
 from graphtrace.vocab import HOLDS, MOVED, ORPHANED, OWNER_STATUSES, VERDICTS
 
-__all__ = ["View", "owner_status", "verdict_of", "storage_verdicts", "impact_of",
+__all__ = ["View", "owner_status", "verdict_of", "storage_verdicts", "impact_of", "edge_impact",
            "source_changed", "unrefreshed", "freshness_of", "unrefreshed_impact",
            "freed_sources"]
 
@@ -312,6 +312,25 @@ def impact_of(old: torch.UntypedStorage | None, view: View, live: object,
     except Exception:  # dtypes without comparison kernels: say so rather than guess
         return "unknown", note
     return ("latent" if same else "manifest"), note
+
+
+def edge_impact(verdict: str, old: torch.UntypedStorage | None, view: View | None,
+                live: object, live_view: View | None,
+                fresh: str = "unknown") -> tuple[str | None, str]:
+    """(impact, note) of a graph reading `view` of a storage with `verdict`, the one rule
+    diff and guard both call: `impact_of` (`old`, the captured storage, against `live`, what
+    the first moved owner holds now, with its capture-time View `live_view`) for stale and
+    diverged, unknown where either is missing; unknown for dangling; `fresh` (the storage's
+    `unrefreshed_impact`) for unrefreshed; None for any other verdict."""
+    if verdict in (STALE, DIVERGED):
+        if old is None or view is None or live is None:
+            return "unknown", ""
+        return impact_of(old, view, live, live_view)
+    if verdict == DANGLING:
+        return "unknown", ""
+    if verdict == UNREFRESHED:
+        return fresh, ""
+    return None, ""
 
 
 def _change_note(owner: View | None, live: torch.Tensor) -> str:

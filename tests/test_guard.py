@@ -300,6 +300,11 @@ def test_bad_input_is_one_clear_error(tmp_path):
     with pytest.raises(gt.GraphtraceError, match=r"storages\[0\]\['nbytes'\] must be int"):
         gt.load_guard(bad)
     data = t.guard().to_dict()
+    data["copies"] = [{"model": "", "copy": "fn"}]  # no source
+    bad.write_text(json.dumps(data))
+    with pytest.raises(gt.GraphtraceError, match=r"copies\[0\] needs \"model\""):
+        gt.load_guard(bad)
+    data = t.guard().to_dict()
     data["format"] = "something else"
     bad.write_text(json.dumps(data))
     with pytest.raises(gt.GraphtraceError, match="not a graphtrace guard manifest"):
