@@ -1206,7 +1206,7 @@ class Trace:
         ``guard.enforce()`` after each weight update (docs/guard.md). The blind spots of
         those graphs go in too, and fail the check after an update that may have
         invalidated them unless their kind is in `accept` (e.g. ``["opaque handle"]``;
-        kinds: vocab.BLIND_SPOT_KINDS; Note [blind spots in the guard] in guardspots.py)."""
+        kinds: vocab.BLIND_SPOT_KINDS; Note [blind spots in the guard] in graphtrace/guard/blind.py)."""
         from graphtrace.guard import accepted_kinds, guard_of
 
         accept = accepted_kinds(accept)

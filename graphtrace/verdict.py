@@ -6,7 +6,7 @@ verdict, an owner's status or an impact:
 
 - `owner_status`: does a capture-time owner, resolved on the live model, still hold the
   captured storage (identity by weak handle, or by address and size where only that is
-  known: Note [guard identity] in graphtrace/guard.py)?
+  known: Note [guard identity] in graphtrace/guard/manifest.py)?
 - `verdict_of` (scalar) and `storage_verdicts` (vectorised, per storage): the rule, from the
   owners' statuses, whether the captured storage is alive and whether every graph overwrites
   it before reading it (Note [write before read] in graphtrace/edges.py).

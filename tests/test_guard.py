@@ -463,7 +463,7 @@ def test_a_new_storage_at_the_freed_address_is_not_the_captured_one(holder):
         guard.enforce()
 
 
-# -- one look per holder (issue 39; Note [one look per holder] in graphtrace/guardspots.py) ---
+# -- one look per holder (issue 39; Note [one look per holder] in graphtrace/guard/blind.py) ---
 
 class Norms(torch.nn.Module):
     """Three Linear+LayerNorm blocks: each LayerNorm's `eps` is baked into every graph."""
@@ -497,7 +497,8 @@ def test_a_changed_eps_names_every_graph_after_one_look_per_holder(with_native, 
     and the rows still name every graph, as the diff does."""
     import pandas as pd
 
-    from graphtrace import guardspots, native
+    from graphtrace import native
+    from graphtrace.guard import blind as guardspots
 
     model, t, keep, guard = _norm_guard()
     if with_native and native.load() is None:

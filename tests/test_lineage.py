@@ -364,7 +364,7 @@ def test_watch_copy_declares_lineage_for_a_producer_lineage_cannot_see():
 
 
 def test_the_guard_finds_a_second_update_without_recompute_after_a_clean_one():
-    """Note [guard rebaseline] in graphtrace/guard.py: after an update that recomputed the
+    """Note [guard rebaseline] in graphtrace/guard/check.py: after an update that recomputed the
     derived cache in place (clean), a second update that changes its source again and does not
     recompute it is unrefreshed (the baselines moved with the clean check)."""
     model = MambaModel().eval()
@@ -388,12 +388,12 @@ def test_the_guard_finds_a_second_update_without_recompute_after_a_clean_one():
 
 
 def test_clean_checks_skip_the_freshness_pass_until_a_source_changes(monkeypatch):
-    """Note [guard freshness fast path] in graphtrace/guard.py: after a clean check, a check
+    """Note [guard freshness fast path] in graphtrace/guard/check.py: after a clean check, a check
     asks C++ whether a source path reaches another storage or version counter (and whether
     lineage recorded since) before walking every derived storage in Python; a source changed
     in place, a rebound source and a write lineage records are still found."""
-    from graphtrace import guard as guard_module
     from graphtrace import native
+    from graphtrace.guard import check as guard_module
 
     if native.load() is None:
         pytest.skip("the native module does not build here")

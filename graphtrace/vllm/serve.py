@@ -109,7 +109,7 @@ __all__ = ["ServeGuard", "VllmEngine", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDA
            "before_step", "drain_step", "DRAIN", "after_client_step", "client_step_failed",
            "client_stream", "mark_remote_update", "world_ranks", "REFUSED"]
 
-# Blind-spot kinds the engine's guard accepts (Note [blind spots in the guard], graphtrace/guardspots.py):
+# Blind-spot kinds the engine's guard accepts (Note [blind spots in the guard], graphtrace/guard/blind.py):
 # "forward context": attention ops fetch the KV cache by layer name inside the op; a weight
 # update never touches the KV cache, and no holder can be checked, so it would fail every
 # update. "opaque handle" and "packed copy": vLLM's CPU linears read oneDNN handles (a pointer
