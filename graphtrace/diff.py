@@ -413,7 +413,7 @@ def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[Blin
     """A pointer-valued tensor (one int64) that a custom op reads, with no lineage behind it
     (made by a producer lineage cannot see: a raw pointer taken in C++, an op no mode sees):
     an `opaque handle` blind spot naming its holder, never a silent `stable` (Note
-    [dangling sources] in graphtrace/lineage.py). Holders in `named` already have one (the
+    [dangling sources] in graphtrace/lineage/handles.py). Holders in `named` already have one (the
     vLLM adapter names its oneDNN handles)."""
     if edges.empty:
         return []
@@ -442,13 +442,13 @@ def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[Blin
 
 
 def lineage_findings(lineage, models: Mapping[str, torch.nn.Module], fail) -> list[dict]:
-    """What lineage found beside the edges (Note [dangling sources] in graphtrace/lineage.py):
+    """What lineage found beside the edges (Note [dangling sources] in graphtrace/lineage/handles.py):
     one record per live handle and freed source, graph or not (`Report.findings`); the
     non-idempotent steps and the carried-over state (Note [carried-over state]) too."""
     if lineage is None:
         return []
     try:
-        return lineage.dangling(models) + lineage.non_idempotent() + lineage.carried_over(models)
+        return lineage.findings(models)  # its plug-ins' (Note [lineage plug-ins])
     except Exception as exc:  # fail open
         fail("findings", exc)
         return []

@@ -626,7 +626,7 @@ class Trace:
             trace = weakref.ref(self)  # no cycle: the lineage names handles' sources by it
             self.provenance.lineage.models = lambda: (trace().models if trace() is not None
                                                       else {})
-            # Note [derived during updates] in graphtrace/lineage.py
+            # Note [derived during updates] in graphtrace/lineage/graph.py
             self.provenance.lineage.rematch = lambda: (trace()._match_late()
                                                        if trace() is not None else None)
         # when provenance and lineage pause themselves (Note [recording while serving])
@@ -1147,7 +1147,7 @@ class Trace:
                     provenance=self.provenance, extra_meta=extra, lineage=self.lineage)
 
     def _match_late(self) -> None:
-        """Note [derived during updates] in graphtrace/lineage.py (fail open)."""
+        """Note [derived during updates] in graphtrace/lineage/graph.py (fail open)."""
         lineage = self.lineage
         if lineage is None or not self.recorder.captures:
             return
@@ -1158,7 +1158,7 @@ class Trace:
 
     def _spots_now(self, models: dict[str, torch.nn.Module]) -> list[BlindSpot]:
         """What a diff and a guard both do first: lineage caught up (Note [derived during
-        updates] in graphtrace/lineage.py), then the trace's blind spots, the storages
+        updates] in graphtrace/lineage/graph.py), then the trace's blind spots, the storages
         captured since the last owner match matched first, so what that walk cut is one of
         them (a `walk cut` both see, and every later diff)."""
         if self.lineage is not None:
@@ -1193,7 +1193,7 @@ class Trace:
         """What lineage found beside the graphs' edges, graph or no graph: one row per live
         handle and source of it that was freed (`kind` `dangling source`, or `released
         source` when the model dropped that path on purpose; Note [dangling sources] in
-        graphtrace/lineage.py), columns graphtrace.vocab.FINDING_FIELDS. The same rows are
+        graphtrace/lineage/handles.py), columns graphtrace.vocab.FINDING_FIELDS. The same rows are
         `t.diff().findings`. Empty without lineage."""
         from graphtrace.diff import lineage_findings
         from graphtrace.report.core import findings_frame
@@ -1301,7 +1301,7 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
     `lineage`: with provenance, record which storages each op wrote from which it read, so
     a storage derived from parameters that changed since is `unrefreshed` (True; None: as
     GRAPHTRACE_LINEAGE says, default on; False: off). See Note [lineage] in
-    graphtrace/lineage.py.
+    graphtrace/lineage/graph.py.
     `record`: when provenance and lineage record: "auto" (default) while loading, capturing
     and around weight updates, paused while the model serves (from a watched model's
     forward once graphs exist until an update begins: `load_state_dict`, a parameter or

@@ -15,7 +15,7 @@ verdict, an owner's status or an impact:
   Note [freshness])?
 - `freed_sources`: the sources of a handle that were freed while it lives, and that the
   model now keeps elsewhere (a dangling source: Note [dangling sources] in
-  graphtrace/lineage.py);
+  graphtrace/lineage/handles.py);
 - `impact_of`: for a stale or diverged storage, do the values the graph reads differ from
   what its owner holds now (Note [impact])?
 
@@ -186,7 +186,7 @@ def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray
 # A storage a graph reads can be where its owners point (identity holds) and still hold an
 # old value: one derived from sources that changed since (Megatron-LM #6723's
 # `_A_neg_exp_cache = -exp(A_log)`, filled once; a refit copies new A_log in place). Lineage
-# (Note [lineage] in graphtrace/lineage.py) names each captured storage's sources -- the
+# (Note [lineage] in graphtrace/lineage/graph.py) names each captured storage's sources -- the
 # registered parameters and buffers it was derived from -- and, at the end of its capture,
 # the baselines: each source's storage and owner-tensor `_version`, the captured storage's
 # owners' `_version`s, and whether a source was already rewritten after it (`stale`).
@@ -413,7 +413,7 @@ def freed_sources(derived, resolve) -> list:
     """The sources of a handle (`derived`, a graphtrace.lineage.Derived with `handle`) that
     were freed while it lives and whose owner path now reaches a live tensor: the model
     keeps that value in another storage, the handle's pointer reaches freed memory (Note
-    [dangling sources] in graphtrace/lineage.py). Weak handles only: a guard read from JSON
+    [dangling sources] in graphtrace/lineage/handles.py). Weak handles only: a guard read from JSON
     (no handles) finds none. `resolve(model, path)`: what an owner path reaches now."""
     if derived is None or not getattr(derived, "handle", False):
         return []

@@ -238,7 +238,7 @@ def test_nothing_is_kept_alive_and_dead_storages_are_released():
 
 
 def test_the_edge_cap_is_a_counted_blind_spot(monkeypatch):
-    import graphtrace.lineage as lineage_mod
+    from graphtrace.lineage import graph as lineage_mod
 
     monkeypatch.setattr(lineage_mod, "MAX_EDGES", 4)
     m = _model()
@@ -429,7 +429,7 @@ def test_clean_checks_skip_the_freshness_pass_until_a_source_changes(monkeypatch
 class _KeptScale(nn.Module):
     """A linear layer whose method keeps a scale the forward reads; the scale is made from
     no weight, and a weight loader may refresh it in place from `norm` (Note [derived during
-    updates] in graphtrace/lineage.py)."""
+    updates] in graphtrace/lineage/graph.py)."""
 
     def __init__(self):
         super().__init__()
@@ -497,4 +497,44 @@ def test_a_load_during_an_update_derives_nothing():
         assert set(report.edges["derived_from"].astype(str)) == {""}
         assert t.guard().check().empty
     assert t.lineage.late == 0
+    del g
+
+
+def test_the_detectors_are_plug_ins_of_the_graph_and_another_gets_the_same_hooks():
+    """Note [lineage plug-ins]: the graph's three detectors are plug-ins registered on it (their
+    findings in that order), and a plug-in added to a trace's lineage is fed by the same
+    `record`: each write outside optimizer steps, each read, each storage written, and its
+    findings reach the report."""
+    from graphtrace.lineage import CarriedOver, DanglingSources, NonIdempotent
+
+    class Counting:
+        def __init__(self):
+            self.calls: dict[str, list] = {"written": [], "read": [], "wrote": []}
+
+        def written(self, graph, func, op, written, reads):
+            self.calls["written"].append(str(func))
+
+        def read(self, graph, func, reads, sources):
+            self.calls["read"].append(str(func))
+
+        def wrote(self, graph, storage, address, sources):
+            self.calls["wrote"].append(address)
+
+        def findings(self, graph, models):
+            return [{"kind": "non-idempotent step", "holder": "counted", "op": "x",
+                     "source": "", "source_kind": "buffer", "site": "",
+                     "n": len(self.calls["written"])}]
+
+    m = _model()
+    plug = Counting()
+    with torch.no_grad(), gt.trace(m, strict=True) as t:
+        assert [type(d) for d in t.lineage.detectors] == [DanglingSources, NonIdempotent,
+                                                          CarriedOver]
+        t.lineage.add(plug)
+        m.refit(m.checkpoint(1))  # writes the cache from the weights, in place
+        with gt.capture("g") as g:
+            m(X)
+    assert plug.calls["written"] and plug.calls["read"] and plug.calls["wrote"]
+    counted = [f for f in t.diff().meta["findings"] if f["holder"] == "counted"]
+    assert counted and counted[0]["n"] == len(plug.calls["written"])
     del g

@@ -237,7 +237,7 @@ class Guard:
                               unrefreshed, blind, freed)
 
     def _adopt_late(self) -> None:
-        """Note [derived during updates] in graphtrace/lineage.py: the `Derived` lineage made
+        """Note [derived during updates] in graphtrace/lineage/graph.py: the `Derived` lineage made
         since for storages this guard holds with none (its trace matches first)."""
         lineage = self._lineage() if self._lineage is not None else None
         if lineage is None:
@@ -291,7 +291,7 @@ class Guard:
     def _freed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> dict[int, list]:
         """The captured handles with a dangling source, and those sources (the verdict
         engine's freed_sources: weak handles only, so none from JSON; Note [dangling
-        sources] in graphtrace/lineage.py)."""
+        sources] in graphtrace/lineage/handles.py)."""
         def resolve(model: str, path: str):
             return resolve_path(models[model], path) if model in models else None
 

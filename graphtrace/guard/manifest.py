@@ -168,7 +168,7 @@ def _derived_from_json(data: object, models: list, fail, where: str) -> Derived:
                 raise TypeError
             versions[(o["model"], o["path"])] = o.get("version") if same else None
         stale = data.get("stale", False)
-        handle = data.get("handle", False)  # Note [dangling sources] in graphtrace/lineage.py
+        handle = data.get("handle", False)  # Note [dangling sources] in graphtrace/lineage/handles.py
         if not isinstance(stale, bool) or not isinstance(handle, bool) or not sources:
             raise TypeError
     except (TypeError, KeyError, AttributeError):
