@@ -505,7 +505,8 @@ def test_the_detectors_are_plug_ins_of_the_graph_and_another_gets_the_same_hooks
     findings in that order), and a plug-in added to a trace's lineage is fed by the same
     `record`: each write outside optimizer steps, each read, each storage written, and its
     findings reach the report."""
-    from graphtrace.lineage import CarriedOver, DanglingSources, NonIdempotent
+    from graphtrace.lineage.handles import DanglingSources
+    from graphtrace.lineage.steps import CarriedOver, NonIdempotent
 
     class Counting:
         def __init__(self):

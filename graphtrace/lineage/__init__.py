@@ -20,15 +20,12 @@ from graphtrace.lineage.graph import (
 )
 from graphtrace.lineage.handles import (
     MAX_PENDING,
-    DanglingSources,
     Handle,
     HandleMode,
     handle_mode,
     invisible_handle_ops,
 )
-from graphtrace.lineage.steps import CarriedOver, NonIdempotent
 
 __all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "Handle", "MAX_EDGES",
            "MAX_SOURCES", "MAX_PENDING", "SOURCE_KINDS", "HandleMode", "handle_mode",
-           "invisible_handle_ops", "optimizer_hooks", "DanglingSources", "NonIdempotent",
-           "CarriedOver"]
+           "invisible_handle_ops", "optimizer_hooks"]

@@ -93,9 +93,9 @@ __all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "MAX_EDG
 # Note [lineage plug-ins]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # The graph records dataflow; what it finds beyond freshness is done by plug-ins it feeds as
-# it records, as torch's DebugMode adds its features as hooks: `NonIdempotent` and
-# `CarriedOver` (graphtrace/lineage/steps.py), `DanglingSources` (graphtrace/lineage/
-# handles.py), registered in that order (the order of their findings). A plug-in is any
+# it records, as torch's DebugMode adds its features as hooks: `DanglingSources`
+# (graphtrace/lineage/handles.py), `NonIdempotent` and `CarriedOver` (graphtrace/lineage/
+# steps.py), registered in that order (the order of their findings). A plug-in is any
 # object with some of the hooks in `HOOKS`; each gets the graph as its first argument (a
 # plug-in keeps no reference to it: no cycle) and is called only where its hook is defined:
 # - `written(graph, func, op, written, reads)`: an op outside optimizer steps wrote
