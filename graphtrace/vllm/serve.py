@@ -116,8 +116,9 @@ __all__ = ["ServeGuard", "VllmEngine", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDA
 # in a 0-d tensor) to a packed copy of the weight; the handle's identity is guarded like any
 # tensor (a rebuilt handle is a stale edge of the graph that read the old one), only the packed
 # weights behind it are unseen, and process_weights_after_loading rebuilds every handle (the
-# holder moves on each such update). docs/vllm.md.
-GUARD_ACCEPT = ("forward context", "opaque handle", "packed copy")
+# holder moves on each such update); "packed copy not rebuilt" is the check of those same
+# copies (the adapter watches each with Trace.watch_copy), accepted with them. docs/vllm.md.
+GUARD_ACCEPT = ("forward context", "opaque handle", "packed copy", "packed copy not rebuilt")
 # Entry points that are a whole update by themselves: checked when they return.
 COMPLETE_UPDATES = frozenset({"reload_weights", "finish_weight_update"})
 
