@@ -6,7 +6,7 @@
 2. Loading: building and processing the demo model (every storage an op makes is noted with
    its site) with provenance on, against the same inside a trace with provenance off, and
    against no trace at all; the cost per created storage; and provenance with lineage
-   (Note [lineage] in graphtrace/lineage.py) against provenance alone.
+   (Note [lineage] in graphtrace/lineage/graph.py) against provenance alone.
 
 Run: ``PYTHONPATH=$PWD python analysis/bench_provenance.py [--quick]``; the full run writes
 analysis/results/bench_provenance.txt.

@@ -1170,7 +1170,7 @@ def flip_test(kernel: str, sc, stale) -> str:
 # The reload runs after the capturing trace is closed (the identity diff is of what the
 # graph captured before it), inside a second trace with lineage and no capture region: it
 # records which handles the reload's process step makes from which parameters, and
-# `t.findings()` (Note [dangling sources] in graphtrace/lineage.py) lists every live handle
+# `t.findings()` (Note [dangling sources] in graphtrace/lineage/handles.py) lists every live handle
 # whose source was freed while the layer keeps that value in another storage. Such a row is
 # `dangling-source:HOLDER <- SOURCE` among the row's stale owners. A source the layer
 # dropped on purpose (vLLM sets the int8 weight to None once the oneDNN handler has

@@ -93,7 +93,7 @@ def _same(ref: StorageWeakRef | None, obj) -> bool:
 
 
 class DerivedCopies:
-    """The pairings a trace knows, their fingerprints, and the check the diff runs."""
+    """The pairings a trace knows, their fingerprints, and the check diff and guard run."""
 
     def __init__(self, fail: Callable[[str, BaseException], None]):
         self.fail = fail

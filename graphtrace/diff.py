@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 
 from graphtrace import __version__, stage
+from graphtrace import verdict as engine
 from graphtrace.blindspots import BlindSpot
 from graphtrace.edges import CaptureEdges, capture_edges
 from graphtrace.encoding import VIEW
@@ -41,8 +42,6 @@ from graphtrace.verdict import (
     View,
     freed_sources,
     freshness_of,
-    impact_of,
-    on_storage,
     owner_status,
     storage_verdicts,
     unrefreshed_impact,
@@ -294,32 +293,30 @@ def _owner_columns(per_storage: pd.DataFrame, sids: np.ndarray,
 def _impacts(recorder, verdict: pd.Categorical, sids: np.ndarray, views: np.ndarray,
              moved_to: dict, moved_by: dict, snapshot: OwnerSnapshot,
              notes: list[BlindSpot], fresh_impacts: Mapping[int, str] = {}) -> pd.Categorical:
-    """`impact` per edge (`graphtrace.verdict.impact_of`, once per storage and view) for
-    stale and diverged edges, unknown for dangling ones, `fresh_impacts` (per storage id:
-    `unrefreshed_impact`, default unknown) for unrefreshed ones, empty otherwise. A moved
-    owner's dtype or shape change since capture is appended to `notes`, one text per
+    """`impact` per edge: the verdict engine's `edge_impact` (the guard's too), once per
+    problem storage and view; `fresh_impacts`: per storage id, `unrefreshed_impact`. A
+    moved owner's dtype or shape change since capture is appended to `notes`, one text per
     storage and view, naming the owners."""
     owners = snapshot.owners
     names = ["", *IMPACTS]
-    codes = np.where((verdict == DANGLING) | (verdict == UNREFRESHED), names.index("unknown"), 0)
-    for i in np.flatnonzero(verdict == UNREFRESHED).tolist():
-        codes[i] = names.index(fresh_impacts.get(int(sids[i]), "unknown"))
+    codes = np.zeros(len(sids), dtype=np.int64)
     items = recorder.views.items
     cache: dict[tuple[int, int], int] = {}
-    for i in np.flatnonzero((verdict == STALE) | (verdict == DIVERGED)).tolist():
+    problem = (verdict == STALE) | (verdict == DIVERGED) | (verdict == DANGLING) | (
+        verdict == UNREFRESHED)
+    for i in np.flatnonzero(problem).tolist():
         k = sid, v = int(sids[i]), int(views[i])
         if k not in cache:
-            relaid = False
-            if sid in moved_to:
-                owner = snapshot.view_of(sid, *moved_by[sid])
-                old = recorder.storages.upgrade(sid)
-                impact, note = impact_of(old, View(*items[v]), moved_to[sid],
-                                         View(*owner) if owner else None)
-                relaid = on_storage(moved_to[sid], old)  # Note [re-laid views]
-                del old
-            else:
-                impact, note = "unknown", ""
-            cache[k] = names.index(impact)
+            word = str(verdict[i])
+            live = moved_to.get(sid) if word in (STALE, DIVERGED) else None
+            owner = snapshot.view_of(sid, *moved_by[sid]) if live is not None else None
+            old = recorder.storages.upgrade(sid) if live is not None else None
+            impact, note = engine.edge_impact(
+                word, old, View(*items[v]), live, View(*owner) if owner else None,
+                fresh_impacts.get(sid, "unknown"))
+            relaid = old is not None and engine.on_storage(live, old)  # Note [re-laid views]
+            del old
+            cache[k] = names.index(impact) if impact is not None else 0
             if note:
                 found = sorted(owners.get(sid, ()))
                 paths = ", ".join(sorted(p for _, p, _ in found))
@@ -421,7 +418,7 @@ def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[Blin
     """A pointer-valued tensor (one int64) that a custom op reads, with no lineage behind it
     (made by a producer lineage cannot see: a raw pointer taken in C++, an op no mode sees):
     an `opaque handle` blind spot naming its holder, never a silent `stable` (Note
-    [dangling sources] in graphtrace/lineage.py). Holders in `named` already have one (the
+    [dangling sources] in graphtrace/lineage/handles.py). Holders in `named` already have one (the
     vLLM adapter names its oneDNN handles)."""
     if edges.empty:
         return []
@@ -450,13 +447,13 @@ def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[Blin
 
 
 def lineage_findings(lineage, models: Mapping[str, torch.nn.Module], fail) -> list[dict]:
-    """What lineage found beside the edges (Note [dangling sources] in graphtrace/lineage.py):
+    """What lineage found beside the edges (Note [dangling sources] in graphtrace/lineage/handles.py):
     one record per live handle and freed source, graph or not (`Report.findings`); the
     non-idempotent steps and the carried-over state (Note [carried-over state]) too."""
     if lineage is None:
         return []
     try:
-        return lineage.dangling(models) + lineage.non_idempotent() + lineage.carried_over(models)
+        return lineage.findings(models)  # its plug-ins' (Note [lineage plug-ins])
     except Exception as exc:  # fail open
         fail("findings", exc)
         return []

@@ -302,7 +302,7 @@ class Provenance:
             del walked
         self.thread = threading.get_ident()
         self.mode.__enter__()
-        if self.lineage is not None:  # Note [handle mode] in graphtrace/lineage.py
+        if self.lineage is not None:  # Note [handle mode] in graphtrace/lineage/handles.py
             from graphtrace.lineage import optimizer_hooks
 
             self.lineage.site = weakref.WeakMethod(self.site_text)

@@ -48,7 +48,7 @@ def same_storage(storage: torch.UntypedStorage, cdata: int | None, data_ptr: int
                  nbytes: int | None) -> bool:
     """Is `storage` the captured one? The one place that decides it: by StorageImpl address
     where a weak handle kept one unique (`cdata`: exact identity), else by data address and
-    size (a weaker answer: Note [guard identity] in graphtrace/guard.py). A storage whose
+    size (a weaker answer: Note [guard identity] in graphtrace/guard/manifest.py). A storage whose
     data address cannot be read (a wrapper subclass's placeholder) has address 0."""
     if cdata is not None:
         return storage._cdata == cdata

@@ -6,8 +6,8 @@ verdict, an owner's status or an impact:
 
 - `owner_status`: does a capture-time owner, resolved on the live model, still hold the
   captured storage (identity by weak handle, or by address and size where only that is
-  known: Note [guard identity] in graphtrace/guard.py), under the view it had at capture
-  (Note [re-laid views])?
+  known: Note [guard identity] in graphtrace/guard/manifest.py), under the view it had at
+  capture (Note [re-laid views])?
 - `verdict_of` (scalar) and `storage_verdicts` (vectorised, per storage): the rule, from the
   owners' statuses, whether the captured storage is alive and whether every graph overwrites
   it before reading it (Note [write before read] in graphtrace/edges.py).
@@ -16,7 +16,7 @@ verdict, an owner's status or an impact:
   Note [freshness])?
 - `freed_sources`: the sources of a handle that were freed while it lives, and that the
   model now keeps elsewhere (a dangling source: Note [dangling sources] in
-  graphtrace/lineage.py);
+  graphtrace/lineage/handles.py);
 - `impact_of`: for a stale or diverged storage, do the values the graph reads differ from
   what its owner holds now (Note [impact])?
 
@@ -36,8 +36,8 @@ from graphtrace.stage import same_storage
 from graphtrace.vocab import HOLDS, MOVED, ORPHANED, OWNER_STATUSES, VERDICTS
 
 __all__ = ["View", "same_view", "relaid_note", "on_storage", "owner_status", "verdict_of",
-           "storage_verdicts", "impact_of", "source_changed", "unrefreshed", "freshness_of",
-           "unrefreshed_impact", "freed_sources"]
+           "storage_verdicts", "impact_of", "edge_impact", "source_changed", "unrefreshed",
+           "freshness_of", "unrefreshed_impact", "freed_sources"]
 
 # verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
 _V = {v: v for v in VERDICTS}
@@ -241,7 +241,7 @@ def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray
 # A storage a graph reads can be where its owners point (identity holds) and still hold an
 # old value: one derived from sources that changed since (Megatron-LM #6723's
 # `_A_neg_exp_cache = -exp(A_log)`, filled once; a refit copies new A_log in place). Lineage
-# (Note [lineage] in graphtrace/lineage.py) names each captured storage's sources -- the
+# (Note [lineage] in graphtrace/lineage/graph.py) names each captured storage's sources -- the
 # registered parameters and buffers it was derived from -- and, at the end of its capture,
 # the baselines: each source's storage and owner-tensor `_version`, the captured storage's
 # owners' `_version`s, and whether a source was already rewritten after it (`stale`).
@@ -371,6 +371,25 @@ def impact_of(old: torch.UntypedStorage | None, view: View, live: object,
     return ("latent" if same else "manifest"), note
 
 
+def edge_impact(verdict: str, old: torch.UntypedStorage | None, view: View | None,
+                live: object, live_view: View | None,
+                fresh: str = "unknown") -> tuple[str | None, str]:
+    """(impact, note) of a graph reading `view` of a storage with `verdict`, the one rule
+    diff and guard both call: `impact_of` (`old`, the captured storage, against `live`, what
+    the first moved owner holds now, with its capture-time View `live_view`) for stale and
+    diverged, unknown where either is missing; unknown for dangling; `fresh` (the storage's
+    `unrefreshed_impact`) for unrefreshed; None for any other verdict."""
+    if verdict in (STALE, DIVERGED):
+        if old is None or view is None or live is None:
+            return "unknown", ""
+        return impact_of(old, view, live, live_view)
+    if verdict == DANGLING:
+        return "unknown", ""
+    if verdict == UNREFRESHED:
+        return fresh, ""
+    return None, ""
+
+
 def _change_note(owner: View | None, live: torch.Tensor) -> str:
     if owner is None:
         return ""
@@ -451,7 +470,7 @@ def freed_sources(derived, resolve) -> list:
     """The sources of a handle (`derived`, a graphtrace.lineage.Derived with `handle`) that
     were freed while it lives and whose owner path now reaches a live tensor: the model
     keeps that value in another storage, the handle's pointer reaches freed memory (Note
-    [dangling sources] in graphtrace/lineage.py). Weak handles only: a guard read from JSON
+    [dangling sources] in graphtrace/lineage/handles.py). Weak handles only: a guard read from JSON
     (no handles) finds none. `resolve(model, path)`: what an owner path reaches now."""
     if derived is None or not getattr(derived, "handle", False):
         return []

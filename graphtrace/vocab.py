@@ -20,7 +20,7 @@ __all__ = [
 # -- verdicts (one per edge; the words are part of the public contract) ---------------------
 VERDICTS = ("stable", "stale", "dangling", "diverged", "orphaned", "unowned", "unrefreshed")
 # `unrefreshed`: the storage is where its owners point (or has none), but the sources it was
-# derived from changed since it was last written (Note [lineage] in graphtrace/lineage.py)
+# derived from changed since it was last written (Note [lineage] in graphtrace/lineage/graph.py)
 STALE_VERDICTS = ("stale", "dangling", "diverged", "unrefreshed")   # what `report.stale` holds
 IMPACTS = ("manifest", "latent", "unknown")           # stale-like edges: do values differ now?
 ORIGINS = ("external", "internal")                    # overwritten in the graph before it reads it?

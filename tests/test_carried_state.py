@@ -1,5 +1,5 @@
 """Carried-over state (issue 24, SGLang #26194; Note [carried-over state] in
-graphtrace/lineage.py): a process step that reads unregistered state made from no weight
+graphtrace/lineage/steps.py): a process step that reads unregistered state made from no weight
 during an earlier load cycle, together with weights loaded since, is a `carried-over state`
 finding naming the holder, the op, the line and the weight; state rebuilt each cycle, shards
 of one load, state derived from weights, capture regions and lineage off are not."""

@@ -1,4 +1,4 @@
-"""Dangling sources (issue 24, Note [dangling sources] in graphtrace/lineage.py): a handle an
+"""Dangling sources (issue 24, Note [dangling sources] in graphtrace/lineage/handles.py): a handle an
 op made from given storages (an int pointer held in a tensor, as vLLM's oneDNN handler holds
 one) whose source was freed while the model keeps that value elsewhere is `dangling`, with
 the freed source named: with a graph (the edge's verdict, in `t.diff()` and `guard.check()`)

@@ -14,12 +14,14 @@ import gc
 import types
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import graphtrace as gt
 from graphtrace.vocab import GUARD_PROBLEMS
+from tests.test_blindspots import Packed as Transposed  # weight (4, 3), packed = weight.t()
 from tests.test_blindspots import QuantizedPacked as Packed  # weight (3, 4), packed params
 from tests.test_diff import Model
 
@@ -266,6 +268,15 @@ def shared_config_one(m, keep):
     m.a.settings = Settings(torch.rand(8))  # b's path still reaches the captured tensor
 
 
+def copy_not_rebuilt(rebuild: bool):
+    """New weight values copied in place; the packed copy rebuilt (a new storage) or not."""
+    def update(m, keep):
+        copy_in_place()(m, keep)
+        if rebuild:
+            m.process()
+    return update
+
+
 def requantize(m, keep):
     with torch.no_grad():
         m.weight.copy_(torch.randn(3, 4))
@@ -492,6 +503,8 @@ class Scenario:
     freezing: bool = False        # compiled with Inductor's freezing (parameters folded in)
     some_impacts: bool = False    # `impacts` must be among the impacts found, not all of them
     before_guard: Callable | None = None  # a change after the trace, before the guards
+    copies: tuple = ()            # (copy, source) paths told to the trace (t.watch_copy)
+    width: int = 0                # the input width (default: 4 for Packed, else 8)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -513,6 +526,12 @@ SCENARIOS: dict[str, Scenario] = {
     "diverged": Scenario(lambda: alias_gate(Model()), diverge, {"diverged"}, {"manifest"}),
     "walk-cut-before-guard": Scenario(Model, lambda m, keep: None, {"stale"}, {"manifest"},
                                       before_guard=cut_walk),
+    # a packed copy of a weight (Note [derived copies]): the diff names a copy not rebuilt
+    # after its source changed, and the guard fails closed on it
+    "packed-copy-not-rebuilt": Scenario(Transposed, copy_not_rebuilt(False), {"unrefreshed"},
+                                        {"unknown"}, copies=(("packed", "weight"),), width=3),
+    "packed-copy-rebuilt": Scenario(Transposed, copy_not_rebuilt(True), {"stale"},
+                                    {"manifest"}, copies=(("packed", "weight"),), width=3),
     "orphaned-attribute": Scenario(Model, orphan_config, {"orphaned"}),
     "orphaned-key": Scenario(Model, orphan_key, {"orphaned"}),
     "rebound-and-restored": Scenario(Model, restore, set()),
@@ -617,10 +636,12 @@ def _run(name: str, tmp_path):
     torch.manual_seed(0)
     model = sc.build().eval()
     forward = torch.compile(model, backend="inductor") if sc.compiled else model
-    width = 4 if isinstance(model, Packed) else 8
+    width = sc.width or (4 if isinstance(model, Packed) else 8)
     keep = []
     frozen = torch._inductor.config.patch(freezing=sc.freezing)
     with torch.no_grad(), frozen, gt.trace(model, strict=True) as t:
+        for copy, source in sc.copies:
+            t.watch_copy(copy, source)
         if sc.setup is not None:
             sc.setup(model)
         if sc.warmup:  # eager, as a process step is (lineage does not see inside compiled code)
@@ -675,6 +696,58 @@ def test_an_owner_walk_cut_short_fails_every_guard_closed(tmp_path):
         assert "walk cut" in set(rows["blind_spot"]), guard
         with pytest.raises(gt.StaleGraphError, match="max_depth"):
             guard.enforce()
+
+
+@pytest.mark.parametrize("rebuild", [False, True])
+def test_a_packed_copy_not_rebuilt_fails_every_guard_closed(rebuild, tmp_path):
+    """A weight refreshed in place while the packed copy made from it is not rebuilt: the
+    diff names the copy (`packed copy not rebuilt`), and every guard (from the trace, loaded
+    from JSON, checked before) fails closed on it, unless that kind is accepted; a rebuilt
+    copy is a stale edge and no such record in either."""
+    name = "packed-copy-rebuilt" if rebuild else "packed-copy-not-rebuilt"
+    sc, alive, t, guards = _run(name, tmp_path)
+    found = [b for b in t.diff().meta["blind_spots"] if b["kind"] == "packed copy not rebuilt"]
+    assert [b["holder"] for b in found] == ([] if rebuild else ["packed"])
+    for guard in guards:
+        rows = guard.check()
+        spots = rows[rows["blind_spot"] == "packed copy not rebuilt"]
+        assert list(spots["owners"]) == ([] if rebuild else ["packed"]), guard
+        if not rebuild:
+            assert "values changed" in spots["note"].iloc[0]
+            with pytest.raises(gt.StaleGraphError, match="packed copy not rebuilt"):
+                guard.enforce()
+            guard.accept = ["packed copy not rebuilt"]
+            assert "packed copy not rebuilt" not in set(guard.check()["blind_spot"])
+
+
+def test_diff_and_guard_take_impact_and_live_pointer_from_one_implementation(monkeypatch,
+                                                                             tmp_path):
+    """The per-storage facts have one implementation: with the verdict engine's
+    `edge_impact` and `stage.live_pointer` replaced, the diff and every guard (from the
+    trace, from JSON, checked before) answer with the replacements."""
+    from graphtrace import stage
+    from graphtrace import verdict as engine
+
+    sc, alive, t, guards = _run("assign", tmp_path)
+    real, asked = engine.edge_impact, []
+
+    def flipped(verdict, *args):  # manifest reads as latent
+        asked.append(verdict)
+        impact, note = real(verdict, *args)
+        return ("latent" if impact == "manifest" else impact), note
+
+    monkeypatch.setattr(engine, "edge_impact", flipped)
+    monkeypatch.setattr(stage, "live_pointer", lambda ptrs, known, moved, starts: np.full(
+        len(starts), -1))  # no live pointer known
+    e = t.diff().edges
+    stale = e[e["verdict"] == "stale"]
+    assert len(stale) and set(stale["impact"].astype(str)) == {"latent"}
+    assert stale["live_data_ptr"].isna().all()
+    for guard in guards:
+        asked.clear()
+        p = guard.check()
+        assert len(p) and set(p["impact"]) == {"latent"}, guard
+        assert p["live_data_ptr"].isna().all() and set(asked) == {"stale"}, guard
 
 
 def test_there_are_at_least_thirty_scenarios_and_every_verdict_is_reached():

@@ -290,3 +290,46 @@ def test_readme_demo_table_is_what_the_demo_prints(capsys):
     printed = capsys.readouterr().out.splitlines()
     start = printed.index(table[0])
     assert printed[start:start + len(table)] == table
+
+
+# -- Notes: `Note [name]` blocks, and citations `Note [name] in path` that must find them -------
+_NOTE_SOURCES = [p for p in (*ROOT.joinpath("graphtrace").rglob("*"), *ROOT.joinpath(
+    "analysis").rglob("*.py"), *ROOT.joinpath("tests").rglob("*.py"), *DOCS)
+    if p.suffix in (".py", ".md", ".cpp")]
+
+
+def _note_name(raw: str) -> str:
+    """A Note's name as written across lines: comment marks and string quotes dropped."""
+    return " ".join(re.sub(r'(#|//|")', " ", raw).split())
+
+
+def _notes_defined() -> dict[str, set[str]]:
+    """Note name -> the files (relative paths) that hold its block: `Note [name]` alone on a
+    line (in a comment, a docstring or a heading) with a line of ~ under it, or a `## Note`
+    heading."""
+    found: dict[str, set[str]] = {}
+    for path in _NOTE_SOURCES:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            m = re.match(r"\s*(?:#+|//)?\s*Note \[([^\]]+)\]\s*$", line)
+            under = lines[i + 1] if i + 1 < len(lines) else ""
+            if m and (re.match(r"\s*(?:#|//)?\s*~~~", under) or line.startswith("## ")):
+                found.setdefault(_note_name(m.group(1)), set()).add(
+                    str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_note_citation_names_a_note_in_that_file():
+    """A Note cited with the file it is in (graphtrace/..., docs/...): that file holds the
+    Note's block, so a module split moves its citations along (issue 40)."""
+    defined = _notes_defined()
+    cite = re.compile(r"Note\s+\[([^\]]+)\][,:)`\s]{0,3}\s*in\s+`?((?:graphtrace|docs)/[\w/.]+?"
+                      r"\.(?:py|md|cpp))")
+    wrong = []
+    for path in _NOTE_SOURCES:
+        for m in cite.finditer(path.read_text()):
+            name, where = _note_name(m.group(1)), m.group(2)
+            if where not in defined.get(name, set()):
+                wrong.append(f"{path.relative_to(ROOT)}: Note [{name}] in {where} "
+                             f"(defined in: {sorted(defined.get(name, [])) or 'nowhere'})")
+    assert len(defined) > 40 and not wrong, "\n".join(wrong)

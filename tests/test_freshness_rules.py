@@ -1,4 +1,4 @@
-"""Rules of lineage (graphtrace/lineage.py) and freshness (graphtrace/verdict.py) that a
+"""Rules of lineage (graphtrace/lineage/) and freshness (graphtrace/verdict.py) that a
 planted bug got past (issue 42): each test here failed with one such bug planted and passes
 without it. Public API only (`gt.trace`, `gt.capture`, `t.diff()`, `t.guard().check()`, a
 guard loaded from JSON), every scenario checked in diff and guard (`assert_agree`)."""
@@ -224,7 +224,7 @@ def _lineage_spots(report) -> list:
 
 
 def test_exactly_max_sources_is_not_a_cut(monkeypatch, tmp_path):
-    import graphtrace.lineage as lineage_mod
+    from graphtrace.lineage import graph as lineage_mod
 
     monkeypatch.setattr(lineage_mod, "MAX_SOURCES", 2)
     m, t, keep, guards = _steps(lambda m: torch.mul(m.a, m.b, out=m.table), tmp_path)  # a, b
@@ -237,7 +237,7 @@ def test_exactly_max_sources_is_not_a_cut(monkeypatch, tmp_path):
 def test_a_cut_keeps_the_oldest_sources_and_is_a_blind_spot(monkeypatch, tmp_path):
     """Sources over the cap: the oldest are kept (the parameters, never written, before the
     temporaries made from them), and the diff names the cut."""
-    import graphtrace.lineage as lineage_mod
+    from graphtrace.lineage import graph as lineage_mod
 
     monkeypatch.setattr(lineage_mod, "MAX_SOURCES", 2)
 

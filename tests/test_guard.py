@@ -116,7 +116,7 @@ def test_native_fast_path_answers_as_the_full_walk(name, monkeypatch):
     moved (owners.PathSet.moved); only then does it judge every owner in Python. Both must
     give the same problems, and a clean check must not judge owners one by one (its one
     Python pass compares the owners' views: Note [re-laid views] in graphtrace/verdict.py)."""
-    import graphtrace.guard as guard_module
+    import graphtrace.guard.check as guard_module
     from graphtrace import native
 
     if native.load() is None:
@@ -301,6 +301,11 @@ def test_bad_input_is_one_clear_error(tmp_path):
     with pytest.raises(gt.GraphtraceError, match=r"storages\[0\]\['nbytes'\] must be int"):
         gt.load_guard(bad)
     data = t.guard().to_dict()
+    data["copies"] = [{"model": "", "copy": "fn"}]  # no source
+    bad.write_text(json.dumps(data))
+    with pytest.raises(gt.GraphtraceError, match=r"copies\[0\] needs \"model\""):
+        gt.load_guard(bad)
+    data = t.guard().to_dict()
     data["format"] = "something else"
     bad.write_text(json.dumps(data))
     with pytest.raises(gt.GraphtraceError, match="not a graphtrace guard manifest"):
@@ -459,7 +464,7 @@ def test_a_new_storage_at_the_freed_address_is_not_the_captured_one(holder):
         guard.enforce()
 
 
-# -- one look per holder (issue 39; Note [one look per holder] in graphtrace/guardspots.py) ---
+# -- one look per holder (issue 39; Note [one look per holder] in graphtrace/guard/blind.py) ---
 
 class Norms(torch.nn.Module):
     """Three Linear+LayerNorm blocks: each LayerNorm's `eps` is baked into every graph."""
@@ -493,7 +498,8 @@ def test_a_changed_eps_names_every_graph_after_one_look_per_holder(with_native, 
     and the rows still name every graph, as the diff does."""
     import pandas as pd
 
-    from graphtrace import guardspots, native
+    from graphtrace import native
+    from graphtrace.guard import blind as guardspots
 
     model, t, keep, guard = _norm_guard()
     if with_native and native.load() is None:

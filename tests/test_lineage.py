@@ -238,7 +238,7 @@ def test_nothing_is_kept_alive_and_dead_storages_are_released():
 
 
 def test_the_edge_cap_is_a_counted_blind_spot(monkeypatch):
-    import graphtrace.lineage as lineage_mod
+    from graphtrace.lineage import graph as lineage_mod
 
     monkeypatch.setattr(lineage_mod, "MAX_EDGES", 4)
     m = _model()
@@ -357,12 +357,14 @@ def test_watch_copy_declares_lineage_for_a_producer_lineage_cannot_see():
     row = e[e["owners"] == "packed"]
     assert list(row["verdict"].astype(str)) == ["unrefreshed"]
     assert list(row["derived_from"].astype(str)) == ["weight"]
-    assert list(t.guard().check()["verdict"]) == ["unrefreshed"]
+    rows = t.guard().check()  # and the copy not rebuilt, as the diff's blind spot names it
+    assert list(zip(rows["verdict"], rows["blind_spot"])) == [
+        ("unrefreshed", ""), ("unchecked", "packed copy not rebuilt")]
     del g
 
 
 def test_the_guard_finds_a_second_update_without_recompute_after_a_clean_one():
-    """Note [guard rebaseline] in graphtrace/guard.py: after an update that recomputed the
+    """Note [guard rebaseline] in graphtrace/guard/check.py: after an update that recomputed the
     derived cache in place (clean), a second update that changes its source again and does not
     recompute it is unrefreshed (the baselines moved with the clean check)."""
     model = MambaModel().eval()
@@ -386,12 +388,12 @@ def test_the_guard_finds_a_second_update_without_recompute_after_a_clean_one():
 
 
 def test_clean_checks_skip_the_freshness_pass_until_a_source_changes(monkeypatch):
-    """Note [guard freshness fast path] in graphtrace/guard.py: after a clean check, a check
+    """Note [guard freshness fast path] in graphtrace/guard/check.py: after a clean check, a check
     asks C++ whether a source path reaches another storage or version counter (and whether
     lineage recorded since) before walking every derived storage in Python; a source changed
     in place, a rebound source and a write lineage records are still found."""
-    from graphtrace import guard as guard_module
     from graphtrace import native
+    from graphtrace.guard import check as guard_module
 
     if native.load() is None:
         pytest.skip("the native module does not build here")
@@ -427,7 +429,7 @@ def test_clean_checks_skip_the_freshness_pass_until_a_source_changes(monkeypatch
 class _KeptScale(nn.Module):
     """A linear layer whose method keeps a scale the forward reads; the scale is made from
     no weight, and a weight loader may refresh it in place from `norm` (Note [derived during
-    updates] in graphtrace/lineage.py)."""
+    updates] in graphtrace/lineage/graph.py)."""
 
     def __init__(self):
         super().__init__()
@@ -523,3 +525,44 @@ def _state_capture(declare: bool):
 def test_declared_engine_state_is_not_unrefreshed_and_a_derived_cache_still_is():
     assert _state_capture(declare=True) == ("unowned", "unrefreshed")
     assert _state_capture(declare=False) == ("unrefreshed", "unrefreshed")  # what it fixes
+
+
+def test_the_detectors_are_plug_ins_of_the_graph_and_another_gets_the_same_hooks():
+    """Note [lineage plug-ins]: the graph's three detectors are plug-ins registered on it (their
+    findings in that order), and a plug-in added to a trace's lineage is fed by the same
+    `record`: each write outside optimizer steps, each read, each storage written, and its
+    findings reach the report."""
+    from graphtrace.lineage.handles import DanglingSources
+    from graphtrace.lineage.steps import CarriedOver, NonIdempotent
+
+    class Counting:
+        def __init__(self):
+            self.calls: dict[str, list] = {"written": [], "read": [], "wrote": []}
+
+        def written(self, graph, func, op, written, reads):
+            self.calls["written"].append(str(func))
+
+        def read(self, graph, func, reads, sources):
+            self.calls["read"].append(str(func))
+
+        def wrote(self, graph, storage, address, sources):
+            self.calls["wrote"].append(address)
+
+        def findings(self, graph, models):
+            return [{"kind": "non-idempotent step", "holder": "counted", "op": "x",
+                     "source": "", "source_kind": "buffer", "site": "",
+                     "n": len(self.calls["written"])}]
+
+    m = _model()
+    plug = Counting()
+    with torch.no_grad(), gt.trace(m, strict=True) as t:
+        assert [type(d) for d in t.lineage.detectors] == [DanglingSources, NonIdempotent,
+                                                          CarriedOver]
+        t.lineage.add(plug)
+        m.refit(m.checkpoint(1))  # writes the cache from the weights, in place
+        with gt.capture("g") as g:
+            m(X)
+    assert plug.calls["written"] and plug.calls["read"] and plug.calls["wrote"]
+    counted = [f for f in t.diff().meta["findings"] if f["holder"] == "counted"]
+    assert counted and counted[0]["n"] == len(plug.calls["written"])
+    del g

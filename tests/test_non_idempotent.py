@@ -1,4 +1,4 @@
-"""Non-idempotent steps (issue 24, Note [non-idempotent steps] in graphtrace/lineage.py): while
+"""Non-idempotent steps (issue 24, Note [non-idempotent steps] in graphtrace/lineage/steps.py): while
 a trace is open, outside capture regions, a registered parameter or buffer updated in place
 from its own value is a finding naming the storage, the op and the line, with how many times
 it ran; pure overwrites, optimizer steps, unregistered tensors and capture regions are not."""

@@ -140,7 +140,7 @@ class Report:
     def findings(self) -> pd.DataFrame:
         """What lineage found beside the edges (``meta["findings"]``): one row per finding,
         columns ``vocab.FINDING_FIELDS`` (a handle whose source was freed: Note [dangling
-        sources] in graphtrace/lineage.py); empty for reports without lineage."""
+        sources] in graphtrace/lineage/handles.py); empty for reports without lineage."""
         return findings_frame(self._meta.get("findings") or [])
 
     @property

@@ -57,7 +57,7 @@ LABEL = "decode_bs{bs}"
 # the weights: by lineage alone they would be `unrefreshed` after every update. They are
 # request state (every request writes the slots it reads; SGLang flushes the cache after an
 # update), so they are declared so before the capture (`Trace.declare_state`, Note [engine
-# state] in graphtrace/lineage.py); what Inductor froze into the graph is not among them.
+# state] in graphtrace/lineage/graph.py); what Inductor froze into the graph is not among them.
 
 
 def register() -> None:

@@ -179,7 +179,7 @@ class Trace(RecordingRule, CudaGraphCaptures):
             trace = weakref.ref(self)  # no cycle: the lineage names handles' sources by it
             self.provenance.lineage.models = lambda: (trace().models if trace() is not None
                                                       else {})
-            # Note [derived during updates] in graphtrace/lineage.py
+            # Note [derived during updates] in graphtrace/lineage/graph.py
             self.provenance.lineage.rematch = lambda: (trace()._match_late()
                                                        if trace() is not None else None)
         # when provenance and lineage pause themselves (Note [recording while serving])
@@ -425,7 +425,7 @@ class Trace(RecordingRule, CudaGraphCaptures):
         attention kernel's scratch buffer: rewritten for every request, dropped after a weight
         update): lineage forgets what they were computed from so far, so a capture that reads
         them as inputs does not find them `unrefreshed` after an update (Note [engine state]
-        in graphtrace/lineage.py). Call it before the capture. Owners and identity are still
+        in graphtrace/lineage/graph.py). Call it before the capture. Owners and identity are still
         checked. Returns how many storages lineage knew; 0 without lineage."""
         if self.lineage is None:
             return 0
@@ -490,7 +490,7 @@ class Trace(RecordingRule, CudaGraphCaptures):
                     provenance=self.provenance, extra_meta=extra, lineage=self.lineage)
 
     def _match_late(self) -> None:
-        """Note [derived during updates] in graphtrace/lineage.py (fail open)."""
+        """Note [derived during updates] in graphtrace/lineage/graph.py (fail open)."""
         lineage = self.lineage
         if lineage is None or not self.recorder.captures:
             return
@@ -501,7 +501,7 @@ class Trace(RecordingRule, CudaGraphCaptures):
 
     def _spots_now(self, models: dict[str, torch.nn.Module]) -> list[BlindSpot]:
         """What a diff and a guard both do first: lineage caught up (Note [derived during
-        updates] in graphtrace/lineage.py), then the trace's blind spots, the storages
+        updates] in graphtrace/lineage/graph.py), then the trace's blind spots, the storages
         captured since the last owner match matched first, so what that walk cut is one of
         them (a `walk cut` both see, and every later diff)."""
         if self.lineage is not None:
@@ -536,7 +536,7 @@ class Trace(RecordingRule, CudaGraphCaptures):
         """What lineage found beside the graphs' edges, graph or no graph: one row per live
         handle and source of it that was freed (`kind` `dangling source`, or `released
         source` when the model dropped that path on purpose; Note [dangling sources] in
-        graphtrace/lineage.py), columns graphtrace.vocab.FINDING_FIELDS. The same rows are
+        graphtrace/lineage/handles.py), columns graphtrace.vocab.FINDING_FIELDS. The same rows are
         `t.diff().findings`. Empty without lineage."""
         from graphtrace.diff import lineage_findings
         from graphtrace.report.core import findings_frame
@@ -549,7 +549,7 @@ class Trace(RecordingRule, CudaGraphCaptures):
         ``guard.enforce()`` after each weight update (docs/guard.md). The blind spots of
         those graphs go in too, and fail the check after an update that may have
         invalidated them unless their kind is in `accept` (e.g. ``["opaque handle"]``;
-        kinds: vocab.BLIND_SPOT_KINDS; Note [blind spots in the guard] in guardspots.py)."""
+        kinds: vocab.BLIND_SPOT_KINDS; Note [blind spots in the guard] in graphtrace/guard/blind.py)."""
         from graphtrace.guard import accepted_kinds, guard_of
 
         accept = accepted_kinds(accept)
@@ -564,7 +564,7 @@ class Trace(RecordingRule, CudaGraphCaptures):
         values = {b: self.baked_scalars.value_of(b) for b in baked}
         return guard_of(self.recorder, self.owner_snapshot, models, first_graph,
                         lineage=self.lineage, blind_spots=spots + baked, accept=accept,
-                        values=values)
+                        values=values, copies=self.derived.pairs.values())
 
     def __repr__(self) -> str:
         state = "open" if self._open else ("closed" if self._closed else "new")
@@ -596,7 +596,7 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
     `lineage`: with provenance, record which storages each op wrote from which it read, so
     a storage derived from parameters that changed since is `unrefreshed` (True; None: as
     GRAPHTRACE_LINEAGE says, default on; False: off). See Note [lineage] in
-    graphtrace/lineage.py.
+    graphtrace/lineage/graph.py.
     `record`: when provenance and lineage record: "auto" (default) while loading, capturing
     and around weight updates, paused while the model serves (from a watched model's
     forward once graphs exist until an update begins: `load_state_dict`, a parameter or

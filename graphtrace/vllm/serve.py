@@ -109,15 +109,16 @@ __all__ = ["ServeGuard", "VllmEngine", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDA
            "before_step", "drain_step", "DRAIN", "after_client_step", "client_step_failed",
            "client_stream", "mark_remote_update", "world_ranks", "REFUSED"]
 
-# Blind-spot kinds the engine's guard accepts (Note [blind spots in the guard], graphtrace/guardspots.py):
+# Blind-spot kinds the engine's guard accepts (Note [blind spots in the guard], graphtrace/guard/blind.py):
 # "forward context": attention ops fetch the KV cache by layer name inside the op; a weight
 # update never touches the KV cache, and no holder can be checked, so it would fail every
 # update. "opaque handle" and "packed copy": vLLM's CPU linears read oneDNN handles (a pointer
 # in a 0-d tensor) to a packed copy of the weight; the handle's identity is guarded like any
 # tensor (a rebuilt handle is a stale edge of the graph that read the old one), only the packed
 # weights behind it are unseen, and process_weights_after_loading rebuilds every handle (the
-# holder moves on each such update). docs/vllm.md.
-GUARD_ACCEPT = ("forward context", "opaque handle", "packed copy")
+# holder moves on each such update); "packed copy not rebuilt" is the check of those same
+# copies (the adapter watches each with Trace.watch_copy), accepted with them. docs/vllm.md.
+GUARD_ACCEPT = ("forward context", "opaque handle", "packed copy", "packed copy not rebuilt")
 # Entry points that are a whole update by themselves: checked when they return.
 COMPLETE_UPDATES = frozenset({"reload_weights", "finish_weight_update"})
 

@@ -9,14 +9,14 @@ on the shape), so the one layer whose process step derives a tensor from a weigh
 `dispatch_cpu_unquantized_gemm(layer, remove_weight=False)`,
 vllm/model_executor/layers/vocab_parallel_embedding.py:69-71): its `handler_tensor` is made by
 `_C::create_onednn_mm_handler(weight.t(), ...)`, an op with a composite kernel that only
-lineage's handle mode sees (Note [handle mode] in graphtrace/lineage.py). `lm_head` runs in
+lineage's handle mode sees (Note [handle mode] in graphtrace/lineage/handles.py). `lm_head` runs in
 `compute_logits`, outside the model's forward, so the test captures `compute_logits` itself
 (`gt.capture`, an emulated graph on CPU).
 
 Why the linears' handles show no `derived_from` (checked under `trace_llm`: all ten oneDNN
 handles are seen, none names a source when made): lineage names a handle's registered
 sources when the op makes it, from the watched models (Note [dangling sources] in
-graphtrace/lineage.py), but vLLM makes them inside `Worker.load_model`, before `trace_llm`
+graphtrace/lineage/handles.py), but vLLM makes them inside `Worker.load_model`, before `trace_llm`
 watches the model (its `after_load` listener); and `dispatch_cpu_unquantized_gemm(...,
 remove_weight=True)` then replaces each linear's weight with an empty Parameter, freeing the
 storage the handle was made from, so the walk after the capture has nothing left to name.

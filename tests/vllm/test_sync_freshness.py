@@ -1,5 +1,5 @@
 """Freshness inside real per-tensor syncs (issue 39, item 3; Note [derived during updates] in
-graphtrace/lineage.py): a tensor the linear method of layer 0 keeps, derived from a weight by
+graphtrace/lineage/graph.py): a tensor the linear method of layer 0 keeps, derived from a weight by
 that weight's loader in place during one update (fresh_ext.py), is not refreshed by a later
 update that loads a new weight and leaves it alone. The graph reads the old value at the same
 address (the worker compares it with what the weight now gives: `current`); the guard refuses

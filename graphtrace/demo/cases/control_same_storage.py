@@ -16,7 +16,7 @@ checksum or an output comparison against a reference is).
 Expected: no stale-like edge; the weights' reads `stable`; the flip test follows (the graphs
 read what the eager model reads, wrong or not). Lineage does see the first: the process
 step's in-place `mul_` on a registered scale is a `non-idempotent step` finding (Note
-[non-idempotent steps] in graphtrace/lineage.py), which names the storage, op and line.
+[non-idempotent steps] in graphtrace/lineage/steps.py), which names the storage, op and line.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the same bits, so the process step doubles the weight scale. Done in place on th
 parameter (`weight_scale.mul_(2)`), it is not idempotent: a weight sync that ships only the
 weights and processes again doubles the scale again, 2^N after N syncs. Every storage stays
 put and a same-weights reload run once looks right, so identity and freshness both pass it;
-lineage names the step (Note [non-idempotent steps] in graphtrace/lineage.py): a
+lineage names the step (Note [non-idempotent steps] in graphtrace/lineage/steps.py): a
 `non-idempotent step` finding on `layers.N.weight_scale`, with the op, the line and the
 number of syncs.
 

@@ -11,7 +11,7 @@ the tensors, so the post-load processing after the update shuffles the *new* wei
 garbage indices: the weights the graphs read are wrong, at the right address. Identity and
 freshness both pass it (every storage is where its owner points, and the weights were
 rewritten after their sources); lineage names the read: a `carried-over state` finding
-(Note [carried-over state] in graphtrace/lineage.py) on
+(Note [carried-over state] in graphtrace/lineage/steps.py) on
 `layers.N.quant_method._cache_permute_indices[...]`, with the op that read it, its line, and
 the weight it was combined with.
 

@@ -19,7 +19,8 @@ from graphtrace.owners import PathSet, resolve_path, resolve_value
 from graphtrace.stage import same_storage
 from graphtrace.vocab import BLIND_SPOT_KINDS, GUARD_UNCHECKED, HOLDS, MOVED, ORPHANED
 
-__all__ = ["BlindHolders", "accepted_kinds", "adopt_blind", "guarded_blind", "opaque_spots"]
+__all__ = ["BlindHolders", "accepted_kinds", "adopt_blind", "guarded_blind", "opaque_spots",
+           "spot_row"]
 
 
 # Note [blind spots in the guard]
@@ -255,6 +256,13 @@ def _row(entry: dict, status: str, target: object, graphs: Mapping[int, str]) ->
     return (g, graphs.get(g, spot.graph), -1, entry["data_ptr"] or 0, entry["nbytes"] or 0,
             "", "", spot.holder, "", status, live, GUARD_UNCHECKED, pd.NA,
             "storage" if entry["ref"] is not None else "data_ptr", "", spot.kind, spot.text)
+
+
+def spot_row(spot: BlindSpot, status: str, graphs: Mapping[int, str]) -> tuple:
+    """One guard row for a record found at the check itself (a packed copy not rebuilt):
+    every graph, no holder identity kept."""
+    return _row({"spot": spot, "graph_id": -1, "ref": None, "data_ptr": None, "nbytes": None},
+                status, None, graphs)
 
 
 def adopt_blind(blind: list[dict], name: str, model: torch.nn.Module) -> None:

@@ -1,29 +1,18 @@
-"""The guard: after every weight update, are the storages the captured graphs read still
-where their capture-time owners point?
-
-``guard = t.guard()`` keeps, for every *owned* storage a captured graph reads or writes, a
-weak handle to it and its owner paths; nothing else from the trace and nothing alive (models
-by weak reference). ``guard.check()`` re-resolves just those paths on the live model(s)
-(`graphtrace.owners.resolve_path`) and asks the verdict engine (graphtrace.verdict) what each
-storage is, as diff does, so verdicts and impacts agree with ``t.diff()`` by construction;
-it returns one row per problem edge (graph, storage). ``guard.enforce()``
-raises `StaleGraphError` listing them. ``guard.to_json(path)`` writes the required-storage
-manifest (docs/guard.md) that ``load_guard(path, model=...)`` reads back, here or in an
-engine without graphtrace.
-
-See Note [guard identity] for what a guard loaded from JSON can and cannot tell.
+"""The guard's check: after every weight update, are the storages the captured graphs read
+still where their capture-time owners point, and fresh? (`Guard`; the module doc of
+graphtrace.guard.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
 import tempfile
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 import pandas as pd
@@ -31,176 +20,32 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphtrace import __version__, stage
+from graphtrace import verdict as engine
 from graphtrace._compat import storage_from_weak_ref
 from graphtrace.blindspots import BlindSpot
+from graphtrace.derived import CopyPair, DerivedCopies
 from graphtrace.errors import GraphtraceError
-from graphtrace.guardspots import (
-    BlindHolders,
-    accepted_kinds,
-    adopt_blind,
-    guarded_blind,
-    opaque_spots,
-)
-from graphtrace.guardspots import storage_or_none as _storage
-from graphtrace.lineage import Derived, Source
-from graphtrace.owners import OwnerSnapshot, PathSet, gc_paused, resolve_path
-from graphtrace.recorder import Recorder
+from graphtrace.guard.blind import BlindHolders, accepted_kinds, adopt_blind, spot_row
+from graphtrace.guard.blind import storage_or_none as _storage
+from graphtrace.guard.describe import StaleGraphError, describe
+from graphtrace.guard.manifest import FORMAT, FORMAT_VERSION, Required, _blind_json
+from graphtrace.lineage import Derived
+from graphtrace.owners import PathSet, resolve_path
 from graphtrace.verdict import (
     View,
     freed_sources,
     freshness_of,
-    impact_of,
     on_storage,
     owner_status,
     same_view,
     unrefreshed_impact,
     verdict_of,
 )
-from graphtrace.vocab import (
-    GUARD_COLUMNS,
-    GUARD_PROBLEMS,
-    GUARD_UNCHECKED,
-    HOLDS,
-    MOVED,
-)
+from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED
 
-__all__ = ["Guard", "StaleGraphError", "load_guard", "guard_of",
-           "models_changed", "describe", "empty_problems", "FORMAT", "FORMAT_VERSION"]
-
-FORMAT = "graphtrace.guard"
-FORMAT_VERSION = 1  # "internal", the views and "derived" were added within version 1
-# (optional keys)
-# Version counters mean something only in the process that read them: a manifest records
-# its writer's token, and a reader in another process takes its baselines at attach time.
-_PROCESS = f"{os.getpid()}:{id(object()):x}:{_dt.datetime.now().timestamp()}"
-
-# Note [guard identity]
-# ~~~~~~~~~~~~~~~~~~~~~
-# A guard made from a trace holds one StorageWeakRef per required storage. A held weak
-# reference keeps the StorageImpl allocation (so its address, `_cdata`) unique without
-# keeping the data alive: "the owner's tensor has this `_cdata`" is exact identity, and
-# `expired()` says whether the captured storage was freed (stale vs dangling). This is
-# `identity == "storage"`.
-#
-# A manifest read from JSON has only the storage's base `data_ptr` and `nbytes`.
-# `attach(model)` upgrades it where it can: an owner path that resolves to a storage with
-# that very address and size is taken as the captured storage and a weak handle to it is
-# kept from then on (identity "storage" again). So: load and attach *before* the weight
-# update and the answers are the live guard's. Where no owner holds such a storage at
-# attach time (attached after the update), identity stays "data_ptr": an owner "holds" when
-# its storage has the captured address and size. That is weaker, because the caching
-# allocator hands a freed address out again (94 of 100 frees here): a moved owner whose new
-# storage landed at the old address reads as holding (a dangling read goes unseen), and the
-# old storage's liveness is unknown, so a moved owner reads `stale` (never `dangling`).
-
+__all__ = ["Guard", "empty_problems"]
 
 _NO_CLEAN_PASS = object()  # Note [guard freshness fast path]: no clean pass yet
-
-
-class StaleGraphError(GraphtraceError):
-    """A weight update left captured graphs reading storages their owners no longer hold.
-
-    ``problems`` is the DataFrame `Guard.check()` returned (one row per problem edge).
-    """
-
-    def __init__(self, message: str, problems: pd.DataFrame):
-        super().__init__(message)
-        self.problems = problems
-
-    def __reduce__(self):  # crosses vLLM's process boundaries (collective_rpc errors)
-        return (type(self), (str(self), self.problems))
-
-
-@dataclass(slots=True, eq=False)
-class Required:
-    """One storage the guarded graphs read, as the guard keeps it: its identity at capture
-    (`ref`, a weak handle; else `data_ptr` and `nbytes`: Note [guard identity]), whether it
-    was freed before the guard was made (`dead`), the graphs that read it and the View each
-    read (`views`), whether every graph writes it first (`internal`), its owners ((model,
-    path, kind), sorted) with their Views at capture, and its freshness baselines
-    (`derived`). `to_json` / `from_json`: its manifest entry (docs/guard.md)."""
-
-    storage_id: int
-    data_ptr: int
-    nbytes: int
-    device: str
-    dtype: str
-    shape: str
-    dead: bool
-    graphs: tuple[int, ...]
-    ref: StorageWeakRef | None = None
-    internal: bool = False
-    views: list = field(default_factory=list)
-    owners: list = field(default_factory=list)
-    owner_views: dict = field(default_factory=dict)
-    derived: Derived | None = None
-
-    @classmethod
-    def of(cls, s: "dict | Required") -> "Required":
-        """From the dict `Guard(storages=...)` documents."""
-        if isinstance(s, Required):
-            return s
-        return cls(s["storage_id"], int(s["data_ptr"]), int(s["nbytes"]), s["device"],
-                   s["dtype"], s["shape"], not s["alive"], tuple(s["graphs"]), s.get("ref"),
-                   bool(s.get("internal", False)),
-                   list(s.get("views") or [None] * len(s["graphs"])), list(s["owners"]),
-                   dict(s.get("owner_views") or {}), s.get("derived"))
-
-    def to_json(self, derived: Derived | None) -> dict:
-        """The manifest entry, with `derived` (the baselines now) as its "derived"."""
-        owners = []
-        for m, p, k in self.owners:
-            entry = {"model": m, "path": p, "kind": k}
-            view = self.owner_views.get((m, p))
-            if view is not None:
-                entry["view"] = _view_json(view)
-            owners.append(entry)
-        return {"storage_id": self.storage_id, "data_ptr": self.data_ptr, "nbytes": self.nbytes,
-                "device": self.device, "dtype": self.dtype, "shape": self.shape,
-                "alive": not self.dead, "graphs": list(self.graphs), "internal": self.internal,
-                "views": [_view_json(v) if v is not None else None for v in self.views],
-                "owners": owners,
-                **({"derived": _derived_json(derived)} if derived is not None else {})}
-
-    @classmethod
-    def from_json(cls, s: object, models: list, graphs: Mapping[int, str], fail) -> "Required":
-        """A manifest entry read back (weak handle none: `Guard.attach` adopts one);
-        `fail(what)` makes the error for a bad one."""
-        if not isinstance(s, dict):
-            raise fail(" is not an object")
-        for key, tp in _TYPES.items():
-            if not isinstance(s.get(key), tp):
-                raise fail(f"[{key!r}] must be {tp.__name__}, got {s.get(key)!r}")
-        if not all(g in graphs for g in s["graphs"]):
-            raise fail(" names a graph id not in \"graphs\"")
-        owners, owner_views = [], {}
-        for j, o in enumerate(s["owners"]):
-            if not (isinstance(o, dict) and o.get("model") in models
-                    and isinstance(o.get("path"), str) and isinstance(o.get("kind"), str)):
-                raise fail(f".owners[{j}] needs \"model\" (one of \"models\"), "
-                           "\"path\" and \"kind\"")
-            owners.append((o["model"], o["path"], o["kind"]))
-            view = _view_from_json(o.get("view"), fail, f".owners[{j}].view")
-            if view is not None:
-                owner_views[(o["model"], o["path"])] = view
-        derived = (_derived_from_json(s["derived"], models, fail, ".derived")
-                   if s.get("derived") is not None else None)
-        if not owners and derived is None:
-            raise fail(" has no owner")
-        if not isinstance(s.get("internal", False), bool):
-            raise fail(f"['internal'] must be bool, got {s['internal']!r}")
-        views = s.get("views")
-        if views is not None and not (isinstance(views, list) and len(views) == len(s["graphs"])):
-            raise fail("['views'] must be a list with one entry per graph")
-        views = [_view_from_json(v, fail, f".views[{j}]")
-                 for j, v in enumerate(views or [None] * len(s["graphs"]))]
-        return cls.of({**s, "owners": sorted(owners), "ref": None, "views": views,
-                       "owner_views": owner_views, "derived": derived})
-
-
-_TYPES = {"storage_id": int, "data_ptr": int, "nbytes": int, "device": str, "dtype": str,
-          "shape": str, "alive": bool, "graphs": list, "owners": list}
-
 
 class Guard:
     """The owned storages captured graphs read, their owners and graphs; see the module doc.
@@ -210,7 +55,8 @@ class Guard:
 
     def __init__(self, *, models: Iterable[str], graphs: Mapping[int, str],
                  storages: list[dict], source: str = "trace", lineage=None,
-                 blind_spots: Iterable[dict] = (), accept: Iterable[str] = ()):
+                 blind_spots: Iterable[dict] = (), accept: Iterable[str] = (),
+                 copies: Iterable["CopyPair | dict"] = ()):
         """`storages`: per required storage a dict with keys storage_id, data_ptr, nbytes,
         device, dtype, shape, alive (bool), graphs (graph ids), owners ((model, path, kind)
         sorted), ref (a StorageWeakRef or None), and optionally internal (every graph
@@ -224,11 +70,21 @@ class Guard:
         recording could not see in these graphs, each a dict with the `BlindSpot` (`spot`),
         `graph_id` (-1: every graph) and its holder's identity at capture (`ref`,
         `data_ptr`, `nbytes`, `version`; Note [blind spots in the guard]); `accept`: the
-        blind-spot kinds the user accepts (`check()` leaves them out)."""
+        blind-spot kinds the user accepts (`check()` leaves them out). `copies`: the packed
+        copies and the weights they are made from (`Trace.watch_copy`; CopyPair, or dicts
+        with model, copy, source: fingerprinted at attach), checked as the diff checks them
+        (Note [derived copies] in graphtrace/derived.py)."""
         self.accept = accept  # validated by the property
         self._blind: list[dict] = [dict(b) for b in blind_spots]
+        self._copy_errors: list[tuple[str, BaseException]] = []  # a pair that failed its check
+        self._copies = DerivedCopies(lambda where, exc, errors=self._copy_errors:
+                                     errors.append((where, exc)))
+        for pair in copies:
+            pair = (dataclasses.replace(pair) if isinstance(pair, CopyPair)
+                    else CopyPair(pair["model"], pair["copy"], pair["source"]))
+            self._copies.pairs[(pair.model, pair.copy)] = pair
         self._holders: BlindHolders | None = None  # made on first check (Note [one look
-        # per holder] in graphtrace/guardspots.py)
+        # per holder] in graphtrace/guard/blind.py)
         self._model_names = list(models)
         self._models: dict[str, weakref.ref | None] = {n: None for n in self._model_names}
         self.graphs: dict[int, str] = dict(graphs)
@@ -237,9 +93,6 @@ class Guard:
         # owner rows, flat: (storage index, model, path, kind); sorted by index, model, path
         self._owners: list[tuple[int, str, str, str]] = [
             (i, m, p, k) for i, r in enumerate(self._storages) for m, p, k in r.owners]
-        # freshness (Note [freshness] in graphtrace/verdict.py): index -> Derived
-        self._derived: dict[int, Derived] = {i: r.derived for i, r in enumerate(self._storages)
-                                             if r.derived is not None}
         self._lineage = weakref.ref(lineage) if lineage is not None else None
         self._late = lineage.late if lineage is not None else 0  # Note [derived during updates]
         self._fresh_paths: dict | None = None  # model -> (paths, PathSet), made on first use
@@ -289,6 +142,8 @@ class Guard:
     def _adopt(self, name: str, model: torch.nn.Module) -> None:
         self._adopt_sources(name, model)
         adopt_blind(self._blind, name, model)
+        if self._copies.pairs:  # fingerprinted now where the trace did not (from JSON)
+            self._copies.refresh({name: model})
         self._holders = None  # grouped again: adopted handles are part of a holder's key
         for i, m, path, _ in self._owners:
             r = self._storages[i]
@@ -303,7 +158,7 @@ class Guard:
         """Freshness baselines a manifest from another process cannot carry, taken now: a
         weak handle to each source storage still at its recorded address and size, and
         the version counters of the sources and of the storage's owners."""
-        for i, d in list(self._derived.items()):
+        for r, d in self._derived():
             sources = []
             for src in d.sources:
                 if src.model == name and (src.ref is None or src.version is None):
@@ -321,8 +176,13 @@ class Guard:
                     tensor = resolve_path(model, p)
                     versions[(m, p)] = tensor._version if isinstance(tensor, torch.Tensor) \
                         else None
-            self._derived[i] = d._replace(sources=tuple(sources), owner_versions=versions)
+            r.derived = d._replace(sources=tuple(sources), owner_versions=versions)
         self._fresh_sources = None  # the fast path's baselines, made again (Note above)
+
+    def _derived(self) -> Iterator[tuple[Required, Derived]]:
+        """The required storages with freshness baselines (Note [freshness] in
+        graphtrace/verdict.py), and those baselines."""
+        return ((r, r.derived) for r in self._storages if r.derived is not None)
 
     def _live_models(self) -> dict[str, torch.nn.Module]:
         live = {}
@@ -348,10 +208,11 @@ class Guard:
         every captured storage is still where its owners point."""
         models = self._live_models()
         self._adopt_late()
-        blind = self._blind_rows(models)
+        blind = self._blind_rows(models) + self._copy_rows(models)
         if self._nothing_moved(models):  # every owner still holds its storage
-            unrefreshed = self._unrefreshed(models, set()) if self._derived else set()
-            freed = self._freed(models, set()) if self._derived else {}
+            fresh = any(self._derived())
+            unrefreshed = self._unrefreshed(models, set()) if fresh else set()
+            freed = self._freed(models, set()) if fresh else {}
             if not unrefreshed and not blind and not freed:
                 return empty_problems()
         req = self._storages
@@ -371,15 +232,16 @@ class Guard:
             live_ptrs.append(ptr)
             if status != HOLDS:
                 bad.add(i)
-        unrefreshed = self._unrefreshed(models, bad) if self._derived else set()
-        freed = self._freed(models, bad) if self._derived else {}
+        fresh = any(self._derived())
+        unrefreshed = self._unrefreshed(models, bad) if fresh else set()
+        freed = self._freed(models, bad) if fresh else {}
         if not bad and not unrefreshed and not blind and not freed:
             return empty_problems()
         return self._problems(bad | unrefreshed | set(freed), statuses, live_ptrs, tensors,
                               unrefreshed, blind, freed)
 
     def _adopt_late(self) -> None:
-        """Note [derived during updates] in graphtrace/lineage.py: the `Derived` lineage made
+        """Note [derived during updates] in graphtrace/lineage/graph.py: the `Derived` lineage made
         since for storages this guard holds with none (its trace matches first)."""
         lineage = self._lineage() if self._lineage is not None else None
         if lineage is None:
@@ -389,20 +251,33 @@ class Guard:
             return
         self._late = lineage.late
         captured = lineage.captured
-        for i, r in enumerate(self._storages):
-            if i not in self._derived and r.storage_id in captured:
-                self._derived[i] = captured[r.storage_id]
+        for r in self._storages:
+            if r.derived is None and r.storage_id in captured:
+                r.derived = captured[r.storage_id]
                 self._fresh_paths = self._fresh_sources = None  # made again with it
                 self._fresh_clean = _NO_CLEAN_PASS
 
     def _blind_rows(self, models: Mapping[str, torch.nn.Module]) -> list[tuple]:
         """The rows of the blind spots the update may have invalidated (Note [blind spots
-        in the guard]), one look per distinct holder (graphtrace/guardspots.py)."""
+        in the guard]), one look per distinct holder (graphtrace/guard/blind.py)."""
         if not self._blind:
             return []
         if self._holders is None:
             self._holders = BlindHolders(self._blind, {(m, p) for _, m, p, _ in self._owners})
         return self._holders.rows(self._accept, models, self.graphs, self._native)
+
+    def _copy_rows(self, models: Mapping[str, torch.nn.Module]) -> list[tuple]:
+        """A row per packed copy not rebuilt since its source changed, as the diff finds
+        them (DerivedCopies.check), unless that kind is accepted; a pair that could not be
+        checked is one too (fail closed)."""
+        kind = "packed copy not rebuilt"
+        if not self._copies.pairs or kind in self._accept:
+            return []
+        found = self._copies.check(models)
+        found += [BlindSpot(kind, f"packed copy could not be checked ({where}: {exc!r})")
+                  for where, exc in self._copy_errors]
+        self._copy_errors.clear()
+        return [spot_row(b, "not rebuilt", self.graphs) for b in found]
 
     def _nothing_moved(self, models: Mapping[str, torch.nn.Module]) -> bool:
         """Does every owner path still reach the storage it reached at capture? Answered by
@@ -445,13 +320,14 @@ class Guard:
     def _freed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> dict[int, list]:
         """The captured handles with a dangling source, and those sources (the verdict
         engine's freed_sources: weak handles only, so none from JSON; Note [dangling
-        sources] in graphtrace/lineage.py)."""
+        sources] in graphtrace/lineage/handles.py)."""
         def resolve(model: str, path: str):
             return resolve_path(models[model], path) if model in models else None
 
         out = {}
-        for i, d in self._derived.items():
-            if not d.handle or i in bad or self._storages[i].internal:
+        for i, r in enumerate(self._storages):
+            d = r.derived
+            if d is None or not d.handle or i in bad or r.internal:
                 continue
             gone = freed_sources(d, resolve)
             if gone:
@@ -510,7 +386,7 @@ class Guard:
         """Per model: (PathSet of the sources' paths, their StorageImpls, their versions),
         or False when a source cannot be compared that way."""
         want: dict[tuple[str, str], tuple[int, int]] = {}
-        for d in self._derived.values():
+        for _, d in self._derived():
             if d.stale:
                 return False
             for src in d.sources:
@@ -542,7 +418,7 @@ class Guard:
         """The full freshness pass of `_unrefreshed`: every derived storage, in Python."""
         if self._fresh_paths is None:  # the sources' paths, resolved together
             by_model: dict[str, set] = {}
-            for d in self._derived.values():
+            for _, d in self._derived():
                 for src in d.sources:
                     by_model.setdefault(src.model, set()).add(src.path)
             self._fresh_paths = {m: (sorted(ps), PathSet(sorted(ps))) for m, ps in by_model.items()}
@@ -565,20 +441,21 @@ class Guard:
         lineage = self._lineage() if self._lineage is not None else None
         out = set()
         self._fresh_impacts = {}
-        for i, d in self._derived.items():
-            if i in bad or self._storages[i].internal:
+        for i, r in enumerate(self._storages):
+            d = r.derived
+            if d is None or i in bad or r.internal:
                 continue
-            ref = self._storages[i].ref
-            if (ref.expired() if ref is not None else self._storages[i].dead):
+            ref = r.ref
+            if (ref.expired() if ref is not None else r.dead):
                 continue
             if freshness_of(d, resolve, lineage, ref.cdata if ref is not None else None):
                 out.add(i)  # problems only: the impact's byte compare (Note [freshness])
                 self._fresh_impacts[i] = unrefreshed_impact(d, resolve, lineage)
             else:
-                self._rebaseline(i, d, resolve, lineage)
+                self._rebaseline(r, d, resolve, lineage)
         return out
 
-    def _rebaseline(self, i: int, d: Derived, resolve, lineage) -> None:
+    def _rebaseline(self, r: Required, d: Derived, resolve, lineage) -> None:
         """Note [guard rebaseline]: a derived storage found fresh although a source's version
         moved (so its owners' moved too: it was rewritten since) takes the versions now as
         its baseline, where every source still has its storage."""
@@ -613,7 +490,7 @@ class Guard:
         for (m, p), v in d.owner_versions.items():
             t = resolve(m, p)
             versions[(m, p)] = t._version if isinstance(t, torch.Tensor) else v
-        self._derived[i] = d._replace(sources=tuple(sources), owner_versions=versions)
+        r.derived = d._replace(sources=tuple(sources), owner_versions=versions)
         self._fresh_sources = None  # the fast path's baselines, made again (Note above)
 
     def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list,
@@ -641,33 +518,29 @@ class Guard:
             live = live_of.get(i, pd.NA)
             kinds = sorted({self._owners[r][3] for r in owner_rows})
             old = _upgrade(ref) if verdict in ("stale", "diverged") else None
-            impacts: dict[View | None, tuple[str, str]] = {}
-            derived = self._derived.get(i)
+            impacts: dict[View | None, tuple[object, str]] = {}
+            derived = req.derived
             derived_from = derived.derived_from if derived is not None else ""
             if i in freed:
                 derived_from = derived.marked(freed[i])
-            relaid = old is not None and moved and on_storage(tensors[moved[0]], old)
+            now, now_view = ((tensors[moved[0]], self._owner_views[moved[0]]) if moved
+                             else (None, None))
+            relaid = old is not None and now is not None and on_storage(now, old)
             for g, view in zip(req.graphs, req.views):
-                note = ""
-                if verdict in ("stale", "diverged"):
-                    if view not in impacts:
-                        impacts[view] = (impact_of(old, view, tensors[moved[0]],
-                                                   self._owner_views[moved[0]])
-                                         if old is not None and view is not None and moved
-                                         else ("unknown", ""))
-                    impact, note = impacts[view]
-                    note = note if relaid else ""  # Note [re-laid views]: both views named
-                elif verdict == "unrefreshed":
-                    impact = self._fresh_impacts.get(i, "unknown")
-                else:
-                    impact = "unknown" if verdict == "dangling" else pd.NA
+                if view not in impacts:  # the diff's rule (verdict.edge_impact)
+                    impact, note = engine.edge_impact(verdict, old, view, now, now_view,
+                                                      self._fresh_impacts.get(i, "unknown"))
+                    # Note [re-laid views]: both views named where the owner is re-laid
+                    impacts[view] = (pd.NA if impact is None else impact,
+                                     note if relaid else "")
+                impact, note = impacts[view]
                 rows.append((g, self.graphs.get(g, ""), req.storage_id, req.data_ptr,
                              req.nbytes, req.dtype, req.shape,
                              "; ".join(self._owners[r][2] for r in owner_rows),
                              ";".join(kinds), ";".join(st), live, verdict, impact,
                              "storage" if ref is not None else "data_ptr",
                              derived_from, "", note))
-            del old
+            del old, now
         rows.sort(key=lambda r: (r[0], r[2]))  # by graph, then storage
         rows.extend(blind)  # after the edges: Note [blind spots in the guard]
         columns = dict(zip(GUARD_COLUMNS, map(list, zip(*rows)))) if rows else {
@@ -724,8 +597,10 @@ class Guard:
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "models": list(self._model_names),
             "graphs": [{"graph_id": g, "label": label} for g, label in self.graphs.items()],
-            "storages": [r.to_json(self._derived.get(i)) for i, r in enumerate(self._storages)],
+            "storages": [r.to_json() for r in self._storages],
             **({"blind_spots": [_blind_json(b) for b in self._blind]} if self._blind else {}),
+            **({"copies": [{"model": p.model, "copy": p.copy, "source": p.source}
+                           for p in self._copies.pairs.values()]} if self._copies.pairs else {}),
         }
 
     def to_json(self, path: str | os.PathLike) -> Path:
@@ -794,69 +669,6 @@ def _upgrade(ref: StorageWeakRef | None) -> torch.UntypedStorage | None:
         return None
 
 
-def _derived_json(d: Derived) -> dict:
-    return {"sources": [{"model": s.model, "path": s.path, "kind": s.kind,
-                         "data_ptr": s.data_ptr, "nbytes": s.nbytes, "version": s.version}
-                        for s in d.sources],
-            "owner_versions": [{"model": m, "path": p, "version": v}
-                               for (m, p), v in d.owner_versions.items()],
-            "stale": d.stale, "process": _PROCESS, **({"handle": True} if d.handle else {})}
-
-
-def _derived_from_json(data: object, models: list, fail, where: str) -> Derived:
-    """A manifest's "derived" entry; versions from another process are dropped (taken again
-    at attach time: they count writes in the process that read them)."""
-    try:
-        same = data.get("process") == _PROCESS
-        sources = []
-        for s in data["sources"]:
-            if not (s["model"] in models and isinstance(s["path"], str)
-                    and isinstance(s["kind"], str) and isinstance(s["data_ptr"], int)
-                    and isinstance(s["nbytes"], int)
-                    and (s.get("version") is None or isinstance(s["version"], int))):
-                raise TypeError
-            sources.append(Source(s["model"], s["path"], s["kind"], None, s["data_ptr"],
-                                  s["nbytes"], s.get("version") if same else None, 0))
-        versions = {}
-        for o in data.get("owner_versions", []):
-            if not (o["model"] in models and isinstance(o["path"], str)
-                    and (o.get("version") is None or isinstance(o["version"], int))):
-                raise TypeError
-            versions[(o["model"], o["path"])] = o.get("version") if same else None
-        stale = data.get("stale", False)
-        handle = data.get("handle", False)  # Note [dangling sources] in graphtrace/lineage.py
-        if not isinstance(stale, bool) or not isinstance(handle, bool) or not sources:
-            raise TypeError
-    except (TypeError, KeyError, AttributeError):
-        raise fail(f"{where} must be an object with \"sources\" (a non-empty list of "
-                   "{model, path, kind, data_ptr, nbytes, version}), \"owner_versions\" "
-                   "and a bool \"stale\" (and \"handle\")") from None
-    return Derived(tuple(sources), versions, stale, 0, handle)
-
-
-def _view_json(view: View) -> dict:
-    return {"dtype": str(view.dtype).removeprefix("torch."), "shape": list(view.shape),
-            "stride": list(view.stride), "offset": view.offset}
-
-
-def _view_from_json(data: object, fail, where: str) -> View | None:
-    if data is None:
-        return None
-    try:
-        dtype = getattr(torch, data["dtype"])
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError
-        shape, stride, offset = data["shape"], data["stride"], data["offset"]
-        if not (all(isinstance(x, int) for x in [*shape, *stride, offset])
-                and len(shape) == len(stride)):
-            raise TypeError
-    except (TypeError, KeyError, AttributeError):
-        raise fail(f"{where} must be null or an object with \"dtype\" (a torch dtype name), "
-                   f"\"shape\" and \"stride\" (int lists of one length) and an int \"offset\"; "
-                   f"got {data!r}") from None
-    return View(dtype, tuple(shape), tuple(stride), offset)
-
-
 _EMPTY: pd.DataFrame | None = None
 
 
@@ -870,226 +682,3 @@ def empty_problems() -> pd.DataFrame:
                                for c in GUARD_COLUMNS})
     return _EMPTY.copy(deep=False)
 
-
-_WHAT = {"stale": "owners moved; the graph reads the old values",
-         "dangling": "owners moved and the captured storage was freed; the graph reads freed memory",
-         "diverged": "owners disagree: some hold the captured storage, others moved",
-         "orphaned": "the owner path no longer resolves",
-         "unrefreshed": "derived from parameters or buffers that changed since it was last "
-                        "written; the graph reads an old value at the right address"}
-
-
-def describe(problems: pd.DataFrame, limit: int = 20) -> str:
-    """A readable list of `check()`'s problems, one line per storage (its graphs named)."""
-    if problems.empty:
-        return "no problems: every captured storage is still where its owners point"
-    blind = problems[problems["verdict"] == GUARD_UNCHECKED] if "blind_spot" in problems \
-        else problems.iloc[:0]
-    edges = problems.drop(index=blind.index)
-    lines = _describe_edges(edges, limit) if len(edges) else []
-    if len(blind):
-        lines.append(f"{len(blind)} blind spot(s) of the captured graphs may have been "
-                     "invalidated by the update and cannot be checked (accept a kind with "
-                     "t.guard(accept=[...]) once you know it is safe):")
-        for r in blind.head(limit).itertuples(index=False):
-            what = {"": "nothing to check it by", "moved": "its holder moved",
-                    "orphaned": "its holder is gone", "changed": "its holder's value changed",
-                    "written": "its holder was written in place"}.get(r.statuses, r.statuses)
-            lines.append(f"  {r.blind_spot}: {r.note} [{what}]")
-        if len(blind) > limit:
-            lines.append(f"  ... and {len(blind) - limit} more (guard.check() has all)")
-    return "\n".join(lines)
-
-
-def _describe_edges(problems: pd.DataFrame, limit: int) -> list[str]:
-    n_storages = problems["storage_id"].nunique()
-    n_graphs = problems["graph_id"].nunique()
-    lines = [f"{n_storages} captured storage(s) read by {n_graphs} graph(s) are no longer "
-             f"where their owners point after the weight update "
-             f"({len(problems)} problem edge(s)):"]
-    for shown, (sid, rows) in enumerate(problems.groupby("storage_id", sort=True)):
-        if shown == limit:
-            lines.append(f"  ... and {n_storages - limit} more storage(s) (guard.check() has all)")
-            break
-        r = rows.iloc[0]
-        graphs = ", ".join(dict.fromkeys(rows["graph"].astype(str)))
-        derived = f"; derived from {r['derived_from']}" if r.get("derived_from") else ""
-        lines.append(f"  {r['verdict']:<8} storage {sid} ({r['dtype']} {r['shape']}, "
-                     f"{r['nbytes']} bytes) owned by {r['owners']} [{r['statuses']}]"
-                     f"{derived}; read by: {graphs}")
-        if r.get("note"):  # a re-laid owner: both views (Note [re-laid views])
-            lines.append(f"           {r['note']}")
-    for verdict in GUARD_PROBLEMS:
-        if (problems["verdict"] == verdict).any():
-            lines.append(f"  ({verdict}: {_WHAT[verdict]})")
-    return lines
-
-
-# -- from a trace ----------------------------------------------------------------------------
-
-def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
-             models: Mapping[str, torch.nn.Module], first_graph: int = 0,
-             lineage=None, blind_spots: Iterable[BlindSpot] = (),
-             accept: Iterable[str] = (), values: Mapping[BlindSpot, float] | None = None
-             ) -> Guard:
-    """The guard of `recorder`'s captures (ids from `first_graph`): their owned storages by
-    weak handle, with the capture-time owners `snapshot` holds (updated first with the
-    storages it has not matched yet, as diff does), checked against `models`. With the
-    trace's `lineage`, the storages it matched to sources (owned or not) carry their
-    `Derived` baselines, and `check()` gives `unrefreshed` too (Note [freshness]).
-    `blind_spots`: the trace's records; those that concern the guarded graphs (and the
-    opaque handles they read) are kept with their holders' identity, and `check()` fails
-    closed on them unless their kind is in `accept` (Note [blind spots in the guard]);
-    `values`: the float a `baked scalar` record's holder held at capture."""
-    with gc_paused():  # the build allocates much, collects nothing: owners.gc_paused
-        return _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept,
-                         values)
-
-
-def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept, values):
-    from graphtrace.edges import capture_edges
-
-    accept = accepted_kinds(accept)  # a bad kind fails before any work
-    from graphtrace.frames import raw_accesses
-
-    rec = recorder
-    stage.require(rec, models, "guard")
-    cuts = stage.owner_cuts(snapshot, models, rec)  # storages seen since the last snapshot
-    owners = snapshot.owners
-    raw = raw_accesses(rec)
-    table = rec.storages
-    views = rec.views.items
-    found = capture_edges(raw, len(table.handles), rec.names.items, views)
-    # the edges of owned storages in the guarded graphs, by storage then graph (diff's edges)
-    derived = lineage.captured if lineage is not None else {}
-    owned = np.fromiter(set(owners) | set(derived), dtype=np.int64)
-    keep = np.flatnonzero((found.graph_id >= first_graph) & np.isin(found.storage_id, owned))
-    keep = keep[np.lexsort((found.graph_id[keep], found.storage_id[keep]))]
-    edges_of: dict[int, list[int]] = {}
-    for e, sid in zip(keep.tolist(), found.storage_id[keep].tolist()):
-        edges_of.setdefault(sid, []).append(e)
-    view_ids = raw["view"][found.view_row]
-
-    data_ptrs, nbytes, devices = table.data_ptrs, table.nbytes, table.devices
-    storages = []
-    for sid, edges in edges_of.items():
-        dtype, shape, _stride, _offset = views[view_ids[edges[0]]]  # described as diff does
-        strong = table.upgrade(sid)
-        ref = StorageWeakRef(strong) if strong is not None else None
-        del strong  # never kept: the guard holds the weak handle only
-        sid_owners = sorted(owners.get(sid, ()))
-        owner_views = {(m, p): View(*v) for m, p, _ in sid_owners
-                       if (v := snapshot.view_of(sid, m, p)) is not None}
-        storages.append({
-            "storage_id": sid, "data_ptr": data_ptrs[sid], "nbytes": nbytes[sid],
-            "device": devices[sid], "dtype": str(dtype).removeprefix("torch."),
-            "shape": str(tuple(shape)), "alive": ref is not None, "ref": ref,
-            "graphs": found.graph_id[edges].tolist(),
-            "internal": bool(found.internal[edges].all()),
-            "views": [View(*views[v]) for v in view_ids[edges].tolist()],
-            "owners": sid_owners, "owner_views": owner_views, "derived": derived.get(sid)})
-    graphs = {c.graph_id: c.label for c in rec.captures if c.graph_id >= first_graph}
-    spots = list(blind_spots) + cuts + opaque_spots(rec, found, owners, first_graph)
-    blind = guarded_blind(spots, graphs, models, values or {})
-    guard = Guard(models=list(models), graphs=graphs, storages=storages, source="trace",
-                  lineage=lineage, blind_spots=blind, accept=accept)
-    guard._native = rec.native  # check()'s fast path (a trace's guard: every storage by handle)
-    for name, model in models.items():
-        guard.attach(model, name=name)
-    return guard
-
-
-def models_changed(snapshot: "OwnerSnapshot", models: Iterable[str]) -> None:
-    """The watched models were updated: storages captured from now on are matched to owners
-    on a fresh walk (the snapshot caches one walk per model between captures), so a holder
-    an update created owns what later graphs read from it."""
-    for name in models:
-        snapshot.forget(name)
-
-
-# -- from JSON -------------------------------------------------------------------------------
-
-def load_guard(path: str | os.PathLike, model: torch.nn.Module | None = None, *,
-               models: Mapping[str, torch.nn.Module] | None = None,
-               accept: Iterable[str] = ()) -> Guard:
-    """Read a manifest written by `Guard.to_json`; attach `model` (one watched model) or
-    `models` ({name: model}) now, or later with `Guard.attach`. `accept`: blind-spot kinds
-    `check()` leaves out (as `Trace.guard(accept=...)`). Bad input raises
-    GraphtraceError naming the file and the entry."""
-    accept = accepted_kinds(accept)
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise GraphtraceError(f"no guard manifest at {path}") from None
-    except (OSError, ValueError) as exc:
-        raise GraphtraceError(f"{path}: not a readable JSON guard manifest ({exc})") from None
-    guard = _from_dict(data, str(path))
-    guard.accept = accept
-    if model is not None:
-        guard.attach(model)
-    for name, m in (models or {}).items():
-        guard.attach(m, name=name)
-    return guard
-
-
-def _from_dict(data: object, where: str) -> Guard:
-    def fail(what: str) -> GraphtraceError:
-        return GraphtraceError(f"{where}: {what}")
-
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise fail(f"not a graphtrace guard manifest (\"format\" must be {FORMAT!r})")
-    if data.get("format_version") != FORMAT_VERSION:
-        raise fail(f"format_version {data.get('format_version')!r} is not {FORMAT_VERSION}")
-    models = data.get("models")
-    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-        raise fail("\"models\" must be a list of model names")
-    graphs = {}
-    for k, g in enumerate(_list(data, "graphs", fail)):
-        if not (isinstance(g, dict) and isinstance(g.get("graph_id"), int)
-                and isinstance(g.get("label"), str)):
-            raise fail(f"graphs[{k}] needs an int \"graph_id\" and a str \"label\"")
-        graphs[g["graph_id"]] = g["label"]
-    storages = [Required.from_json(st, models, graphs, lambda what, k=k: fail(
-        f"storages[{k}]{what}")) for k, st in enumerate(_list(data, "storages", fail))]
-    blind = [_blind_from_json(b, models, graphs, fail, f"blind_spots[{k}]")
-             for k, b in enumerate(data.get("blind_spots") or [])]  # optional (older: none)
-    return Guard(models=models, graphs=graphs, storages=storages, source=where,
-                 blind_spots=blind)
-
-
-def _list(data: dict, key: str, fail) -> list:
-    value = data.get(key)
-    if not isinstance(value, list):
-        raise fail(f"{key!r} must be a list")
-    return value
-
-
-def _blind_json(entry: dict) -> dict:
-    return {**entry["spot"].to_json(), "graph_id": entry["graph_id"],
-            "data_ptr": entry["data_ptr"], "nbytes": entry["nbytes"],
-            "version": entry["version"], "value": entry.get("value"), "process": _PROCESS}
-
-
-def _blind_from_json(data: object, models: list, graphs: dict, fail, where: str) -> dict:
-    try:
-        spot = BlindSpot.from_json({k: data[k] for k in ("kind", "text", "holder", "op",
-                                                           "model", "graph") if k in data})
-        graph_id, ptr, nbytes, version = (data.get("graph_id", -1), data.get("data_ptr"),
-                                          data.get("nbytes"), data.get("version"))
-        value = data.get("value")
-        if value is not None and (type(value) not in (int, float)):
-            raise TypeError
-        if not (isinstance(graph_id, int) and (graph_id == -1 or graph_id in graphs)
-                and all(v is None or (isinstance(v, int) and not isinstance(v, bool))
-                        for v in (ptr, nbytes, version))
-                and (spot.model in models or not spot.holder)):
-            raise TypeError
-    except (TypeError, ValueError, KeyError, AttributeError):
-        raise fail(f"{where} must be a blind spot object (kind, text, holder, op, model, graph; "
-                   "graph_id: -1 or one of \"graphs\"; data_ptr, nbytes, version: int or "
-                   f"null; model one of \"models\"), got {data!r}") from None
-    same = data.get("process") == _PROCESS
-    return {"spot": spot, "graph_id": graph_id, "ref": None, "data_ptr": ptr,
-            "nbytes": nbytes, "version": version if same else None,
-            "value": float(value) if value is not None else None}
