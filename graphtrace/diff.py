@@ -40,11 +40,8 @@ from graphtrace.recorder import Recorder
 from graphtrace.report import Report
 from graphtrace.verdict import (
     View,
-    freed_sources,
-    freshness_of,
     owner_status,
     storage_verdicts,
-    unrefreshed_impact,
     verdict_of,
 )
 from graphtrace.vocab import (
@@ -182,38 +179,31 @@ def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str,
     return keys[starts], out
 
 
-def _freshness(lineage, sids: np.ndarray, handles, alive: np.ndarray,
+def _freshness(lineage, sids: np.ndarray, handles, alive: np.ndarray, internal: np.ndarray,
                live: Mapping[str, Mapping], n_storages: int
                ) -> tuple[np.ndarray, dict, np.ndarray, dict]:
-    """Per storage id: is it unrefreshed (the verdict engine's `freshness_of`, with what
-    lineage saw), the `derived_from` text of each captured storage lineage matched (a freed
-    source marked `(freed)`), is it a handle with a dangling source (`freed_sources`), and
-    the impact of each unrefreshed one (`unrefreshed_impact`)."""
+    """Per storage id: is it unrefreshed, the `derived_from` text of each captured storage
+    lineage matched (a freed source marked `(freed)`), is it a handle with a dangling
+    source, and the impact of each unrefreshed one: the verdict engine's `freshness` pass,
+    the guard's too, with what lineage saw."""
     flags = np.zeros(n_storages, dtype=bool)
     freed = np.zeros(n_storages, dtype=bool)
-    texts: dict[int, str] = {}
-    impacts: dict[int, str] = {}
     derived = lineage.captured if lineage is not None else {}
     if not derived:
-        return flags, texts, freed, impacts
+        return flags, {}, freed, {}
 
     def resolve(model: str, path: str):
         paths = live.get(model)
         return paths[path] if paths is not None else None
 
-    matched = np.fromiter(derived, dtype=np.int64, count=len(derived))
-    for sid in np.intersect1d(sids, matched, assume_unique=True).tolist():
-        d = derived[sid]
-        texts[sid] = d.derived_from
-        if alive[sid]:
-            gone = freed_sources(d, resolve)
-            if gone:
-                freed[sid] = True
-                texts[sid] = d.marked(gone)
-            flags[sid] = freshness_of(d, resolve, lineage, handles[sid])
-            if flags[sid]:
-                impacts[sid] = unrefreshed_impact(d, resolve, lineage)
-    return flags, texts, freed, impacts
+    matched = np.intersect1d(sids, np.fromiter(derived, dtype=np.int64, count=len(derived)),
+                             assume_unique=True).tolist()
+    found = engine.freshness(((sid, derived[sid], handles[sid], alive[sid], internal[sid])
+                              for sid in matched), resolve, lineage)
+    flags[list(found.unrefreshed)] = True
+    freed[list(found.freed)] = True
+    texts = {sid: found.derived_from(sid, derived[sid]) for sid in matched}
+    return flags, texts, freed, found.unrefreshed
 
 
 def _per_storage(owners: pd.DataFrame, alive: np.ndarray, internal: np.ndarray,
@@ -497,14 +487,14 @@ def diff(recorder: "Recorder", snapshot: OwnerSnapshot, models: Mapping[str, tor
                                                      live, snapshot.view_of)
         try:
             unrefreshed, derived_from, freed, fresh_impacts = _freshness(
-                lineage, edge_sids, table.handles, alive, live, n_storages)
+                lineage, edge_sids, table.handles, alive, internal_storage, live, n_storages)
         except Exception as exc:  # fail open: identity verdicts still stand
             rec.fail("freshness", exc)
             unrefreshed, derived_from, fresh_impacts = np.zeros(n_storages, dtype=bool), {}, {}
             freed = np.zeros(n_storages, dtype=bool)
     edges.update(_owner_columns(_per_storage(owners, alive, internal_storage, unrefreshed,
                                              freed),
-                                sids, unrefreshed & ~internal_storage, freed & ~internal_storage))
+                                sids, unrefreshed, freed))
     verdict = edges["verdict"]
     edges["origin"] = pd.Categorical.from_codes(np.where(internal, 1, 0), list(ORIGINS))
     notes: list[BlindSpot] = []

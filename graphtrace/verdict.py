@@ -14,6 +14,8 @@ verdict, an owner's status or an impact:
 - `unrefreshed` (with `source_changed`): is a storage whose owners still hold it (or that
   has none) derived from sources that changed since it was last written (freshness:
   Note [freshness])?
+- `freshness`: the pass over captured storages that diff and guard share: which are looked
+  at, `freshness_of`, `unrefreshed_impact` and `freed_sources` for each;
 - `freed_sources`: the sources of a handle that were freed while it lives, and that the
   model now keeps elsewhere (a dangling source: Note [dangling sources] in
   graphtrace/lineage/handles.py);
@@ -37,7 +39,7 @@ from graphtrace.vocab import HOLDS, MOVED, ORPHANED, OWNER_STATUSES, VERDICTS
 
 __all__ = ["View", "same_view", "relaid_note", "on_storage", "owner_status", "verdict_of",
            "storage_verdicts", "impact_of", "edge_impact", "source_changed", "unrefreshed",
-           "freshness_of", "unrefreshed_impact", "freed_sources"]
+           "freshness_of", "unrefreshed_impact", "freed_sources", "Freshness", "freshness"]
 
 # verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
 _V = {v: v for v in VERDICTS}
@@ -270,30 +272,23 @@ def source_changed(tensor: object, cdata: int | None, data_ptr: int, nbytes: int
                    version: int | None) -> bool:
     """Did a source change since its baseline? `tensor`: what its owner path reaches now
     (None: no longer resolves: no evidence); `cdata`: the source storage's StorageImpl
-    address when a weak handle to it is held (else `data_ptr` and `nbytes` identify it);
-    `version`: its owner tensor's `_version` then (None: unknown)."""
+    address when a weak handle to it is held (else `data_ptr` and `nbytes` identify it:
+    `same_storage`); `version`: its owner tensor's `_version` then (None: unknown)."""
     if not isinstance(tensor, torch.Tensor):
         return False
     try:
-        storage = tensor.untyped_storage()
-        if cdata is not None:
-            if storage._cdata != cdata:
-                return True
-        elif storage.data_ptr() != data_ptr or storage.nbytes() != nbytes:
+        if not same_storage(tensor.untyped_storage(), cdata, data_ptr, nbytes):
             return True
         return version is not None and tensor._version != version
     except Exception:  # no storage (meta, functional wrappers): another storage than the source
         return True
 
 
-def unrefreshed(stale: bool, changed: Iterable[bool], owner_versions: Iterable[tuple],
-                rewritten: bool = False) -> bool:
+def unrefreshed(stale: bool, changed: Iterable[bool], owner_versions: Iterable[tuple]) -> bool:
     """The freshness rule (Note [freshness]): `stale` (a source was rewritten after the
     storage, before the capture), `changed` (per source, `source_changed` or a write lineage
     saw), `owner_versions`: per owner of the storage, (what its path reaches now, its
-    `_version` at the baseline); `rewritten`: lineage saw the storage written since."""
-    if rewritten:
-        return False
+    `_version` at the baseline). A rewrite lineage saw is judged before (`freshness_of`)."""
     if not (stale or any(changed)):
         return False
     for tensor, version in owner_versions:
@@ -445,7 +440,7 @@ def unrefreshed_impact(derived, resolve, lineage=None) -> str:
             continue
         try:
             new = now.untyped_storage()
-            if new._cdata == s.ref.cdata:
+            if same_storage(new, s.ref.cdata, s.data_ptr, s.nbytes):
                 return "unknown"  # changed in place (its version moved): no old value
             old = _storage_from_weak_ref(s.ref.cdata)
             if old is None or old.nbytes() != new.nbytes() or old.device != new.device:
@@ -477,3 +472,43 @@ def freed_sources(derived, resolve) -> list:
     return [s for s in derived.sources
             if s.ref is not None and s.ref.expired()
             and isinstance(resolve(s.model, s.path), torch.Tensor)]
+
+
+class Freshness(NamedTuple):
+    """What `freshness` found, by the caller's storage keys."""
+
+    unrefreshed: dict  # key -> its impact (`unrefreshed_impact`)
+    freed: dict  # key -> its dangling sources (`freed_sources`)
+    fresh: list  # the keys looked at and found fresh (the guard rebaselines them)
+
+    def derived_from(self, key, derived) -> str:
+        """The `derived_from` text of `derived` (the storage at `key`), freed sources marked."""
+        gone = self.freed.get(key)
+        return derived.marked(gone) if gone else derived.derived_from
+
+
+def freshness(storages: Iterable[tuple], resolve, lineage=None, *,
+              sources_unchanged: bool = False) -> Freshness:
+    """Freshness of captured storages, the one pass diff and guard call (Note [freshness]).
+    `storages`: (key, Derived or None, StorageImpl address or None, alive, internal) each;
+    a storage is looked at when it is derived, alive and not overwritten by every graph
+    before it is read (`internal`: Note [write before read] in graphtrace/edges.py): its
+    dangling sources (`freed_sources`), whether it is unrefreshed (`freshness_of`) and then
+    its impact (`unrefreshed_impact`). `resolve(model, path)`: what an owner path reaches
+    now; `lineage`: the trace's, while it lives. `sources_unchanged`: the caller knows no
+    source changed since a pass found every storage fresh (the guard's fast path: Note
+    [guard freshness fast path] in graphtrace/guard/check.py): dangling sources only."""
+    found = Freshness({}, {}, [])
+    for key, derived, address, alive, internal in storages:
+        if derived is None or not alive or internal:
+            continue
+        gone = freed_sources(derived, resolve)
+        if gone:
+            found.freed[key] = gone
+        if sources_unchanged:
+            continue
+        if freshness_of(derived, resolve, lineage, address):
+            found.unrefreshed[key] = unrefreshed_impact(derived, resolve, lineage)
+        else:
+            found.fresh.append(key)
+    return found

@@ -750,6 +750,44 @@ def test_diff_and_guard_take_impact_and_live_pointer_from_one_implementation(mon
         assert p["live_data_ptr"].isna().all() and set(asked) == {"stale"}, guard
 
 
+def test_diff_and_every_guard_take_freshness_from_one_implementation(monkeypatch, tmp_path):
+    """Which captured storages are looked at for freshness, whether each is unrefreshed,
+    its impact and its dangling sources have one implementation (`verdict.freshness`):
+    with it replaced by one that finds every storage it looks at unrefreshed and `latent`,
+    an update that left every derived storage fresh reads so in the diff and in every guard
+    (from the trace, from JSON, checked before, and the serving core's)."""
+    import types
+
+    from graphtrace import verdict as engine
+    from graphtrace.serving import ServingCore
+
+    sc, alive, t, guards = _run("rl-reprocess-in-place", tmp_path)
+    assert_agree(t, guards)  # fresh: nothing to report
+    engine_side = types.SimpleNamespace(trace=t, rank=lambda: 0, recapture=lambda c: False)
+    core = ServingCore(engine_side, "warn")
+    real, asked = engine.freshness, []
+
+    def all_unrefreshed(storages, resolve, lineage=None, *, sources_unchanged=False):
+        found = real(storages, resolve, lineage)  # a full pass, fast path or not
+        asked.append(sorted(found.fresh))
+        found.unrefreshed.update(dict.fromkeys(found.fresh, "latent"))
+        return engine.Freshness(found.unrefreshed, found.freed, [])
+
+    monkeypatch.setattr(engine, "freshness", all_unrefreshed)
+    problems, impacts = assert_agree(t, guards)  # the diff and every guard, alike
+    assert problems and {v for _, _, v in problems} == {"unrefreshed"}
+    assert set(impacts.values()) == {"latent"}
+    assert len(asked) >= 1 + len(guards) and all(asked), asked
+    try:
+        entry = core.check("test", force=True)
+        monkeypatch.setattr(engine, "freshness", real)
+        clean = core.check("test", force=True)
+    finally:
+        core.close()
+    assert not entry["ok"] and entry["verdicts"] == ["unrefreshed"], entry
+    assert clean["ok"], clean
+
+
 def test_there_are_at_least_thirty_scenarios_and_every_verdict_is_reached():
     assert len(SCENARIOS) >= 30
     reached = set().union(*(s.problems for s in SCENARIOS.values()))

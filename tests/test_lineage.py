@@ -393,7 +393,7 @@ def test_clean_checks_skip_the_freshness_pass_until_a_source_changes(monkeypatch
     lineage recorded since) before walking every derived storage in Python; a source changed
     in place, a rebound source and a write lineage records are still found."""
     from graphtrace import native
-    from graphtrace.guard import check as guard_module
+    from graphtrace import verdict as engine
 
     if native.load() is None:
         pytest.skip("the native module does not build here")
@@ -402,12 +402,12 @@ def test_clean_checks_skip_the_freshness_pass_until_a_source_changes(monkeypatch
     guard = t.guard()
     assert guard.check().empty
     full_passes = []
-    real = guard_module.freshness_of
+    real = engine.freshness_of  # the freshness pass's (verdict.freshness)
 
     def counted(*args, **kwargs):
         full_passes.append(1)
         return real(*args, **kwargs)
-    monkeypatch.setattr(guard_module, "freshness_of", counted)
+    monkeypatch.setattr(engine, "freshness_of", counted)
     assert guard.check().empty and guard.check().empty
     assert not full_passes, "a clean check after a clean one walked every derived storage"
     model.refit(model.checkpoint(1))  # in place, no recompute: versions move

@@ -31,16 +31,7 @@ from graphtrace.guard.describe import StaleGraphError, describe
 from graphtrace.guard.manifest import FORMAT, FORMAT_VERSION, Required, _blind_json
 from graphtrace.lineage import Derived
 from graphtrace.owners import PathSet, resolve_path
-from graphtrace.verdict import (
-    View,
-    freed_sources,
-    freshness_of,
-    on_storage,
-    owner_status,
-    same_view,
-    unrefreshed_impact,
-    verdict_of,
-)
+from graphtrace.verdict import View, on_storage, owner_status, same_view, verdict_of
 from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED
 
 __all__ = ["Guard", "empty_problems"]
@@ -96,7 +87,6 @@ class Guard:
         self._lineage = weakref.ref(lineage) if lineage is not None else None
         self._late = lineage.late if lineage is not None else 0  # Note [derived during updates]
         self._fresh_paths: dict | None = None  # model -> (paths, PathSet), made on first use
-        self._fresh_impacts: dict[int, str] = {}  # the last check's unrefreshed -> impact
         # Note [guard freshness fast path]: the lineage clock of the last freshness pass that
         # found nothing (_NO_CLEAN_PASS: none yet), and per model the sources' PathSet with
         # their StorageImpls and version counters (None: to be made; False: cannot be)
@@ -210,10 +200,8 @@ class Guard:
         self._adopt_late()
         blind = self._blind_rows(models) + self._copy_rows(models)
         if self._nothing_moved(models):  # every owner still holds its storage
-            fresh = any(self._derived())
-            unrefreshed = self._unrefreshed(models, set()) if fresh else set()
-            freed = self._freed(models, set()) if fresh else {}
-            if not unrefreshed and not blind and not freed:
+            fresh = self._freshness(models, set())
+            if not fresh.unrefreshed and not blind and not fresh.freed:
                 return empty_problems()
         req = self._storages
         tensors: list = [None] * len(self._owners)
@@ -232,13 +220,11 @@ class Guard:
             live_ptrs.append(ptr)
             if status != HOLDS:
                 bad.add(i)
-        fresh = any(self._derived())
-        unrefreshed = self._unrefreshed(models, bad) if fresh else set()
-        freed = self._freed(models, bad) if fresh else {}
-        if not bad and not unrefreshed and not blind and not freed:
+        fresh = self._freshness(models, bad)
+        if not bad and not fresh.unrefreshed and not blind and not fresh.freed:
             return empty_problems()
-        return self._problems(bad | unrefreshed | set(freed), statuses, live_ptrs, tensors,
-                              unrefreshed, blind, freed)
+        return self._problems(bad | set(fresh.unrefreshed) | set(fresh.freed), statuses,
+                              live_ptrs, tensors, fresh, blind)
 
     def _adopt_late(self) -> None:
         """Note [derived during updates] in graphtrace/lineage/graph.py: the `Derived` lineage made
@@ -317,23 +303,6 @@ class Guard:
                     return False
         return True
 
-    def _freed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> dict[int, list]:
-        """The captured handles with a dangling source, and those sources (the verdict
-        engine's freed_sources: weak handles only, so none from JSON; Note [dangling
-        sources] in graphtrace/lineage/handles.py)."""
-        def resolve(model: str, path: str):
-            return resolve_path(models[model], path) if model in models else None
-
-        out = {}
-        for i, r in enumerate(self._storages):
-            d = r.derived
-            if d is None or not d.handle or i in bad or r.internal:
-                continue
-            gone = freed_sources(d, resolve)
-            if gone:
-                out[i] = gone
-        return out
-
     # Note [guard rebaseline]
     # ~~~~~~~~~~~~~~~~~~~~~~~~
     # Freshness compares version counters with the baselines taken at the capture (Note
@@ -401,32 +370,46 @@ class Guard:
         return {m: (PathSet(ps), [want[(m, p)][0] for p in ps], [want[(m, p)][1] for p in ps])
                 for m, ps in by_model.items()}
 
-    def _unrefreshed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> set[int]:
-        """The derived storages whose owners all hold them (or that have none) and whose
-        sources changed since they were last written (the verdict engine's freshness_of:
-        version counters and storage identity only)."""
-        if self._sources_unchanged(models):  # Note [guard freshness fast path]
-            self._fresh_impacts = {}
-            return set()
-        out = self._unrefreshed_pass(models, bad)
+    def _freshness(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> engine.Freshness:
+        """Of the derived storages not in `bad` (whose owners all hold them, or that have
+        none): the unrefreshed ones and their impacts, the handles with dangling sources:
+        the verdict engine's `freshness` pass, the diff's too (version counters and storage
+        identity only; dangling sources by weak handle, so none from JSON). A storage found
+        fresh is rebaselined (Note [guard rebaseline])."""
+        if not any(self._derived()):
+            return engine.Freshness({}, {}, [])
+        unchanged = self._sources_unchanged(models)  # Note [guard freshness fast path]
         lineage = self._lineage() if self._lineage is not None else None
-        self._fresh_clean = _NO_CLEAN_PASS if out else (
-            lineage.clock if lineage is not None else None)
-        return out
+        resolve = self._resolver(models, batch=not unchanged)
+        found = engine.freshness(
+            ((i, r.derived, r.ref.cdata if r.ref is not None else None,
+              not r.ref.expired() if r.ref is not None else not r.dead, r.internal)
+             for i, r in enumerate(self._storages) if i not in bad),
+            resolve, lineage, sources_unchanged=unchanged)
+        for i in found.fresh:
+            r = self._storages[i]
+            self._rebaseline(r, r.derived, resolve, lineage)
+        if not unchanged:
+            self._fresh_clean = _NO_CLEAN_PASS if found.unrefreshed else (
+                lineage.clock if lineage is not None else None)
+        return found
 
-    def _unrefreshed_pass(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> set[int]:
-        """The full freshness pass of `_unrefreshed`: every derived storage, in Python."""
-        if self._fresh_paths is None:  # the sources' paths, resolved together
-            by_model: dict[str, set] = {}
-            for _, d in self._derived():
-                for src in d.sources:
-                    by_model.setdefault(src.model, set()).add(src.path)
-            self._fresh_paths = {m: (sorted(ps), PathSet(sorted(ps))) for m, ps in by_model.items()}
+    def _resolver(self, models: Mapping[str, torch.nn.Module], batch: bool):
+        """`resolve(model, path)` for a freshness pass: what a path reaches now, each
+        resolved once; `batch`: the sources' paths resolved together first (a full pass)."""
         found: dict[tuple[str, str], object] = {}
-        for name, (paths, path_set) in self._fresh_paths.items():
-            model = models.get(name)
-            if model is not None:
-                found.update(zip(((name, p) for p in paths), path_set.resolve(model)))
+        if batch:
+            if self._fresh_paths is None:  # the sources' paths, resolved together
+                by_model: dict[str, set] = {}
+                for _, d in self._derived():
+                    for src in d.sources:
+                        by_model.setdefault(src.model, set()).add(src.path)
+                self._fresh_paths = {m: (sorted(ps), PathSet(sorted(ps)))
+                                     for m, ps in by_model.items()}
+            for name, (paths, path_set) in self._fresh_paths.items():
+                model = models.get(name)
+                if model is not None:
+                    found.update(zip(((name, p) for p in paths), path_set.resolve(model)))
 
         def resolve(model: str, path: str):
             # an owner's path: only where a source changed (freshness_of), resolved then
@@ -438,22 +421,7 @@ class Guard:
                     found[key] = None
             return found[key]
 
-        lineage = self._lineage() if self._lineage is not None else None
-        out = set()
-        self._fresh_impacts = {}
-        for i, r in enumerate(self._storages):
-            d = r.derived
-            if d is None or i in bad or r.internal:
-                continue
-            ref = r.ref
-            if (ref.expired() if ref is not None else r.dead):
-                continue
-            if freshness_of(d, resolve, lineage, ref.cdata if ref is not None else None):
-                out.add(i)  # problems only: the impact's byte compare (Note [freshness])
-                self._fresh_impacts[i] = unrefreshed_impact(d, resolve, lineage)
-            else:
-                self._rebaseline(r, d, resolve, lineage)
-        return out
+        return resolve
 
     def _rebaseline(self, r: Required, d: Derived, resolve, lineage) -> None:
         """Note [guard rebaseline]: a derived storage found fresh although a source's version
@@ -494,10 +462,7 @@ class Guard:
         self._fresh_sources = None  # the fast path's baselines, made again (Note above)
 
     def _problems(self, bad: set[int], statuses: list[str], live_ptrs: list,
-                  tensors: list, unrefreshed: set[int] = frozenset(),
-                  blind: list[tuple] = (),
-                  freed: Mapping[int, list] | None = None) -> pd.DataFrame:
-        freed = freed or {}
+                  tensors: list, fresh: engine.Freshness, blind: list[tuple] = ()) -> pd.DataFrame:
         by_storage: dict[int, list[int]] = {}
         for row, (i, *_rest) in enumerate(self._owners):
             if i in bad:
@@ -511,7 +476,7 @@ class Guard:
             req = self._storages[i]
             ref = req.ref
             alive = (not ref.expired()) if ref is not None else not req.dead
-            verdict = verdict_of(st, alive, req.internal, i in unrefreshed, i in freed)
+            verdict = verdict_of(st, alive, req.internal, i in fresh.unrefreshed, i in fresh.freed)
             if verdict not in GUARD_PROBLEMS:
                 continue
             moved = [r for r in owner_rows if statuses[r] == MOVED]
@@ -520,16 +485,14 @@ class Guard:
             old = _upgrade(ref) if verdict in ("stale", "diverged") else None
             impacts: dict[View | None, tuple[object, str]] = {}
             derived = req.derived
-            derived_from = derived.derived_from if derived is not None else ""
-            if i in freed:
-                derived_from = derived.marked(freed[i])
+            derived_from = fresh.derived_from(i, derived) if derived is not None else ""
             now, now_view = ((tensors[moved[0]], self._owner_views[moved[0]]) if moved
                              else (None, None))
             relaid = old is not None and now is not None and on_storage(now, old)
             for g, view in zip(req.graphs, req.views):
                 if view not in impacts:  # the diff's rule (verdict.edge_impact)
                     impact, note = engine.edge_impact(verdict, old, view, now, now_view,
-                                                      self._fresh_impacts.get(i, "unknown"))
+                                                      fresh.unrefreshed.get(i, "unknown"))
                     # Note [re-laid views]: both views named where the owner is re-laid
                     impacts[view] = (pd.NA if impact is None else impact,
                                      note if relaid else "")
