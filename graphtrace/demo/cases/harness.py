@@ -26,7 +26,7 @@ from ..kernels import replace_parameter, weight_loader  # noqa: F401  (re-export
 from .spec import Outcome
 
 __all__ = ["capture_reload_diff", "reload_layerwise", "reload_inplace", "make_param",
-           "replace_parameter", "weight_loader", "CaseModel"]
+           "replace_parameter", "weight_loader", "CaseModel", "MethodLayer"]
 
 
 def make_param(shape, dtype=torch.float32, loader: Callable = weight_loader) -> torch.nn.Parameter:
@@ -34,6 +34,20 @@ def make_param(shape, dtype=torch.float32, loader: Callable = weight_loader) -> 
     p = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader
     return p
+
+
+class MethodLayer(torch.nn.Module):
+    """A layer run by its quant method, as vLLM's linear and MoE layers are: the method creates
+    the layer's weights, processes them after loading and is the forward (residual here, so
+    a stack of layers keeps the input's shape)."""
+
+    def __init__(self, quant_method):
+        super().__init__()
+        self.quant_method = quant_method
+        quant_method.create_weights(self)
+
+    def forward(self, x):
+        return x + self.quant_method.apply(self, x)
 
 
 class CaseModel(torch.nn.Module):

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from .harness import CaseModel, make_param
+from .harness import CaseModel, MethodLayer, make_param
 from .spec import Case, Expect, Variant
 
-__all__ = ["K", "N", "BATCH_SIZES", "Int8PackMethod", "PackedLinear", "RLModel", "run", "CASE"]
+__all__ = ["K", "N", "BATCH_SIZES", "Int8PackMethod", "RLModel", "run", "CASE"]
 
 K = N = 8
 BATCH_SIZES = (1, 2)
@@ -41,6 +41,7 @@ class Int8PackMethod:
 
     def create_weights(self, layer):
         layer.weight = make_param((N, K))
+        layer.weight_packed = layer.weight_scale_derived = None  # made by processing
 
     def process_weights_after_loading(self, layer):
         with torch.no_grad():
@@ -58,21 +59,11 @@ class Int8PackMethod:
         return (x @ layer.weight_packed.to(x.dtype)) * layer.weight_scale_derived
 
 
-class PackedLinear(torch.nn.Module):
-    def __init__(self, in_place: bool = False):
-        super().__init__()
-        self.quant_method = Int8PackMethod(in_place)
-        self.quant_method.create_weights(self)
-        self.weight_packed = self.weight_scale_derived = None
-
-    def forward(self, x):
-        return x + self.quant_method.apply(self, x)
-
-
 class RLModel(CaseModel):
     def __init__(self, n_layers: int = 2, in_place: bool = False):
         super().__init__()
-        self.layers = torch.nn.ModuleList(PackedLinear(in_place) for _ in range(n_layers))
+        self.layers = torch.nn.ModuleList(
+            MethodLayer(Int8PackMethod(in_place)) for _ in range(n_layers))
 
     def checkpoint(self, seed: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from .harness import CaseModel, make_param
+from .harness import CaseModel, MethodLayer, make_param
 from .spec import Case, Expect, Finds, Variant
 
-__all__ = ["K", "N", "SYNCS", "BATCH_SIZES", "Fp8FnuzMethod", "ScaledLinear", "AtomModel",
+__all__ = ["K", "N", "SYNCS", "BATCH_SIZES", "Fp8FnuzMethod", "AtomModel",
            "run", "CASE"]
 
 K = N = 8
@@ -58,21 +58,12 @@ class Fp8FnuzMethod:
         return (x @ layer.weight.t()) * layer.weight_scale
 
 
-class ScaledLinear(torch.nn.Module):
-    def __init__(self, fixed: bool = False):
-        super().__init__()
-        self.quant_method = Fp8FnuzMethod(fixed)
-        self.quant_method.create_weights(self)
-
-    def forward(self, x):
-        return x + self.quant_method.apply(self, x)
-
-
 class AtomModel(CaseModel):
     def __init__(self, n_layers: int = 2, fixed: bool = False):
         super().__init__()
         self.fixed = fixed
-        self.layers = torch.nn.ModuleList(ScaledLinear(fixed) for _ in range(n_layers))
+        self.layers = torch.nn.ModuleList(
+            MethodLayer(Fp8FnuzMethod(fixed)) for _ in range(n_layers))
 
     def checkpoint(self, seed: int, weights_only: bool = False) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)

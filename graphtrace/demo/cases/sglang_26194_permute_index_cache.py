@@ -33,11 +33,11 @@ import ctypes
 
 import torch
 
-from .harness import CaseModel, make_param
+from .harness import CaseModel, MethodLayer, make_param
 from .spec import Case, Expect, Finds, Outcome, Variant
 
 __all__ = ["E", "H", "I", "BATCH_SIZES", "permute_indices", "UnquantizedFusedMoEMethod",
-           "FusedMoE", "MoEModel", "pause_resume", "run", "CASE"]
+           "MoEModel", "pause_resume", "run", "CASE"]
 
 E, H, I = 2, 8, 4   # experts, hidden size, intermediate size per partition
 BATCH_SIZES = (1, 2)
@@ -88,20 +88,11 @@ class UnquantizedFusedMoEMethod:
         return out
 
 
-class FusedMoE(torch.nn.Module):
-    def __init__(self, clear_each_cycle: bool = False):
-        super().__init__()
-        self.quant_method = UnquantizedFusedMoEMethod(clear_each_cycle)
-        self.quant_method.create_weights(self)
-
-    def forward(self, x):
-        return x + self.quant_method.apply(self, x)
-
-
 class MoEModel(CaseModel):
     def __init__(self, n_layers: int = 2, clear_each_cycle: bool = False):
         super().__init__()
-        self.layers = torch.nn.ModuleList(FusedMoE(clear_each_cycle) for _ in range(n_layers))
+        self.layers = torch.nn.ModuleList(
+            MethodLayer(UnquantizedFusedMoEMethod(clear_each_cycle)) for _ in range(n_layers))
 
     def checkpoint(self, seed: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
