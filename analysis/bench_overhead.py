@@ -78,7 +78,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 
 import graphtrace as gt
-from _common import Results, revision
+from _common import Results
 from _common import rss as process_rss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_overhead.txt"
@@ -1023,11 +1023,11 @@ def main(argv=None) -> int:
     results_file = Results()
     say = results_file.say
 
-    say(f"# graphtrace {HEADER} (analysis/bench_overhead.py{' --quick' if args.quick else ''})")
-    say(f"graphtrace {gt.__version__} at {revision()}; torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average at start "
-        f"{os.getloadavg()[0]:.1f}")
+    results_file.heading(
+        f"graphtrace {HEADER}", "analysis/bench_overhead.py", args.quick,
+        f"torch {torch.__version__}", f"Python {platform.python_version()}", platform.machine(),
+        f"{os.cpu_count()} CPUs", f"torch threads {torch.get_num_threads()}",
+        f"load average at start {os.getloadavg()[0]:.1f}")
     say(f"timing: {args.clock} clock, interleaved by round (order rotates), min of {rounds} rounds per capture, "
         f"summed over captures; added = time - baseline; ratio = added / no-op mode's added")
     say()

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 import graphtrace as gt
-from _common import Results, best_of, revision, rss
+from _common import Results, best_of, rss
 from graphtrace.encoding import ACCESS_FIELDS, FACTORY, VIEW, pack_slot
 from graphtrace.recorder import _Plan
 
@@ -448,10 +448,10 @@ def main(argv=None) -> int:
     results_file = Results()
     say = results_file.say
 
-    say(f"# graphtrace {HEADER} (analysis/bench_scale.py{' --quick' if args.quick else ''})")
-    say(f"graphtrace {gt.__version__} at {revision()}; torch {torch.__version__}, "
-        f"pandas {pd.__version__}, numpy {np.__version__}, "
-        f"Python {platform.python_version()}, {os.cpu_count()} CPUs")
+    results_file.heading(
+        f"graphtrace {HEADER}", "analysis/bench_scale.py", args.quick, f"torch {torch.__version__}",
+        f"pandas {pd.__version__}", f"numpy {np.__version__}",
+        f"Python {platform.python_version()}", f"{os.cpu_count()} CPUs")
     say(f"model: {blocks} blocks = {4 * blocks + 2:,} modules, {6 * blocks:,} parameters, "
         f"{blocks:,} attribute-only perm tensors; {ACCESSES_PER_BLOCK} accesses and "
         f"{OPS_PER_BLOCK} ops per block forward, {per_graph} blocks per graph; synthetic "
