@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import CaseModel, MethodLayer, make_param
+from .harness import CaseModel, MethodLayer, capture_reload_diff, make_param
 from .spec import Case, Expect, Variant
 
 __all__ = ["K", "N", "BATCH_SIZES", "Int8PackMethod", "RLModel", "run", "CASE"]
@@ -72,9 +72,6 @@ class RLModel(CaseModel):
 
 
 def run(variant: str, backend: str = "auto"):
-    from .. import scenario
-    from .spec import Outcome
-
     model = RLModel(in_place=variant == "fixed").eval()
     g = torch.Generator().manual_seed(5)
     inputs = [(f"bs{b}", torch.randn(b, K, generator=g)) for b in BATCH_SIZES]
@@ -92,19 +89,9 @@ def run(variant: str, backend: str = "auto"):
                 layer.weight_packed.neg_()
         return "the live packed copy, negated in place"
 
-    with scenario.Scenario(model, strict=True) as sc:
-        model.load(model.checkpoint(0))   # the engine's first load and process, inside the trace
-        sc.capture(inputs)
-        reloaded = sc.reload(sync)
-        report = sc.diff()
-    out = Outcome(report=report, backend=reloaded)
-    if sc.replayable and CASE.variant(variant).flip is not None:
-        after = sc.replay()
-        out.rows = sc.rows
-        out.replay_eq_eager = sum(scenario.same_rows(a, e) for a, e in zip(after, sc.eager()))
-        flip = sc.flip(perturb, baseline=after)
-        out.flip_target, out.flip_changed = flip.target, flip.changed
-    return out
+    flips = CASE.variant(variant).flip is not None
+    return capture_reload_diff(model, inputs, sync, perturb if flips else None,
+                               setup=lambda m: m.load(m.checkpoint(0)))  # first load, in trace
 
 
 _DERIVED = ("layers.*.weight_packed", "layers.*.weight_scale_derived")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import CaseModel, MethodLayer, make_param
+from .harness import CaseModel, MethodLayer, capture_reload_diff, make_param
 from .spec import Case, Expect, Finds, Variant
 
 __all__ = ["K", "N", "SYNCS", "BATCH_SIZES", "Fp8FnuzMethod", "AtomModel",
@@ -79,9 +79,6 @@ class AtomModel(CaseModel):
 
 
 def run(variant: str, backend: str = "auto"):
-    from .. import scenario
-    from .spec import Outcome
-
     model = AtomModel(fixed=variant in ("fixed", "optimizer-step")).eval()
     g = torch.Generator().manual_seed(5)
     inputs = [(f"bs{b}", torch.randn(b, K, generator=g)) for b in BATCH_SIZES]
@@ -103,12 +100,8 @@ def run(variant: str, backend: str = "auto"):
                 m.process_weights_after_loading()
         return f"{SYNCS} syncs: load the weights, process again"
 
-    with scenario.Scenario(model, strict=True) as sc:
-        model.load(model.checkpoint(0))   # the first load and process, inside the trace
-        sc.capture(inputs)
-        reloaded = sc.reload(sync)
-        report = sc.diff()
-    out = Outcome(report=report, backend=reloaded)
+    out = capture_reload_diff(model, inputs, sync,
+                              setup=lambda m: m.load(m.checkpoint(0)))  # first load, in trace
     out.scale = [layer.weight_scale.detach().clone() for layer in model.layers]
     return out
 
