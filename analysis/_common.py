@@ -7,6 +7,7 @@ The scripts are run by path (``python analysis/bench_scale.py``), so this folder
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import time
@@ -56,6 +57,15 @@ def write_results(path: Path, text: str) -> None:
     """Write a results file, making its folder (analysis/results/ by default)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def add_results_options(ap: argparse.ArgumentParser, results: Path) -> None:
+    """A benchmark's `--quick` (a smoke run of seconds) and `--out` (its results file:
+    `results` unless --quick, which writes none)."""
+    ap.add_argument("--quick", action="store_true", help="small smoke run (seconds)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"also write the table here (default {results.relative_to(ROOT)}; "
+                         "with --quick: nowhere)")
 
 
 def show(lines: list[str], out: Path | str | None) -> None:

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 import graphtrace as gt
-from _common import Results, best_of, rss
+from _common import Results, add_results_options, best_of, rss
 from graphtrace.encoding import ACCESS_FIELDS, FACTORY, VIEW, pack_slot
 from graphtrace.recorder import _Plan
 
@@ -414,7 +414,7 @@ def warm_up_and_check() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small smoke run (seconds)")
+    add_results_options(ap, RESULTS)
     ap.add_argument("--source", choices=("both", "real", "synthetic"), default="both")
     ap.add_argument("--sizes", default=None,
                     help="comma-separated access counts (default 10000,100000,1000000; "
@@ -427,9 +427,6 @@ def main(argv=None) -> int:
     ap.add_argument("--tracemalloc-max", type=int, default=100_000,
                     help="measure diff's peak Python memory with tracemalloc (a second diff) up to "
                          "this size (default 100000); RSS growth is printed for every size")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="also write the table here (default analysis/results/bench_scale.txt; "
-                         "with --quick: nowhere)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in (args.sizes or ("500,2000" if args.quick
                                              else "10000,100000,1000000")).split(",")]

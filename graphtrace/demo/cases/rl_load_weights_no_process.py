@@ -22,6 +22,8 @@ Variants:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .harness import CaseModel, MethodLayer, capture_reload_diff, make_param
@@ -33,11 +35,12 @@ K = N = 8
 BATCH_SIZES = (1, 2)
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as the plain class it stands for
 class Int8PackMethod:
-    """A per-channel int8 linear method: processing derives the scale and a packed copy."""
+    """A per-channel int8 linear method: processing derives the scale and a packed copy
+    (`in_place`: into the storages of the last processing, the fix)."""
 
-    def __init__(self, in_place: bool = False):
-        self.in_place = in_place
+    in_place: bool = False
 
     def create_weights(self, layer):
         layer.weight = make_param((N, K))
