@@ -7,6 +7,7 @@ The scripts are run by path (``python analysis/bench_scale.py``), so this folder
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import time
@@ -58,6 +59,23 @@ def write_results(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def add_results_options(ap: argparse.ArgumentParser, results: Path) -> None:
+    """A benchmark's `--quick` (a smoke run of seconds) and `--out` (its results file:
+    `results` unless --quick, which writes none)."""
+    ap.add_argument("--quick", action="store_true", help="small smoke run (seconds)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"also write the table here (default {results.relative_to(ROOT)}; "
+                         "with --quick: nowhere)")
+
+
+def show(lines: list[str], out: Path | str | None) -> None:
+    """Print a benchmark's table, and write it to `out` when given (a results file)."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        write_results(Path(out), text + "\n")
+
+
 class Results:
     """The lines of a benchmark's output: `say` prints each one as it comes, `write` saves
     them all (nothing when `path` is None, as in a --quick run without --out)."""
@@ -68,6 +86,14 @@ class Results:
     def say(self, s: str = "") -> None:
         print(s, flush=True)
         self.lines.append(s)
+
+    def heading(self, title: str, script: str, quick: bool, *measured_with: str) -> None:
+        """The first two lines: `# <title> (<script>[ --quick])`, then what measured the
+        results: graphtrace's version and checkout, then `measured_with` (torch, Python, ...)."""
+        import graphtrace
+
+        self.say(f"# {title} ({script}{' --quick' if quick else ''})")
+        self.say(f"graphtrace {graphtrace.__version__} at {revision()}; " + ", ".join(measured_with))
 
     def write(self, path: Path | None) -> None:
         if path is None:

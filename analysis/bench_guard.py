@@ -52,14 +52,13 @@ import resource
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from bench_scale import frames_alone
 from torch import nn
 
 import graphtrace as gt
-from _common import rss, write_results
+from _common import rss, show
 
 LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -210,7 +209,7 @@ def freshness_ratio(args, captures) -> int:
         medians[lineage] = median_ms(guard.check, args.check_repeat)
         del graphs, guard, t
     ratio = medians[True] / medians[False]
-    text = "\n".join([
+    show([
         "# graphtrace guard.check(): freshness against identity only, Llama-70B-shaped model",
         f"# python {platform.python_version()}, torch {torch.__version__}, "
         f"{platform.machine()}, threads {torch.get_num_threads()}, load average at start "
@@ -224,10 +223,7 @@ def freshness_ratio(args, captures) -> int:
         f"| identity + freshness (lineage on, x{args.check_repeat}) | {medians[True]:.2f} |",
         "",
         f"ratio freshness / identity only: {ratio:.2f}  (issue 24's goal: at most 2)",
-    ])
-    print(text)
-    if args.out:
-        write_results(Path(args.out), text + "\n")
+    ], args.out)
     return 0 if (args.quick or ratio <= 2.0) else 1
 
 
@@ -371,10 +367,7 @@ def main(argv=None) -> int:
         after = f", after an update <= {bad_goal:g} ms" if bad_goal != float("inf") else ""
         lines.append(f"targets (check <= {clean_goal:g} ms{after}, >= 50x faster than diff): "
                      f"{'met' if targets else 'MISSED'}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        write_results(Path(args.out), text + "\n")
+    show(lines, args.out)
     if not found:
         return 1
     return 0 if (args.quick or targets) else 1

@@ -78,7 +78,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 
 import graphtrace as gt
-from _common import Results, revision
+from _common import Results, add_results_options
 from _common import rss as process_rss
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_overhead.txt"
@@ -975,7 +975,7 @@ def time_workload(workload: Workload, rounds: int, say, core: bool = False) -> N
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small smoke run (seconds)")
+    add_results_options(ap, RESULTS)
     ap.add_argument("--workload", choices=("all", *WORKLOADS), default="all",
                     help="which workload(s) to time (default all; memory: blocks only)")
     ap.add_argument("--blocks", type=int, default=None, help="transformer blocks (default 48)")
@@ -997,9 +997,6 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also print where graphtrace's time per capture goes (enter, exit and "
                          "their phases, µs per capture) for each workload; writes nothing")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="also write the table here (default analysis/results/bench_overhead.txt; "
-                         "with --quick: nowhere)")
     args = ap.parse_args(argv)
     global clock, _clock_name
     clock = CLOCKS[args.clock]
@@ -1023,11 +1020,11 @@ def main(argv=None) -> int:
     results_file = Results()
     say = results_file.say
 
-    say(f"# graphtrace {HEADER} (analysis/bench_overhead.py{' --quick' if args.quick else ''})")
-    say(f"graphtrace {gt.__version__} at {revision()}; torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, load average at start "
-        f"{os.getloadavg()[0]:.1f}")
+    results_file.heading(
+        f"graphtrace {HEADER}", "analysis/bench_overhead.py", args.quick,
+        f"torch {torch.__version__}", f"Python {platform.python_version()}", platform.machine(),
+        f"{os.cpu_count()} CPUs", f"torch threads {torch.get_num_threads()}",
+        f"load average at start {os.getloadavg()[0]:.1f}")
     say(f"timing: {args.clock} clock, interleaved by round (order rotates), min of {rounds} rounds per capture, "
         f"summed over captures; added = time - baseline; ratio = added / no-op mode's added")
     say()

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 import graphtrace as gt
-from _common import Results, best_of, revision, rss
+from _common import Results, add_results_options, best_of, rss
 from graphtrace.encoding import ACCESS_FIELDS, FACTORY, VIEW, pack_slot
 from graphtrace.recorder import _Plan
 
@@ -414,7 +414,7 @@ def warm_up_and_check() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small smoke run (seconds)")
+    add_results_options(ap, RESULTS)
     ap.add_argument("--source", choices=("both", "real", "synthetic"), default="both")
     ap.add_argument("--sizes", default=None,
                     help="comma-separated access counts (default 10000,100000,1000000; "
@@ -427,9 +427,6 @@ def main(argv=None) -> int:
     ap.add_argument("--tracemalloc-max", type=int, default=100_000,
                     help="measure diff's peak Python memory with tracemalloc (a second diff) up to "
                          "this size (default 100000); RSS growth is printed for every size")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="also write the table here (default analysis/results/bench_scale.txt; "
-                         "with --quick: nowhere)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in (args.sizes or ("500,2000" if args.quick
                                              else "10000,100000,1000000")).split(",")]
@@ -448,10 +445,10 @@ def main(argv=None) -> int:
     results_file = Results()
     say = results_file.say
 
-    say(f"# graphtrace {HEADER} (analysis/bench_scale.py{' --quick' if args.quick else ''})")
-    say(f"graphtrace {gt.__version__} at {revision()}; torch {torch.__version__}, "
-        f"pandas {pd.__version__}, numpy {np.__version__}, "
-        f"Python {platform.python_version()}, {os.cpu_count()} CPUs")
+    results_file.heading(
+        f"graphtrace {HEADER}", "analysis/bench_scale.py", args.quick, f"torch {torch.__version__}",
+        f"pandas {pd.__version__}", f"numpy {np.__version__}",
+        f"Python {platform.python_version()}", f"{os.cpu_count()} CPUs")
     say(f"model: {blocks} blocks = {4 * blocks + 2:,} modules, {6 * blocks:,} parameters, "
         f"{blocks:,} attribute-only perm tensors; {ACCESSES_PER_BLOCK} accesses and "
         f"{OPS_PER_BLOCK} ops per block forward, {per_graph} blocks per graph; synthetic "

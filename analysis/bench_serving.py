@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 import graphtrace as gt
-from _common import Results, revision
+from _common import Results, add_results_options, revision
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_serving.txt"
 GOAL = 1.1
@@ -174,12 +174,11 @@ def measure(workload: str, blocks: int, rounds: int, n: int, say) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small smoke run (seconds)")
+    add_results_options(ap, RESULTS)
     ap.add_argument("--workload", choices=("all", *WORKLOADS), default="all")
     ap.add_argument("--blocks", type=int, default=None, help="blocks (default 40)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 9)")
     ap.add_argument("--forwards", type=int, default=None, help="forwards per round (default 100)")
-    ap.add_argument("--out", type=Path, default=None, help="results file")
     args = ap.parse_args(argv)
     blocks = args.blocks or (4 if args.quick else 40)
     rounds = args.rounds or (2 if args.quick else 9)

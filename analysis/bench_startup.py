@@ -44,7 +44,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import write_results
+from _common import show
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = ("off", "plugin", "trace_llm")
@@ -171,10 +171,7 @@ def main(argv=None) -> int:
     lines += ["", f"same tokens from every way: {'yes' if len(set(tokens.values())) == 1 else 'NO'}",
               f"goal (issue 26: at most 1.02x off's median): wall {'met' if worst <= 1.02 else 'NOT met'}"
               f" ({worst:.3f}x), CPU {'met' if worst_cpu <= 1.02 else 'NOT met'} ({worst_cpu:.3f}x)"]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        write_results(args.out, text + "\n")
+    show(lines, args.out)
     return 0
 
 

@@ -34,14 +34,13 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 from bench_guard import MLP, LlamaForCausalLM
 from torch import nn
 
 import graphtrace as gt
-from _common import revision, write_results
+from _common import revision, show
 from graphtrace.vllm import hooks
 from graphtrace.vllm.serve import ServeGuard, before_step
 
@@ -260,10 +259,7 @@ def main(argv=None) -> int:
     if not args.quick:
         lines.append(f"targets (<= 1 ms per update tiny, <= 5 ms big): "
                      f"{'met' if targets else 'MISSED'}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        write_results(Path(args.out), text + "\n")
+    show(lines, args.out)
     ok = all(r["refused"] and r["checks_per_update"] == 1 and r["inplace_checked"] for r in rows)
     return 0 if ok and (args.quick or targets) else 1
 

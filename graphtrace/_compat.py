@@ -67,7 +67,7 @@ __all__ = [
     # provenance
     "PROVENANCE", "PROVENANCE_OFF", "current_dispatch_mode_stack", "push_mode", "pop_mode",
     # handle ops the dispatch mode cannot see (lineage)
-    "HANDLE_OPS", "all_op_names", "has_kernel_for", "registrations_for", "OpOverloadPacket",
+    "HANDLE_OPS", "all_op_names", "has_kernel_for", "registrations_for",
     "function_stack_len", "function_stack_at",
     # emulated graphs let go of their intermediates
     "SCRATCH", "storage_use_count",
@@ -166,46 +166,41 @@ def script_type_name(obj: torch.ScriptObject) -> str:
     return obj._type().qualified_name()
 
 
+def _optional(feature: str, *paths: str) -> tuple:
+    """An optional feature's torch APIs, looked up together: (whether all exist, then each
+    API), every API a stand-in raising `TorchIncompatible` with the reason when one is missing
+    (the feature fails open: Note [torch compatibility])."""
+    apis = [_lookup(feature, path) for path in paths]
+    if feature in _missing:
+        return (False, *[_unavailable(feature)] * len(paths))
+    return (True, *apis)
+
+
 # -- provenance: optional ---------------------------------------------------------------------
 _PROV = "provenance (creation sites of storages made outside captures)"
-current_dispatch_mode_stack = _lookup(
-    _PROV, "torch.utils._python_dispatch:_get_current_dispatch_mode_stack")
-push_mode = _lookup(_PROV, "torch.utils._python_dispatch:_push_mode")
-pop_mode = _lookup(_PROV, "torch.utils._python_dispatch:_pop_mode")
-PROVENANCE = _PROV not in _missing
+PROVENANCE, current_dispatch_mode_stack, push_mode, pop_mode = _optional(
+    _PROV, "torch.utils._python_dispatch:_get_current_dispatch_mode_stack",
+    "torch.utils._python_dispatch:_push_mode", "torch.utils._python_dispatch:_pop_mode")
 PROVENANCE_OFF = "" if PROVENANCE else _message(_PROV)  # why, where it is off
-if not PROVENANCE:
-    current_dispatch_mode_stack = push_mode = pop_mode = _unavailable(_PROV)
 
 # -- handle ops the dispatch mode cannot see: optional (Note [dangling sources]) --------------
-_HND = ("handles made by ops with a composite kernel (lineage's handle mode: vLLM's "
-        "`_C::create_onednn_scaled_mm_handler`)")
-all_op_names = _lookup(_HND, "torch._C:_dispatch_get_all_op_names")
-has_kernel_for = _lookup(_HND, "torch._C:_dispatch_has_kernel_for_dispatch_key")
-registrations_for = _lookup(_HND, "torch._C:_dispatch_get_registrations_for_dispatch_key")
-OpOverloadPacket = _lookup(_HND, "torch._ops:OpOverloadPacket")
-function_stack_len = _lookup(_HND, "torch._C:_len_torch_function_stack")
-function_stack_at = _lookup(_HND, "torch._C:_get_function_stack_at")
-HANDLE_OPS = _HND not in _missing
-if not HANDLE_OPS:
-    all_op_names = has_kernel_for = registrations_for = function_stack_len = \
-        function_stack_at = _unavailable(_HND)
+(HANDLE_OPS, all_op_names, has_kernel_for, registrations_for, function_stack_len,
+ function_stack_at) = _optional(
+    "handles made by ops with a composite kernel (lineage's handle mode: vLLM's "
+    "`_C::create_onednn_scaled_mm_handler`)",
+    "torch._C:_dispatch_get_all_op_names", "torch._C:_dispatch_has_kernel_for_dispatch_key",
+    "torch._C:_dispatch_get_registrations_for_dispatch_key",
+    "torch._C:_len_torch_function_stack", "torch._C:_get_function_stack_at")
 
 # -- storage use counts: optional -------------------------------------------------------------
-_SCR = ("emulated graphs letting go of their intermediates (without it they keep every storage "
-        "their ops saw)")
-storage_use_count = _lookup(_SCR, "torch._C:_storage_Use_Count")
-SCRATCH = _SCR not in _missing
-if not SCRATCH:
-    storage_use_count = _unavailable(_SCR)
+SCRATCH, storage_use_count = _optional(
+    "emulated graphs letting go of their intermediates (without it they keep every storage "
+    "their ops saw)", "torch._C:_storage_Use_Count")
 
 # -- Dynamo's code cache: optional ------------------------------------------------------------
-_DYN = ("which modules Dynamo compiled (forward wrappers may make modules compiled before the "
-        "trace recompile)")
-dynamo_cache_entries = _lookup(_DYN, "torch._C._dynamo.eval_frame:_debug_get_cache_entry_list")
-DYNAMO_CACHE = _DYN not in _missing
-if not DYNAMO_CACHE:
-    dynamo_cache_entries = _unavailable(_DYN)
+DYNAMO_CACHE, dynamo_cache_entries = _optional(
+    "which modules Dynamo compiled (forward wrappers may make modules compiled before the "
+    "trace recompile)", "torch._C._dynamo.eval_frame:_debug_get_cache_entry_list")
 
 # the code of `nn.Module._call_impl`: a frame running it is a module call (attribution's seed;
 # None where torch has no such method: no module is found running then)

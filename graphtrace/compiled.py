@@ -613,10 +613,6 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
         return stand_in(t)
 
 
-def _is_dense(t: Any) -> bool:
-    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
-
-
 def _shape_of(value) -> tuple | None:
     """A tensor's shape when every size is a plain int, else None. Never int() a SymInt: that
     would specialize a dynamic size (a guard added to the graph being compiled)."""

@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Iterable, Mapping, NamedTuple
 
-from graphtrace.vocab import FIXES
+from graphtrace.vocab import FIXES, markdown_command
 
 __all__ = ["STACKS", "Stack", "FixText", "FIX_TEXTS", "detect_stack", "fix_text",
            "parse_release", "neutral_text", "LEGACY_TEXTS", "markdown_table"]
@@ -226,11 +226,5 @@ def markdown_table() -> str:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    _ap = argparse.ArgumentParser(prog="python -m graphtrace.fixes",
-                                  description="Print graphtrace's fix texts per stack.")
-    _ap.add_argument("--markdown", action="store_true", required=True,
-                     help="as the markdown table of docs/provenance.md")
-    _ap.parse_args()
-    print(markdown_table(), end="")
+    markdown_command("graphtrace.fixes", "fix texts per stack",
+                     "the markdown table of docs/provenance.md", markdown_table)

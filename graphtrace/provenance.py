@@ -146,7 +146,7 @@ class ProvenanceTable:
     `sites[i]` is site i as (op, frames); `_BEFORE` (-1) marks a storage alive when the trace
     opened. Swept as Note [provenance] says."""
 
-    __slots__ = ("index", "young", "sites", "site_ids", "n_added", "n_released", "_mark",
+    __slots__ = ("index", "young", "sites", "site_ids", "n_added", "_mark",
                  "__weakref__")
 
     def __init__(self):
@@ -155,7 +155,6 @@ class ProvenanceTable:
         self.sites: list[tuple[str, tuple]] = []
         self.site_ids: dict[tuple, int] = {}
         self.n_added = 0
-        self.n_released = 0
         self._mark = 0
 
     def site_id(self, key: tuple) -> int:
@@ -191,7 +190,6 @@ class ProvenanceTable:
             if entry is not None and expired(entry[0]):
                 del index[address]
                 free(entry[0])
-                self.n_released += 1
 
     def sweep(self) -> None:
         """Release the weak handles of every dead storage."""

@@ -7,6 +7,8 @@ The rule that gives each edge its verdict is graphtrace.verdict's (the verdict e
 
 from __future__ import annotations
 
+from typing import Callable
+
 __all__ = [
     "VERDICTS", "STALE_VERDICTS", "IMPACTS", "ORIGINS", "OWNER_STATUSES", "OWNER_KINDS",
     "ACCESS_KINDS", "EDGE_ACCESSES", "FRAMES", "SCHEMA", "COLUMNS", "COLUMN_KINDS",
@@ -162,12 +164,18 @@ def markdown_tables() -> str:
     return "\n".join(out) + "\n"
 
 
-if __name__ == "__main__":
+def markdown_command(module: str, what: str, where: str, table: Callable[[], str]) -> None:
+    """`python -m <module> --markdown`: print `table()`, the markdown `where` holds verbatim
+    (the command line of this module and of graphtrace.fixes)."""
     import argparse
 
-    _ap = argparse.ArgumentParser(prog="python -m graphtrace.vocab",
-                                  description="Print graphtrace's vocabulary.")
-    _ap.add_argument("--markdown", action="store_true", required=True,
-                     help="as the markdown tables of docs/internals.md")
-    _ap.parse_args()
-    print(markdown_tables(), end="")
+    ap = argparse.ArgumentParser(prog=f"python -m {module}",
+                                 description=f"Print graphtrace's {what}.")
+    ap.add_argument("--markdown", action="store_true", required=True, help=f"as {where}")
+    ap.parse_args()
+    print(table(), end="")
+
+
+if __name__ == "__main__":
+    markdown_command("graphtrace.vocab", "vocabulary", "the markdown tables of docs/internals.md",
+                     markdown_tables)

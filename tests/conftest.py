@@ -58,20 +58,34 @@ def gc_off():
 
 
 @pytest.fixture
-def traced_llama():
-    """A tiny transformers ``LlamaForCausalLM`` (made from a config, random init) captured
-    once, emulated, in a strict trace: ``(model, trace, [graph])``; the graph is kept alive
-    by the returned list, as an engine's capture artifacts keep theirs."""
+def tiny_llama():
+    """A factory of tiny transformers ``LlamaForCausalLM`` models, all of one config (vocabulary
+    64, 2 layers, width 32), random init: ``tiny_llama(seed=0)`` seeds torch, then builds one
+    in eval mode."""
     transformers = pytest.importorskip("transformers")
     import torch
-
-    import graphtrace as gt
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+
+    def make(seed: int = 0):
+        torch.manual_seed(seed)
+        return transformers.LlamaForCausalLM(cfg).eval()
+
+    return make
+
+
+@pytest.fixture
+def traced_llama(tiny_llama):
+    """A `tiny_llama` captured once, emulated, in a strict trace: ``(model, trace, [graph])``;
+    the graph is kept alive by the returned list, as an engine's capture artifacts keep
+    theirs."""
+    import torch
+
+    import graphtrace as gt
+
+    model = tiny_llama()
     ids = torch.randint(0, 64, (1, 8))
     with torch.no_grad(), gt.trace(model, strict=True) as t:
         with gt.capture("prefill") as g:

@@ -8,7 +8,6 @@ model is built once per module.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import types
 
 import pytest
@@ -120,15 +119,8 @@ def test_demo_model_compiled_reads_every_parameter_eager_reads():
         f"layers.{i}.input_layernorm.weight" for i in range(2)}  # read only by fused code
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                    reason="transformers is not installed (pip install -e .[dev])")
-def test_transformers_llama_compiled_reads_every_parameter_and_buffer_eager_reads():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    m = LlamaForCausalLM(cfg).eval()
+def test_transformers_llama_compiled_reads_every_parameter_and_buffer_eager_reads(tiny_llama):
+    m = tiny_llama()
     ids = torch.randint(0, 64, (1, 8))
     c = torch.compile(m, backend="inductor")
     with torch.no_grad():

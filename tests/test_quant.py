@@ -110,27 +110,14 @@ def test_a_plain_model_gets_no_subclass_blind_spot():
 
 # -- the reproduction: re-quantize a transformers model ------------------------------
 
-def _llama_int8():
-    transformers = pytest.importorskip("transformers")
+def test_transformers_llama_requantized_with_torchao_is_stale_on_the_inner_tensors(tiny_llama):
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = tiny_llama()
     quantize_(model, Int8WeightOnlyConfig())
-    return model, cfg
-
-
-def test_transformers_llama_requantized_with_torchao_is_stale_on_the_inner_tensors():
-    transformers = pytest.importorskip("transformers")
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    model, cfg = _llama_int8()
     ids = torch.randint(0, 64, (1, 8))
     t, keep = _capture(model, ids)
     guard = t.guard()
-    torch.manual_seed(1)
-    fresh = transformers.LlamaForCausalLM(cfg).eval()
+    fresh = tiny_llama(seed=1)
     quantize_(fresh, Int8WeightOnlyConfig())
     linears = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     for name in linears:

@@ -20,18 +20,10 @@ import pandas as pd
 import pytest
 
 import graphtrace.report.io as report_io
+import graphtrace.vocab as vocab
 from graphtrace.cli import main
 from graphtrace.explore import ownership_by_graph
 from graphtrace.report import MANIFEST, Report, ReportError, load_report
-from graphtrace.vocab import (
-    ACCESS_KINDS,
-    EDGE_ACCESSES,
-    IMPACTS,
-    ORIGINS,
-    OWNER_KINDS,
-    OWNER_STATUSES,
-    VERDICTS,
-)
 
 FIXTURE = Path(__file__).parent / "data" / "reload_report"
 REPO = Path(__file__).resolve().parents[1]
@@ -92,14 +84,14 @@ def one_line_error(folder: Path, pattern: str) -> str:
 # --------------------------------------------------------------------------- vocabularies
 
 VOCAB_CASES = [
-    ("edges", "verdict", 0, VERDICTS),
-    ("edges", "impact", 1, IMPACTS),
-    ("edges", "origin", 0, ORIGINS),
-    ("edges", "access", 4, EDGE_ACCESSES),
-    ("owners", "status", 2, OWNER_STATUSES),
-    ("owners", "kind", 5, OWNER_KINDS),
-    ("accesses", "access", 7, ACCESS_KINDS),
-    ("storages", "first_access", 3, ACCESS_KINDS),
+    ("edges", "verdict", 0, vocab.VERDICTS),
+    ("edges", "impact", 1, vocab.IMPACTS),
+    ("edges", "origin", 0, vocab.ORIGINS),
+    ("edges", "access", 4, vocab.EDGE_ACCESSES),
+    ("owners", "status", 2, vocab.OWNER_STATUSES),
+    ("owners", "kind", 5, vocab.OWNER_KINDS),
+    ("accesses", "access", 7, vocab.ACCESS_KINDS),
+    ("storages", "first_access", 3, vocab.ACCESS_KINDS),
 ]
 
 

@@ -438,7 +438,6 @@ class Keeper {
     }
   }
 
-  size_t n_scratch() const { return scratch_.size(); }
 
  private:
   struct Lent {
@@ -1100,10 +1099,6 @@ PyObject* Keeper_reclaim(KeeperObject* self, PyObject*) {
   return keeper_call([&] { self->keeper->reclaim(); });
 }
 
-PyObject* Keeper_scratch(KeeperObject* self, PyObject*) {
-  return PyLong_FromSize_t(self->keeper->n_scratch());
-}
-
 PyObject* Keeper_get_ops(KeeperObject* self, void*) {
   return Py_NewRef(self->keeper->ops);
 }
@@ -1117,8 +1112,6 @@ PyMethodDef keeper_methods[] = {
      "before a replay: fresh storages under the scratch aliases"},
     {"reclaim", reinterpret_cast<PyCFunction>(Keeper_reclaim), METH_NOARGS,
      "after a replay: the scratch aliases emptied again"},
-    {"scratch", reinterpret_cast<PyCFunction>(Keeper_scratch), METH_NOARGS,
-     "how many storages replay allocates afresh"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyObject* Keeper_get_floats(KeeperObject* self, void*) {

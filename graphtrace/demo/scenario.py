@@ -339,11 +339,16 @@ class Scenario:
 def run(model: torch.nn.Module, inputs: Iterable[tuple[str, Any]],
         reload: Callable[[torch.nn.Module], Any],
         perturb: Callable[[torch.nn.Module], Any] | None = None, *, device="cpu",
-        emulate: bool = True, strict: bool = True) -> Outcome:
-    """The whole scenario in one call: capture one graph per input inside `gt.trace(model)`,
-    run `reload(model)` inside the trace, diff; then, when the graphs replay, compare each
-    replay with the eager model and run the flip test with `perturb` (if given)."""
+        emulate: bool = True, strict: bool = True,
+        setup: Callable[[torch.nn.Module], Any] | None = None) -> Outcome:
+    """The whole scenario in one call: capture one graph per input inside `gt.trace(model)`
+    (after `setup(model)`, if given: what the engine runs in the trace before its captures,
+    such as its first load or a warm-up), run `reload(model)` inside the trace, diff; then,
+    when the graphs replay, compare each replay with the eager model and run the flip test
+    with `perturb` (if given)."""
     with Scenario(model, strict=strict) as sc:
+        if setup is not None:
+            setup(model)
         sc.capture(inputs, device=device, emulate=emulate)
         reloaded = sc.reload(reload)
         report = sc.diff()

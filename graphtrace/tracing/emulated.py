@@ -92,9 +92,6 @@ class _PyKeeper:
             for alias, *_ in lent:
                 alias.set_()
 
-    def scratch(self) -> int:
-        return len(self._scratch)
-
 
 def _keep_slow(keeper, func, args, kwargs, out, replay_flags) -> None:
     """Keep one recorded op by the tensor walker (graphtrace._schema.map_tensors), pinning

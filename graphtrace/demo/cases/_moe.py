@@ -9,6 +9,7 @@ the recorder sees every tensor the real kernel reads.
 
 `run_case` is what every MoE case runs: load, capture, reload (in place or layerwise),
 diff, flip; each case's fix is one switch of its quant method, on for the "fixed" variant.
+`refit_case` is the whole case of a method that rebinds the expert weights on a refit.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import torch.nn.functional as F
 
 from ..ops import NAMESPACE
 from .harness import CaseModel, capture_reload_diff, make_param, reload_inplace, reload_layerwise
-from .spec import Outcome
+from .spec import Case, Outcome, buggy_and_fixed
 
-__all__ = ["dense_moe", "silu_and_mul", "FusedMoEMethodBase", "UnquantizedMoEMethod", "FusedMoE",
-           "MoEBlock", "Layer", "MoEModel", "negate_live_w13", "run_case"]
+__all__ = ["EXPERTS", "dense_moe", "silu_and_mul", "FusedMoEMethodBase", "UnquantizedMoEMethod",
+           "FusedMoE", "MoEBlock", "Layer", "MoEModel", "negate_live_w13", "run_case",
+           "refit_case"]
 
 E, H, I, TOPK = 4, 16, 8, 2
+EXPERTS = "layers.*.mlp.experts"  # the owner pattern of every layer's FusedMoE
 
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 _lib.define(
@@ -215,3 +218,16 @@ def run_case(make_method, variant: str, reload: str, perturb, backend: str = "au
         raise ValueError(f"MoE cases reload 'vllm-inplace' or 'vllm-layerwise', not {reload!r}")
     model.load(model.checkpoint(0))
     return capture_reload_diff(model, model.inputs(), do_reload, perturb)
+
+
+def refit_case(make_method, *, buggy: str, fixed: str, **about) -> Case:
+    """The case of an unquantized MoE method whose process step gives `w13_weight` and
+    `w2_weight` new storages on an in-place refit (`about`: the `Case` fields that tell which
+    bug): the buggy variant reads both `stale`, the fixed one `stable`; the flip test negates
+    the live `w13_weight`."""
+    def run(variant: str, backend: str = "auto") -> Outcome:
+        return run_case(make_method, variant, "vllm-inplace", negate_live_w13)
+
+    rebound = {f"{EXPERTS}.w13_weight": "stale", f"{EXPERTS}.w2_weight": "stale"}
+    return Case(reload="vllm-inplace", variants=buggy_and_fixed(buggy, fixed, rebound), run=run,
+                **about)

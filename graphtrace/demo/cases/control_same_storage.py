@@ -25,11 +25,11 @@ import dataclasses
 
 import torch
 
-from .harness import CaseModel, make_param
+from .harness import CaseModel, MethodLayer, make_param
 from .spec import Case, Finds, control
 
 __all__ = [
-    "K", "N", "BATCH_SIZES", "ScaledLinearMethod", "ScaledLinear", "ControlModel", "run",
+    "K", "N", "BATCH_SIZES", "ScaledLinearMethod", "ControlModel", "run",
     "CASE"
 ]
 
@@ -50,25 +50,11 @@ class ScaledLinearMethod:
         return (x @ layer.weight.T) * layer.weight_scale
 
 
-class ScaledLinear(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.quant_method = ScaledLinearMethod()
-        self.quant_method.create_weights(self)
-
-    def forward(self, x):
-        return x + self.quant_method.apply(self, x)
-
-
 class ControlModel(CaseModel):
     def __init__(self, n_layers: int = 2):
         super().__init__()
-        self.layers = torch.nn.ModuleList(ScaledLinear() for _ in range(n_layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        self.layers = torch.nn.ModuleList(
+            MethodLayer(ScaledLinearMethod()) for _ in range(n_layers))
 
     def checkpoint(self, seed, only=None):
         g = torch.Generator().manual_seed(seed)

@@ -26,7 +26,7 @@ from ..kernels import replace_parameter, weight_loader  # noqa: F401  (re-export
 from .spec import Outcome
 
 __all__ = ["capture_reload_diff", "reload_layerwise", "reload_inplace", "make_param",
-           "replace_parameter", "weight_loader", "CaseModel"]
+           "replace_parameter", "weight_loader", "CaseModel", "MethodLayer"]
 
 
 def make_param(shape, dtype=torch.float32, loader: Callable = weight_loader) -> torch.nn.Parameter:
@@ -34,6 +34,20 @@ def make_param(shape, dtype=torch.float32, loader: Callable = weight_loader) -> 
     p = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader
     return p
+
+
+class MethodLayer(torch.nn.Module):
+    """A layer run by its quant method, as vLLM's linear and MoE layers are: the method creates
+    the layer's weights, processes them after loading and is the forward (residual here, so
+    a stack of layers keeps the input's shape)."""
+
+    def __init__(self, quant_method):
+        super().__init__()
+        self.quant_method = quant_method
+        quant_method.create_weights(self)
+
+    def forward(self, x):
+        return x + self.quant_method.apply(self, x)
 
 
 class CaseModel(torch.nn.Module):
@@ -82,16 +96,19 @@ def reload_inplace(model: CaseModel, checkpoint) -> str:
 def capture_reload_diff(model: torch.nn.Module, inputs: Iterable[tuple[str, torch.Tensor]],
                         reload: Callable[[torch.nn.Module], str],
                         perturb: Callable[[torch.nn.Module], str] | None = None, *,
-                        emulate: bool = True, strict: bool = True) -> Outcome:
+                        emulate: bool = True, strict: bool = True,
+                        setup: Callable[[torch.nn.Module], object] | None = None) -> Outcome:
     """Capture one graph per input, reload, diff; replay and flip when the graphs replay
     (`graphtrace.demo.scenario.run`, as a case's `Outcome`).
 
     `reload(model)` returns the name of the reload code that ran. `perturb(model)` changes,
     in place, the tensors the eager model reads after the reload, and names them. The
     reload runs inside the trace: the report says where the replacements were made (the
-    model was built before the trace: its storages read "before trace").
+    model was built before the trace: its storages read "before trace"); so does
+    `setup(model)`, before the captures (the engine's first load, a warm-up).
     """
-    res = scenario.run(model, inputs, reload, perturb, emulate=emulate, strict=strict)
+    res = scenario.run(model, inputs, reload, perturb, emulate=emulate, strict=strict,
+                       setup=setup)
     out = Outcome(report=res.report, backend=res.reloaded, rows=res.rows,
                   replay_eq_eager=res.replay_eq_eager)
     if res.flip is not None:

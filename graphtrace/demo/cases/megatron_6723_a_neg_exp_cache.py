@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .harness import CaseModel
+from .harness import CaseModel, capture_reload_diff
 from .spec import Case, Expect, Outcome, Variant
 
 __all__ = ["D", "BATCH_SIZES", "MambaMixer", "MambaModel", "run", "CASE"]
@@ -86,8 +86,6 @@ class MambaModel(CaseModel):
 
 
 def run(variant: str, backend: str = "auto") -> Outcome:
-    from .. import scenario
-
     model = MambaModel(rewrite_in_forward=variant == "graph-rewrites").eval()
     model.refit(model.checkpoint(0))
     g = torch.Generator().manual_seed(5)
@@ -111,21 +109,13 @@ def run(variant: str, backend: str = "auto") -> Outcome:
                 layer.A_log.add_(1.0)
         return "A_log, changed in place"
 
-    with scenario.Scenario(model, strict=True) as sc:
+    def warm_up(m):  # inside the trace: the cache is filled here
         with torch.no_grad():
-            model(inputs[0][1])  # warm-up, inside the trace: the cache is filled here
-        sc.capture(inputs)
-        reloaded = sc.reload(reload)
-        report = sc.diff()
-    out = Outcome(report=report, backend=reloaded)
-    if sc.replayable:
-        after = sc.replay()
-        out.rows = sc.rows
-        out.replay_eq_eager = sum(scenario.same_rows(a, e) for a, e in zip(after, sc.eager()))
-        if CASE.variant(variant).flip is not None:
-            flip = sc.flip(perturb, baseline=after)
-            out.flip_target, out.flip_changed = flip.target, flip.changed
-    return out
+            m(inputs[0][1])
+
+    flips = CASE.variant(variant).flip is not None
+    return capture_reload_diff(model, inputs, reload, perturb if flips else None,
+                               setup=warm_up)
 
 
 _CACHE = "layers.*._A_neg_exp_cache"

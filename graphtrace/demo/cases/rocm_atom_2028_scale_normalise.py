@@ -22,12 +22,14 @@ Variants:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .harness import CaseModel, make_param
+from .harness import CaseModel, MethodLayer, capture_reload_diff, make_param
 from .spec import Case, Expect, Finds, Variant
 
-__all__ = ["K", "N", "SYNCS", "BATCH_SIZES", "Fp8FnuzMethod", "ScaledLinear", "AtomModel",
+__all__ = ["K", "N", "SYNCS", "BATCH_SIZES", "Fp8FnuzMethod", "AtomModel",
            "run", "CASE"]
 
 K = N = 8
@@ -35,11 +37,12 @@ SYNCS = 3
 BATCH_SIZES = (1, 2)
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as the plain class it stands for
 class Fp8FnuzMethod:
-    """The e4m3fn -> e4m3fnuz process step: the scale doubles."""
+    """The e4m3fn -> e4m3fnuz process step: the scale doubles (`fixed`: from the
+    checkpoint's scale, kept apart, instead of in place)."""
 
-    def __init__(self, fixed: bool = False):
-        self.fixed = fixed
+    fixed: bool = False
 
     def create_weights(self, layer):
         layer.weight = make_param((N, K))
@@ -58,21 +61,12 @@ class Fp8FnuzMethod:
         return (x @ layer.weight.t()) * layer.weight_scale
 
 
-class ScaledLinear(torch.nn.Module):
-    def __init__(self, fixed: bool = False):
-        super().__init__()
-        self.quant_method = Fp8FnuzMethod(fixed)
-        self.quant_method.create_weights(self)
-
-    def forward(self, x):
-        return x + self.quant_method.apply(self, x)
-
-
 class AtomModel(CaseModel):
     def __init__(self, n_layers: int = 2, fixed: bool = False):
         super().__init__()
         self.fixed = fixed
-        self.layers = torch.nn.ModuleList(ScaledLinear(fixed) for _ in range(n_layers))
+        self.layers = torch.nn.ModuleList(
+            MethodLayer(Fp8FnuzMethod(fixed)) for _ in range(n_layers))
 
     def checkpoint(self, seed: int, weights_only: bool = False) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -88,9 +82,6 @@ class AtomModel(CaseModel):
 
 
 def run(variant: str, backend: str = "auto"):
-    from .. import scenario
-    from .spec import Outcome
-
     model = AtomModel(fixed=variant in ("fixed", "optimizer-step")).eval()
     g = torch.Generator().manual_seed(5)
     inputs = [(f"bs{b}", torch.randn(b, K, generator=g)) for b in BATCH_SIZES]
@@ -112,12 +103,8 @@ def run(variant: str, backend: str = "auto"):
                 m.process_weights_after_loading()
         return f"{SYNCS} syncs: load the weights, process again"
 
-    with scenario.Scenario(model, strict=True) as sc:
-        model.load(model.checkpoint(0))   # the first load and process, inside the trace
-        sc.capture(inputs)
-        reloaded = sc.reload(sync)
-        report = sc.diff()
-    out = Outcome(report=report, backend=reloaded)
+    out = capture_reload_diff(model, inputs, sync,
+                              setup=lambda m: m.load(m.checkpoint(0)))  # first load, in trace
     out.scale = [layer.weight_scale.detach().clone() for layer in model.layers]
     return out
 

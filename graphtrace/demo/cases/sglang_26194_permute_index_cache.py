@@ -33,11 +33,11 @@ import ctypes
 
 import torch
 
-from .harness import CaseModel, make_param
+from .harness import CaseModel, MethodLayer, capture_reload_diff, make_param
 from .spec import Case, Expect, Finds, Outcome, Variant
 
 __all__ = ["E", "H", "I", "BATCH_SIZES", "permute_indices", "UnquantizedFusedMoEMethod",
-           "FusedMoE", "MoEModel", "pause_resume", "run", "CASE"]
+           "MoEModel", "pause_resume", "run", "CASE"]
 
 E, H, I = 2, 8, 4   # experts, hidden size, intermediate size per partition
 BATCH_SIZES = (1, 2)
@@ -88,20 +88,11 @@ class UnquantizedFusedMoEMethod:
         return out
 
 
-class FusedMoE(torch.nn.Module):
-    def __init__(self, clear_each_cycle: bool = False):
-        super().__init__()
-        self.quant_method = UnquantizedFusedMoEMethod(clear_each_cycle)
-        self.quant_method.create_weights(self)
-
-    def forward(self, x):
-        return x + self.quant_method.apply(self, x)
-
-
 class MoEModel(CaseModel):
     def __init__(self, n_layers: int = 2, clear_each_cycle: bool = False):
         super().__init__()
-        self.layers = torch.nn.ModuleList(FusedMoE(clear_each_cycle) for _ in range(n_layers))
+        self.layers = torch.nn.ModuleList(
+            MethodLayer(UnquantizedFusedMoEMethod(clear_each_cycle)) for _ in range(n_layers))
 
     def checkpoint(self, seed: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -129,8 +120,6 @@ def pause_resume(model: MoEModel) -> None:
 
 
 def run(variant: str, backend: str = "auto") -> Outcome:
-    from .. import scenario
-
     model = MoEModel(clear_each_cycle=variant == "fixed").eval()
     g = torch.Generator().manual_seed(5)
     inputs = [(f"bs{b}", torch.randn(b, H, generator=g)) for b in BATCH_SIZES]
@@ -143,19 +132,8 @@ def run(variant: str, backend: str = "auto") -> Outcome:
             m.process_weights_after_loading()
         return "pause/resume (memory saver), load_weights, process_weights_after_loading"
 
-    with scenario.Scenario(model, strict=True) as sc:
-        model.load(model.checkpoint(0))   # the first load and post-load cycle, in the trace
-        sc.capture(inputs)
-        reloaded = sc.reload(update)
-        report = sc.diff()
-    out = Outcome(report=report, backend=reloaded)
-    want = model.expected(new)
-    out.weights_right = all(torch.equal(p, want[n]) for n, p in model.named_parameters())
-    if sc.replayable:
-        after = sc.replay()
-        out.rows = sc.rows
-        out.replay_eq_eager = sum(scenario.same_rows(a, e) for a, e in zip(after, sc.eager()))
-    return out
+    return capture_reload_diff(model, inputs, update,  # the first post-load cycle in trace
+                               setup=lambda m: m.load(m.checkpoint(0)))
 
 
 _READ = ("layers.*.w13_weight", "layers.*.w2_weight")

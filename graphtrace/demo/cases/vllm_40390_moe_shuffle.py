@@ -21,15 +21,14 @@ from __future__ import annotations
 import torch
 
 from . import _moe
+from ._moe import EXPERTS
 from .harness import replace_parameter
-from .spec import Case, buggy_and_fixed
 
 __all__ = [
     "EXPERTS", "BLOCK", "shuffle_weight", "unshuffle_weight", "UnquantizedFusedMoEMethod",
     "run", "CASE"
 ]
 
-EXPERTS = "layers.*.mlp.experts"
 BLOCK = 4  # the shuffle's block along the input dimension
 
 
@@ -64,11 +63,8 @@ class UnquantizedFusedMoEMethod(_moe.UnquantizedMoEMethod):
                               _moe.silu_and_mul)
 
 
-def run(variant: str, backend: str = "auto"):
-    return _moe.run_case(UnquantizedFusedMoEMethod, variant, CASE.reload, _moe.negate_live_w13)
-
-
-CASE = Case(
+CASE = _moe.refit_case(
+    UnquantizedFusedMoEMethod,
     name="vllm-40390-moe-shuffle",
     reference="vLLM #40390, NeMo-RL #2895",
     source="vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py: "
@@ -76,10 +72,7 @@ CASE = Case(
     rebound="`w13_weight` / `w2_weight` re-registered by `replace_parameter` after the "
             "shuffle on every weight update",
     fix="`replace_parameter(..., prefer_copy=is_weight_update)`",
-    reload="vllm-inplace",
-    variants=buggy_and_fixed(
-        "replace_parameter without prefer_copy", "prefer_copy=is_weight_update",
-        {f"{EXPERTS}.w13_weight": "stale", f"{EXPERTS}.w2_weight": "stale"}),
-    run=run,
+    buggy="replace_parameter without prefer_copy", fixed="prefer_copy=is_weight_update",
     note="on CUDA the replaced parameters are freed (dangling) unless something else holds them",
 )
+run = CASE.run

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _moe
+from ._moe import EXPERTS
 from .harness import make_param
 from .spec import Case, buggy_and_fixed
 
@@ -37,7 +38,6 @@ __all__ = [
     "FusedMoEModularKernel", "Fp8MoEMethod", "run", "CASE"
 ]
 
-EXPERTS = "layers.*.mlp.experts"
 
 
 @dataclass

@@ -17,13 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from . import _moe
-from .spec import Case, buggy_and_fixed
+from ._moe import EXPERTS
 
 __all__ = [
     "EXPERTS", "NUM_PAD", "maybe_pad_weight", "is_padded", "PaddedMoEMethod", "run", "CASE"
 ]
 
-EXPERTS = "layers.*.mlp.experts"
 NUM_PAD = 4
 
 
@@ -49,11 +48,8 @@ class PaddedMoEMethod(_moe.UnquantizedMoEMethod):
                 param.data = padded  # the bug: a new storage on every run
 
 
-def run(variant: str, backend: str = "auto"):
-    return _moe.run_case(PaddedMoEMethod, variant, CASE.reload, _moe.negate_live_w13)
-
-
-CASE = Case(
+CASE = _moe.refit_case(
+    PaddedMoEMethod,
     name="vllm-46009-moe-padding",
     reference="vLLM #46009",
     source="vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py: "
@@ -61,10 +57,7 @@ CASE = Case(
     rebound="`w13_weight` / `w2_weight` storage swapped by `param.data = padded` (same "
             "Parameter object, new storage)",
     fix="`copy_` into the existing padded storage",
-    reload="vllm-inplace",
-    variants=buggy_and_fixed(
-        "param.data = F.pad(...)[..., :-pad] on every run",
-        "copy_ into the padded storage on updates",
-        {f"{EXPERTS}.w13_weight": "stale", f"{EXPERTS}.w2_weight": "stale"}),
-    run=run,
+    buggy="param.data = F.pad(...)[..., :-pad] on every run",
+    fixed="copy_ into the padded storage on updates",
 )
+run = CASE.run
