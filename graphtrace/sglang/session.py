@@ -28,7 +28,7 @@ from graphtrace.serving import Ranks, ServingCore, pending, strict
 
 logger = logging.getLogger("graphtrace.sglang")
 
-__all__ = ["SglangSession", "COMPLETE_UPDATES", "UPDATE_BEGINS", "tp_ranks"]
+__all__ = ["SglangSession", "COMPLETE_UPDATES", "UPDATE_BEGINS", "tp_ranks", "tp_rank"]
 
 # SGLang's weight-update entry points (SchedulerWeightUpdaterManager, sglang 0.5.23): which
 # begin an update, and which end one (checked when they return: `ServingCore.complete`).
@@ -123,7 +123,7 @@ class SglangSession:
             self._trace.watch(runner.model, name=f"runner{id(runner):x}")
             return
         self.runner, self.model = runner, runner.model
-        self._rank = int(getattr(runner, "tp_rank", 0) or 0)
+        self._rank = tp_rank(runner)
         self._trace.watch(runner.model, name="")
         if self.core is not None:
             self.core.watch_versions()  # Note [in-place writes] (graphtrace/serving.py)
@@ -236,6 +236,17 @@ class SglangSession:
         if self.core is not None:
             self.core.close()
         self._trace.__exit__(None, None, None)
+
+
+def tp_rank(runner=None) -> int:
+    """This scheduler's tensor-parallel rank: SGLang 0.5.23 keeps it in its runtime context
+    (``get_parallel().tp_rank``; older releases on the model runner)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank or 0)
+    except Exception:
+        return int(getattr(runner, "tp_rank", 0) or 0)
 
 
 def tp_ranks() -> Ranks | None:
