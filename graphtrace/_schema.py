@@ -56,11 +56,16 @@ def _carries_tensors(type_str: str) -> bool:
     return "Tensor" in type_str
 
 
+# torch's distributed classes (a process group, a reduce op, a pending work): communicators
+# that pack no tensors, so not opaque handles (a tensor-parallel forward's all_reduce reads one)
+_NO_PACKED_TENSORS = ("__torch__.torch.classes.c10d.",)
+
+
 def _carries_objects(t: JitType) -> bool:
     """A ScriptObject argument (`__torch__.torch.classes.quantized.LinearPackedParamsBase`),
-    also inside Optional[...] or a list."""
+    also inside Optional[...] or a list; not torch's communicators (`_NO_PACKED_TENSORS`)."""
     if isinstance(t, ClassType):
-        return True
+        return not t.qualified_name().startswith(_NO_PACKED_TENSORS)
     return any(_carries_objects(c) for c in t.containedTypes())
 
 

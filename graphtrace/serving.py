@@ -41,7 +41,18 @@ the rebinding that a client's own weight processing may do along with it.
 
 The dirty flag is cleared only by a passing check (``raise``), or once the problems were
 logged (``warn``) or re-captured away (``recapture``). So a refused engine refuses every
-forward until a correct update (or a re-capture) passes. An internal error of the core
+forward until a correct update (or a re-capture) passes.
+
+Note [recapture that cannot help]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under ``recapture`` the engine is asked to record its graphs again. Where it cannot, or
+where graphtrace's re-recording would not rebuild what the engine replays (SGLang's compiled
+CPU graphs: Inductor froze the weights into the compiled code, and re-running an eager dummy
+forward would pass the guard while decode keeps the old constants), a re-capture claimed
+would be a false all-clear. So the engine says why not (`ServedEngine.cannot_recapture`, or
+`recapture` answering False), and the check then acts as under ``raise``: the problems
+stand, the engine stays dirty, the refusal's text starts with that reason. With several
+ranks, one rank that cannot makes every rank act so (they agree first). An internal error of the core
 is logged and counted and the engine serves (fail open), unless ``GRAPHTRACE_STRICT=1``.
 """
 
@@ -101,7 +112,13 @@ class ServedEngine(Protocol):
     def recapture(self, captures: list) -> bool:
         """``recapture``: record the graphs of ``captures`` again on the updated model
         (appended to the trace's captures); False when the engine cannot (the problems
-        stand). Only asked under ``recapture``."""
+        stand, and the update is refused as under ``raise``: Note [recapture that cannot
+        help]). Only asked under ``recapture``."""
+
+    def cannot_recapture(self, captures: list) -> str | None:
+        """Optional: why re-recording ``captures`` would not rebuild what the engine replays
+        (one line, naming the engine's runner), or None when it can; asked before
+        `recapture`. An adapter without it is asked `recapture` directly."""
 
 
 def pending() -> list["ServingCore"]:
@@ -119,14 +136,18 @@ class ServingCore:
     written, the entries are kept in ``history``). ``accept``: blind-spot kinds the guard
     accepts. ``complete``: the entry points that are a whole update by themselves (checked
     when they end). ``collective``: a callable giving the `Ranks` that agree on each check,
-    or None for one rank (`single_rank`). ``log``: where its messages go (the adapter's logger).
+    or None for one rank (`single_rank`). ``every_rank_raises``: with several ranks, each
+    raises the agreed error (an engine that answers with one rank's result and must refuse
+    on every rank alike: SGLang); by default only the last rank does (vLLM: Note [one rank
+    raises] in graphtrace/vllm/plugin.py). ``log``: where its messages go (the adapter's
+    logger).
     """
 
     def __init__(self, engine: ServedEngine, action: str | Callable[[], str] = "raise",
                  folder: Callable[[], Path | None] | None = None, *,
                  accept: Iterable[str] = (), complete: Iterable[str] = (),
                  collective: Callable[[], Ranks | None] = single_rank,
-                 log: logging.Logger = logger):
+                 every_rank_raises: bool = False, log: logging.Logger = logger):
         if isinstance(action, str) and action not in ACTIONS:
             raise ValueError(f"guard action {action!r} is not one of {', '.join(ACTIONS)}")
         self.engine = engine
@@ -135,6 +156,7 @@ class ServingCore:
         self.accept = tuple(accept)
         self.complete = frozenset(complete)
         self.collective = collective
+        self.every_rank_raises = every_rank_raises
         self.log = log
         self.guard = None
         self.n_graphs = 0       # captures the guard covers
@@ -248,33 +270,46 @@ class ServingCore:
                 failure = sys.exc_info()
                 self._failed("checking the guard (" + trigger + ")")
             found = len(problems) > 0
+            refused = None  # why the engine cannot re-capture (Note [recapture that cannot help])
             if action == "recapture" and (_any(ranks, found) if ranks is not None else found):
                 try:  # a re-capture may be collective: all ranks re-capture
-                    problems = self._recapture(problems)
-                except Exception:
+                    problems, refused = self._recapture(problems)
+                except Exception as exc:
                     failure = failure or sys.exc_info()
+                    refused = f"re-recording the graphs failed ({type(exc).__name__}: {exc})"
                     self._failed("re-capturing (" + trigger + ")")
-            entry = self._record(trigger, problems, action)
+                if ranks is not None and _any(ranks, refused is not None) and refused is None:
+                    refused = "another rank cannot re-capture"
+            entry = self._record(trigger, problems, action, refused)
+            if refused is not None:
+                action = "raise"  # the problems stand: refused as under raise
             try:  # graphs captured from now on: their owners from a fresh walk
                 trace.models_changed()
             except Exception:
                 self._failed("refreshing owners (" + trigger + ")")
-            gathered = _gather_problems(ranks, problems, self.rank()) if ranks is not None else None
-            bad = any(len(f) for _, f in gathered) if gathered is not None else bool(len(problems))
+            note = f"recapture is not possible: {refused}\n" if refused is not None else ""
+            gathered = _gather_problems(ranks, problems, self.rank(), note) \
+                if ranks is not None else None
+            bad = any(len(f) for _, f, _ in gathered) if gathered is not None \
+                else bool(len(problems))
             what = self._what(trigger)
             if action != "raise" or not bad:  # all ranks agree: they stay dirty together
                 self.dirty = False
                 self.updates = []
+            elif self.every_rank_raises:  # a clean rank refuses too: it checks with the others
+                self.dirty = True
         self._rebase_versions()  # writes from now on are the next update's
         self.refusal = None
-        self._decide(action, problems, gathered, ranks, what)
+        self._decide(action, problems, gathered, ranks, what, note)
         if failure is not None and strict():
             raise failure[1].with_traceback(failure[2])
         return entry
 
-    def _decide(self, action: str, problems, gathered, ranks: Ranks | None, what: str) -> None:
+    def _decide(self, action: str, problems, gathered, ranks: Ranks | None, what: str,
+                note: str = "") -> None:
         """The refusal: ``warn`` logs; ``raise`` raises `StaleGraphError` (one rank: here;
-        several: in the last rank, for all) and keeps it in `refusal` while it stands."""
+        several: in the last rank, for all, or in every rank) and keeps it in `refusal` while
+        it stands. ``note``: a line put before the problems (why a re-capture could not)."""
         from graphtrace.guard import StaleGraphError, describe
 
         try:
@@ -285,7 +320,7 @@ class ServingCore:
             elif ranks is None:
                 if len(problems):
                     raise StaleGraphError(f"graphtrace guard (rank {self.rank()}, {what}): "
-                                          f"{describe(problems)}", problems)
+                                          f"{note}{describe(problems)}", problems)
             else:
                 self._raise_for_all_ranks(ranks, gathered, problems, what)
         except StaleGraphError as exc:
@@ -382,21 +417,22 @@ class ServingCore:
             self._versions = total
 
     def _raise_for_all_ranks(self, ranks: Ranks, gathered: list, problems, what: str) -> None:
-        """Several ranks (below, "several ranks"): the last one raises for all."""
+        """Several ranks (below, "several ranks"): the last one raises for all (or each one
+        does, ``every_rank_raises``)."""
         from graphtrace.guard import StaleGraphError, describe
 
-        bad = {r: frame for r, frame in gathered if len(frame)}
+        bad = {r: (frame, note) for r, frame, note in gathered if len(frame)}
         if not bad:
             return
-        if ranks.rank != ranks.size - 1:
+        if ranks.rank != ranks.size - 1 and not self.every_rank_raises:
             if len(problems):
                 self.log.error("graphtrace guard (rank %s, %s): %s (the last rank raises for "
                                "all ranks)", self.rank(), what, describe(problems))
             return
         import pandas as pd
 
-        text = "\n".join(f"rank {r}: {describe(frame)}" for r, frame in bad.items())
-        merged = pd.concat([f.assign(rank=r) for r, f in bad.items()], ignore_index=True)
+        text = "\n".join(f"rank {r}: {note}{describe(frame)}" for r, (frame, note) in bad.items())
+        merged = pd.concat([f.assign(rank=r) for r, (f, _) in bad.items()], ignore_index=True)
         raise StaleGraphError(f"graphtrace guard ({what}), problems in rank(s) "
                               f"{', '.join(map(str, bad))} of {len(gathered)}:\n{text}", merged)
 
@@ -409,7 +445,7 @@ class ServingCore:
         self.errors += 1
         self.log.exception("graphtrace: guard error %s (fail open)", where)
 
-    def _record(self, trigger: str, problems, action: str) -> dict:
+    def _record(self, trigger: str, problems, action: str, refused: str | None = None) -> dict:
         """One entry per check: in ``history``, and a line of ``checks.jsonl`` (with the
         problems in ``problems-<N>.csv``) when the core has a folder."""
         import json
@@ -424,6 +460,8 @@ class ServingCore:
                  "graphs": len(self.guard.graphs) if self.guard is not None else 0,
                  "storages": len(self.guard) if self.guard is not None else 0,
                  "time": time.time()}
+        if refused is not None:
+            entry["recapture_refused"] = refused
         folder = self.folder()
         if folder is not None and self.guard is not None:
             try:
@@ -440,22 +478,29 @@ class ServingCore:
         del self.history[:-100]
         return entry
 
-    def _recapture(self, problems):
+    def _recapture(self, problems) -> tuple[Any, str | None]:
         """``recapture``: the engine records the graphs again on the updated model; the guard
-        then covers the new graphs only, and is checked."""
+        then covers the new graphs only, and is checked. Returns the problems and, where the
+        engine cannot re-capture, why (the problems stand: Note [recapture that cannot
+        help])."""
         trace = self.engine.trace
         captures = trace.captures
         start = len(captures)
-        if not self.engine.recapture(list(captures[self.first_graph:])):
-            return problems  # the engine cannot: the problems stand
+        old = list(captures[self.first_graph:])
+        ask = getattr(self.engine, "cannot_recapture", None)
+        why = ask(old) if ask is not None else None
+        if why is not None:
+            return problems, why
+        if not self.engine.recapture(old):
+            return problems, "the engine could not record its graphs again"
         self.first_graph = start
         self.guard = None
         guard = self.refresh()
         if guard is None:
             self.log.warning("graphtrace: recapture: no graph could be re-recorded; nothing to guard")
-            return problems.iloc[0:0]
+            return problems.iloc[0:0], None
         self.log.info("graphtrace: recaptured %d graph(s) after a weight update", len(guard.graphs))
-        return guard.check()
+        return guard.check(), None
 
 
 # -- several ranks ---------------------------------------------------------------------------
@@ -469,10 +514,10 @@ def _any(ranks: Ranks, flag: bool) -> bool:
     return any(ranks.gather(bool(flag)))
 
 
-def _gather_problems(ranks: Ranks, problems, label: int) -> list:
-    """[(rank label, problems)] of every rank."""
+def _gather_problems(ranks: Ranks, problems, label: int, note: str = "") -> list:
+    """[(rank label, problems, note)] of every rank."""
     import pandas as pd
 
-    mine = (label, problems.to_dict("records"), list(problems.columns))
-    return [(r, pd.DataFrame(rows, columns=columns))
-            for r, rows, columns in ranks.gather(mine)]
+    mine = (label, problems.to_dict("records"), list(problems.columns), note)
+    return [(r, pd.DataFrame(rows, columns=columns), n)
+            for r, rows, columns, n in ranks.gather(mine)]

@@ -70,3 +70,26 @@ def test_packed_params_are_not_kept_alive_by_the_recorder(gc_off):
     assert old() is None, "graphtrace keeps the old packed object alive"
     e = t.diff().edges.set_index("owners").loc["0._packed_params._packed_params"]
     assert e.verdict == "dangling"
+
+
+def test_a_process_group_read_by_all_reduce_is_no_opaque_handle(tmp_path):
+    """torch's communicators (``c10d.ProcessGroup``: a tensor-parallel forward's all_reduce)
+    pack no tensors: read by a captured graph, they are not an opaque-handle blind spot that
+    would fail every guarded update of a tensor-parallel engine (SGLang tp_size=2)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        with gt.trace(model, strict=True) as t:
+            with gt.capture("g"):
+                out = model(torch.rand(2, 4))
+                dist.all_reduce(out)
+            guard = t.guard()
+        assert not any("c10d" in str(s) for s in t.diff().blind_spots)
+        assert len(guard.check()) == 0  # nothing unchecked after no update
+    finally:
+        dist.destroy_process_group()

@@ -51,20 +51,30 @@ class Adapter:
         return False  # this engine cannot re-capture: the problems stand
 
 
+class CompiledAdapter(Adapter):
+    """An engine whose graphs graphtrace could re-record, but not as the engine replays them
+    (SGLang's compiled CPU graphs): it says so before being asked to re-capture."""
+
+    def cannot_recapture(self, captures: list) -> str | None:
+        return f"TestRunner compiled {', '.join(c.label for c in captures)} with its weights inside"
+
+
 class Server:
     """A made-up engine (SGLang's entry points) serving a captured `Model` through the core."""
 
     UPDATES = frozenset({"update_weights_from_disk", "end_weight_update",
                          "resume_memory_occupation"})
 
-    def __init__(self, folder=None, rank: int = 0, collective=None, action="raise"):
+    def __init__(self, folder=None, rank: int = 0, collective=None, action="raise",
+                 adapter=Adapter, every_rank_raises: bool = False):
         self.model = Model()
         with torch.no_grad(), gt.trace(self.model) as trace:
             with gt.capture("decode") as self.graph:  # kept alive, as a CUDA graph would be
                 self.model(torch.ones(2, 4))
         extra = {"collective": collective} if collective is not None else {}
-        self.core = ServingCore(Adapter(trace, rank), action, (lambda: folder) if folder else None,
-                                complete=self.UPDATES, **extra)
+        self.core = ServingCore(adapter(trace, rank), action, (lambda: folder) if folder else None,
+                                complete=self.UPDATES, every_rank_raises=every_rank_raises,
+                                **extra)
         self.core.watch_versions()  # the loaded weights: Note [in-place writes]
 
     # -- update entry points: each fires the core's events -----------------------------------
@@ -180,9 +190,41 @@ def test_recapture_asks_the_engine_and_the_problems_stand_where_it_cannot(tmp_pa
         ok, message = server.update_weights_from_disk({}, rebind_scale=True)
         assert server.core.engine.recaptured == [["decode"]]  # asked, with the graphs to redo
         assert not ok and "kernel.scale [moved]" in message  # it could not: refused
+        assert "recapture is not possible: the engine could not record" in message
         assert server.core.last["n_problems"] == 1 and server.core.last["action"] == "recapture"
+        refused = server.generate()  # and it stays refused, as under raise
+        assert not refused["success"] and "kernel.scale" in refused["message"]
+        assert server.core.dirty and server.core.refusal_info() is not None
     finally:
         server.core.close()
+
+
+def test_a_recapture_that_cannot_help_is_not_tried_and_the_engine_fails_closed(tmp_path):
+    server = Server(folder=tmp_path, action="recapture", adapter=CompiledAdapter)
+    core = server.core
+    try:
+        captured = server.model.kernel.scale
+        ok, message = server.update_weights_from_disk({}, rebind_scale=True)
+        assert not ok and core.engine.recaptured == []  # not asked: it said why not first
+        first, rest = message.split("\n", 1)
+        assert first.endswith("recapture is not possible: TestRunner compiled decode with "
+                              "its weights inside")
+        assert "kernel.scale [moved]" in rest
+        for _ in range(2):  # every forward is refused until a correct update
+            refused = server.generate()
+            assert not refused["success"] and "recapture is not possible: TestRunner" in \
+                refused["message"].split("\n")[0]
+        assert core.dirty and core.refusal_info()["message"] == refused["message"]
+
+        server.begin_weight_update()  # a correct update: it serves again
+        server.model.kernel.scale = captured
+        assert server.end_weight_update() == (True, "ok")
+        assert server.generate()["success"] and not core.dirty
+        lines = _checks(tmp_path)
+        assert [(e["ok"], e.get("recapture_refused", "")[:10]) for e in lines] == [
+            (False, "TestRunner"), (False, "TestRunner"), (False, "TestRunner"), (True, "")]
+    finally:
+        core.close()
 
 
 class ThreadGroup:
@@ -246,3 +288,22 @@ def test_ranks_that_disagree_check_together_and_the_last_raises_for_all():
         for s in ranks:
             s.core.close()
 
+
+
+def test_every_rank_raises_where_the_engine_answers_with_one_ranks_result():
+    """``every_rank_raises`` (SGLang: rank 0 answers, every rank aborts the same requests):
+    a stale holder on rank 1 only makes both ranks raise the same agreed error."""
+    group = ThreadGroup(2)
+    ranks = [Server(rank=r, collective=group.collective(r), every_rank_raises=True)
+             for r in range(2)]
+    try:
+        ranks[1].core.update_begin("update_weights_from_disk")
+        ranks[1].model.kernel.scale = torch.full((4,), 2.0)
+        (_, exc0), (_, exc1) = _on_ranks(ranks, lambda s: s.core.check("update_weights_from_disk"))
+        assert isinstance(exc0, gt.StaleGraphError) and isinstance(exc1, gt.StaleGraphError)
+        assert "problems in rank(s) 1 of 2" in str(exc0) and "problems in rank(s) 1 of 2" in str(exc1)
+        assert str(exc0).split(":", 1)[1] == str(exc1).split(":", 1)[1]  # the same problems
+        assert all(s.core.dirty and s.core.refusal_info() is not None for s in ranks)
+    finally:
+        for s in ranks:
+            s.core.close()

@@ -41,7 +41,7 @@ import threading
 
 from graphtrace.serving import strict
 from graphtrace.sglang import env
-from graphtrace.sglang.session import COMPLETE_UPDATES, UPDATE_BEGINS, SglangSession
+from graphtrace.sglang.session import COMPLETE_UPDATES, UPDATE_BEGINS, SglangSession, tp_rank
 
 logger = logging.getLogger("graphtrace.sglang")
 
@@ -110,7 +110,7 @@ def _open(runner) -> None:
         if _session is not None:
             return
         guard = env.guard_action if env.guard_mode() else None
-        rank = int(getattr(runner, "tp_rank", 0) or 0)
+        rank = tp_rank(runner)
         _session = SglangSession(guard=guard, folder=lambda: env.guard_folder(rank),
                                  batch_sizes=env.emulated_batch_sizes())
         _add_scheduler_methods()

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Callable
 
 import graphtrace as gt
-from graphtrace.serving import ServingCore, pending, strict
+from graphtrace.serving import Ranks, ServingCore, pending, strict
 
 logger = logging.getLogger("graphtrace.sglang")
 
-__all__ = ["SglangSession", "COMPLETE_UPDATES", "UPDATE_BEGINS"]
+__all__ = ["SglangSession", "COMPLETE_UPDATES", "UPDATE_BEGINS", "tp_ranks", "tp_rank"]
 
 # SGLang's weight-update entry points (SchedulerWeightUpdaterManager, sglang 0.5.23): which
 # begin an update, and which end one (checked when they return: `ServingCore.complete`).
@@ -70,7 +70,8 @@ class SglangSession:
         self.graphs: list = []         # the emulated graphs, kept like capture artifacts
         self.batch_sizes = tuple(batch_sizes)
         self._rank = 0
-        self.core = ServingCore(self, guard, folder, complete=COMPLETE_UPDATES, log=logger) \
+        self.core = ServingCore(self, guard, folder, complete=COMPLETE_UPDATES,
+                                collective=tp_ranks, every_rank_raises=True, log=logger) \
             if guard is not None else None
 
     # -- the serving core's engine (graphtrace.serving.ServedEngine) -------------------------
@@ -81,12 +82,33 @@ class SglangSession:
     def rank(self) -> int:
         return self._rank
 
+    def cannot_recapture(self, captures: list) -> str | None:
+        """Only the emulated graphs of SGLang's eager dummy decode run (CPU, no graph runner)
+        can be recorded again as the engine runs them; for any other capture, why not (Note
+        [recapture that cannot help] in graphtrace/serving.py)."""
+        compiled = [c.label for c in captures if c.info.get("sglang_cpu_graph")]
+        if compiled:
+            return (f"SGLang's CPUGraphRunner compiled {', '.join(compiled)} with Inductor "
+                    "freezing (the weights are constants inside its compiled code) and SGLang "
+                    "0.5.23 never re-captures on CPU; re-recording SGLang's eager dummy decode "
+                    "would not rebuild what the runner replays")
+        cuda = [c.label for c in captures if c.kind == "cuda"]
+        if cuda:
+            return (f"SGLang's CUDA graph runners captured {', '.join(cuda)} and re-capture "
+                    "them only inside update_weights_from_disk(recapture_cuda_graph=True); "
+                    "graphtrace cannot re-capture them")
+        other = [c.label for c in captures if not c.info.get("dummy_run")]
+        if other:
+            return (f"{', '.join(other)} were not recorded from SGLang's eager dummy decode "
+                    "run, the only graphs graphtrace can record again")
+        if self.runner is None:
+            return "no SGLang model runner is watched"
+        return None
+
     def recapture(self, captures: list) -> bool:
         """``GRAPHTRACE_GUARD=recapture``: the emulated decode graphs are recorded again on
-        the updated model. SGLang re-captures CUDA graphs only inside
-        ``update_weights_from_disk(recapture_cuda_graph=True)``: for real graphs the problems
-        stand."""
-        if any(c.kind == "cuda" for c in captures) or self.runner is None:
+        the updated model (only those: `cannot_recapture`)."""
+        if self.cannot_recapture(captures) is not None:
             return False
         sizes = [c.info["batch_size"] for c in captures if "batch_size" in c.info]
         self.graphs.clear()
@@ -101,7 +123,7 @@ class SglangSession:
             self._trace.watch(runner.model, name=f"runner{id(runner):x}")
             return
         self.runner, self.model = runner, runner.model
-        self._rank = int(getattr(runner, "tp_rank", 0) or 0)
+        self._rank = tp_rank(runner)
         self._trace.watch(runner.model, name="")
         if self.core is not None:
             self.core.watch_versions()  # Note [in-place writes] (graphtrace/serving.py)
@@ -214,6 +236,35 @@ class SglangSession:
         if self.core is not None:
             self.core.close()
         self._trace.__exit__(None, None, None)
+
+
+def tp_rank(runner=None) -> int:
+    """This scheduler's tensor-parallel rank: SGLang 0.5.23 keeps it in its runtime context
+    (``get_parallel().tp_rank``; older releases on the model runner)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank or 0)
+    except Exception:
+        return int(getattr(runner, "tp_rank", 0) or 0)
+
+
+def tp_ranks() -> Ranks | None:
+    """The serving core's collective in SGLang: this scheduler's tensor-parallel group (its
+    `GroupCoordinator`, sglang.srt.distributed), agreeing through ``all_gather_object`` on
+    the group's CPU (gloo) group; None with one rank or no distributed state. Every rank
+    raises the agreed refusal (``every_rank_raises``): SGLang answers a client with rank 0's
+    result, and every rank must abort the same requests, or their batches (and collectives)
+    diverge."""
+    try:
+        from sglang.srt.distributed import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # no distributed state (a bare session, tests)
+        return None
+    if group is None or getattr(group, "world_size", 1) <= 1:
+        return None
+    return Ranks(group.rank_in_group, group.world_size, group.all_gather_object)
 
 
 def _dummy_buffers(runner, eager):

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_probe import EngineGate
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-REQUIRE = os.environ.get("GRAPHTRACE_REQUIRE_SGLANG") == "1"
 PLACEHOLDER_LOG = "GRAPHTRACE_SGL_KERNEL_LOG"
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # before sglang is imported (the probe)
@@ -55,23 +56,16 @@ def _probe() -> str | None:
     return None
 
 
-_WHY_NOT = _probe()
+GATE = EngineGate("SGLang", "sglang", "GRAPHTRACE_REQUIRE_SGLANG", HERE, _probe)
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if HERE in Path(str(item.fspath)).resolve().parents:
-            item.add_marker(pytest.mark.sglang)
+    GATE.mark(items)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _need_sglang():
-    if _WHY_NOT is None:
-        return
-    if REQUIRE:
-        pytest.fail(f"GRAPHTRACE_REQUIRE_SGLANG=1 but SGLang is not usable: {_WHY_NOT}",
-                    pytrace=False)
-    pytest.skip(f"SGLang is not usable here ({_WHY_NOT})")
+    GATE.need()
 
 
 @pytest.fixture(scope="session")

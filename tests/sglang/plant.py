@@ -12,6 +12,9 @@ post-load step does to it at each later update is read from the mode file:
 - ``rebind``: computed anew and rebound (the bug class: the captured graph keeps the old one);
 - ``keep``: not recomputed (the derived value is stale, though nothing moved).
 
+``<mode>@<rank>`` applies ``mode`` on that tensor-parallel rank only, ``refresh`` on the
+others (tests/sglang/test_tensor_parallel.py: a stale holder on one rank).
+
 One more stand-in, for the CPU host only: SGLang 0.5.23's ``release_memory_occupation`` ends
 with ``torch.get_device_module().synchronize()``, which on a CUDA build of torch is
 ``torch.cuda.synchronize`` and raises without an NVIDIA driver (the scheduler dies). Where
@@ -31,9 +34,15 @@ _FIRST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> it
 def _mode() -> str:
     path = os.environ.get(ENV)
     try:
-        return open(path).read().strip() if path else "refresh"
+        mode = open(path).read().strip() if path else "refresh"
     except OSError:
         return "refresh"
+    mode, _, rank = mode.partition("@")
+    if rank:
+        from graphtrace.sglang.session import tp_rank
+
+        return mode if tp_rank() == int(rank) else "refresh"
+    return mode
 
 
 def register() -> None:

@@ -84,9 +84,9 @@ def _support_entry_point(work: Path) -> None:
         (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{ENTRY}")
 
 
-def _run(work: Path, models, freezing: bool) -> dict:
-    """One compiled engine under graphtrace's guard: generate on A, update to B
-    (begin / update_weights_from_tensor / end), generate again, report."""
+def _run(work: Path, models, freezing: bool, guard: str = "raise") -> dict:
+    """One compiled engine under graphtrace's guard (``guard``: its action): generate on A,
+    update to B (begin / update_weights_from_tensor / end), generate again, report."""
     import sglang
     from sglang.srt.runtime_context import override_platform
 
@@ -94,11 +94,11 @@ def _run(work: Path, models, freezing: bool) -> dict:
 
     a, b, _, _ = models
     _support_entry_point(work)
-    tag = "freezing" if freezing else "no-freezing"
+    tag = ("freezing" if freezing else "no-freezing") + ("" if guard == "raise" else f"-{guard}")
     out: dict = {}
     with _switches(GRAPHTRACE_TEST_CPU_OPS="1", GRAPHTRACE_TEST_FREEZING="1" if freezing else "0",
                    TORCHINDUCTOR_CACHE_DIR=str(work / f"inductor-{tag}")), \
-            gs.trace_engine(work / f"graphtrace-{tag}", guard="raise") as st, \
+            gs.trace_engine(work / f"graphtrace-{tag}", guard=guard) as st, \
             override_platform(has_amx=True):
         engine = sglang.Engine(model_path=str(a), device="cpu", attention_backend="intel_amx",
                                enable_torch_compile=True, cuda_graph_bs_decode=[1],
@@ -131,6 +131,11 @@ def frozen(work, models):
 @pytest.fixture(scope="module")
 def unfrozen(work, models):
     return _run(work, models, freezing=False)
+
+
+@pytest.fixture(scope="module")
+def frozen_recapture(work, models):
+    return _run(work, models, freezing=True, guard="recapture")
 
 
 def test_the_compiled_engine_serves_transformers_tokens_before_any_update(frozen, models):
@@ -174,3 +179,25 @@ def test_with_freezing_off_the_same_update_serves_the_new_weights_and_passes(unf
     e = unfrozen["report"].edges
     assert not (e["verdict"].astype(str).isin(gt.STALE_VERDICTS)).any()
     assert len(unfrozen["checks"]) == 1 and unfrozen["checks"][0]["ok"]
+
+
+def test_recapture_is_refused_for_the_compiled_graphs_and_the_update_fails_closed(
+        frozen_recapture):
+    """GRAPHTRACE_GUARD=recapture cannot rebuild what CPUGraphRunner replays (its frozen
+    constants): the update is refused as under raise, saying why, not re-recorded as passing
+    (Note [recapture that cannot help] in graphtrace/serving.py)."""
+    run = frozen_recapture
+    assert run["begin"][0] and run["update"][0]
+    ok, message = run["end"][:2]
+    assert ok is False, message
+    reason = message.splitlines()[0]
+    assert "recapture is not possible: SGLang's CPUGraphRunner compiled decode_bs1" in reason
+    assert "derived from lm_head.weight" in message and "unrefreshed" in message
+    refused = run["after"]  # still refused at the next request, not re-captured away
+    assert isinstance(refused, ValueError) and "recapture is not possible" in str(refused)
+    checks = run["checks"]
+    assert checks and not any(c["ok"] for c in checks)
+    assert all(c["action"] == "recapture" and "CPUGraphRunner" in c["recapture_refused"]
+               for c in checks)
+    graphs = set(run["report"].edges["graph"].astype(str))
+    assert graphs == {"decode_bs1"}  # no eager dummy decode was recorded in its place

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_probe import EngineGate
+
 HERE = Path(__file__).resolve().parent
-REQUIRE = os.environ.get("GRAPHTRACE_REQUIRE_VLLM") == "1"
 
 # Offline, private cache, in-process engine core: set before vLLM is imported.
 _CACHE = tempfile.mkdtemp(prefix="graphtrace-vllm-cache-")
@@ -40,22 +41,16 @@ def _probe() -> str | None:
     return None
 
 
-_WHY_NOT = _probe()
+GATE = EngineGate("vLLM", "vllm", "GRAPHTRACE_REQUIRE_VLLM", HERE, _probe)
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if HERE in Path(str(item.fspath)).resolve().parents:
-            item.add_marker(pytest.mark.vllm)
+    GATE.mark(items)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _need_vllm():
-    if _WHY_NOT is None:
-        return
-    if REQUIRE:
-        pytest.fail(f"GRAPHTRACE_REQUIRE_VLLM=1 but vLLM is not usable: {_WHY_NOT}", pytrace=False)
-    pytest.skip(f"vLLM is not usable here ({_WHY_NOT})")
+    GATE.need()
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +79,7 @@ def _has_cpu_wna16() -> bool:
 def tiny_gptq_dir(tmp_path_factory):
     """A tiny 4-bit GPTQ Llama; its tests need the CPU WNA16 kernel. Where this CPU's vLLM
     build has none (AVX2 machines), they skip and say so: the CPU, not vLLM, is missing."""
-    if _WHY_NOT is None and not _has_cpu_wna16():
+    if GATE.why_not is None and not _has_cpu_wna16():
         pytest.skip("this CPU's vLLM extension build (AVX2) has no _C::cpu_gemm_wna16, the "
                     "kernel vLLM runs GPTQ models with on CPU: GPTQ tests need an AVX-512 CPU")
     from graphtrace.vllm import tiny
@@ -120,6 +115,6 @@ def trl_installed() -> None:
 
     if importlib.util.find_spec("trl") is None:
         message = "trl is not installed in this venv (Makefile: the vLLM venv's install line)"
-        if REQUIRE:
+        if GATE.require:
             pytest.fail(message, pytrace=False)
         pytest.skip(message)

@@ -1,0 +1,42 @@
+"""The engine test folders' gate (tests/vllm, tests/sglang): each test there is marked with
+its engine's marker, and a session fixture skips them where the engine is not usable, or
+fails them when the CI job that installs the engine says it must be there
+(``GRAPHTRACE_REQUIRE_<ENGINE>=1``): a missing engine must not pass as skipped there."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+
+class EngineGate:
+    """``name``: the engine as the messages say it; ``marker``: its pytest marker's name;
+    ``require_env``: the variable that turns a skip into a failure; ``folder``: the test
+    folder whose items get the marker; ``probe``: None when the engine is usable, else why
+    not (asked once, when the conftest is imported)."""
+
+    def __init__(self, name: str, marker: str, require_env: str, folder: Path,
+                 probe: Callable[[], str | None]):
+        self.name, self.marker, self.require_env = name, marker, require_env
+        self.folder = Path(folder).resolve()
+        self.require = os.environ.get(require_env) == "1"
+        self.why_not = probe()
+
+    def mark(self, items) -> None:
+        """``pytest_collection_modifyitems``: the folder's tests get the engine's marker."""
+        mark = getattr(pytest.mark, self.marker)
+        for item in items:
+            if self.folder in Path(str(item.fspath)).resolve().parents:
+                item.add_marker(mark)
+
+    def need(self) -> None:
+        """The session fixture's body: nothing when usable; else fail (required) or skip."""
+        if self.why_not is None:
+            return
+        if self.require:
+            pytest.fail(f"{self.require_env}=1 but {self.name} is not usable: {self.why_not}",
+                        pytrace=False)
+        pytest.skip(f"{self.name} is not usable here ({self.why_not})")
