@@ -45,6 +45,15 @@ from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED
 __all__ = ["Guard", "empty_problems"]
 
 _NO_CLEAN_PASS = object()  # Note [guard freshness fast path]: no clean pass yet
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # the owners whose view is compared (owner_status)
+
+
+def _geometry(tensor: torch.Tensor) -> tuple | None:
+    """(dtype, shape, stride, storage offset) of a plain tensor, None where it has none."""
+    try:
+        return tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset()
+    except Exception:  # sparse and other layouts without strides: owner_status decides
+        return None
 
 class Guard:
     """The owned storages captured graphs read, their owners and graphs; see the module doc.
@@ -104,6 +113,7 @@ class Guard:
         self._owner_views: list[View | None] = [
             r.owner_views.get((m, p)) for r in self._storages for m, p, _ in r.owners]
         self._geometry: dict | None = None  # _nothing_moved's views, made on first use
+        self._exact: list[View | None] | None = None  # _exact_views, made on first use
         # per model: its owner paths resolved together, and the owner rows they answer
         rows: dict[str, list[int]] = {}
         for r, (_, m, _, _) in enumerate(self._owners):
@@ -222,8 +232,11 @@ class Guard:
         statuses: list[str] = []
         live_ptrs: list[int | None] = []
         bad: set[int] = set()
-        for (i, _, _, _), tensor, view in zip(self._owners, tensors, self._owner_views):
+        for (i, _, _, _), tensor, view, exact in zip(self._owners, tensors, self._owner_views,
+                                                     self._exact_views()):
             r = req[i]
+            if exact is not None and type(tensor) in _PLAIN and _geometry(tensor) == exact:
+                view = None  # exactly the view it had: `same_view` holds, not asked
             status, ptr = owner_status(tensor, r.ref.cdata if r.ref is not None else None,
                                        data_ptr=r.data_ptr, nbytes=r.nbytes, dead=r.dead,
                                        view=view)
@@ -289,9 +302,8 @@ class Guard:
         if native is None or expected is None or not self._paths:
             return False
         if self._geometry is None:  # per model: each owner's View at capture, or None
-            self._geometry = {name: [View(v.dtype, tuple(v.shape), tuple(v.stride), v.offset)
-                                     if v is not None else None
-                                     for v in map(self._owner_views.__getitem__, rows)]
+            exact = self._exact_views()
+            self._geometry = {name: [exact[r] for r in rows]
                               for name, (_, rows) in self._paths.items()}
         try:
             return not any(name not in models or paths.moved(
@@ -299,6 +311,14 @@ class Guard:
                 for name, (paths, _) in self._paths.items())
         except Exception:  # the slow path decides
             return False
+
+    def _exact_views(self) -> list[View | None]:
+        """Per owner row its View at capture as `_geometry(tensor)` compares it (shape a
+        torch.Size), or None where unknown; made once."""
+        if self._exact is None:
+            self._exact = [View(v.dtype, torch.Size(v.shape), tuple(v.stride), v.offset)
+                           if v is not None else None for v in self._owner_views]
+        return self._exact
 
     def _freed(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> dict[int, list]:
         """The captured handles with a dangling source, and those sources (the verdict
