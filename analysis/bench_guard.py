@@ -58,7 +58,7 @@ from bench_scale import frames_alone
 from torch import nn
 
 import graphtrace as gt
-from _common import rss, show
+from _common import revision, rss, show
 
 LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
 
     lines = [
         "# graphtrace guard.check() vs t.diff(), Llama-70B-shaped model",
-        f"# python {platform.python_version()}, torch {torch.__version__}, "
+        f"# graphtrace at {revision()}; python {platform.python_version()}, torch {torch.__version__}, "
         f"{platform.machine()}, threads {torch.get_num_threads()}, load average at start "
         f"{load:.1f} (a shared machine: timings vary with it); timed by the {args.clock} clock",
         f"layers {args.layers}, norm {args.norm}, parameters {n_params} "

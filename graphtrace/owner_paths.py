@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from graphtrace.opaque import storage_of
+from graphtrace.verdict import View, same_view
 
 __all__ = ["PathSet", "resolve_path", "resolve_value"]
 
@@ -114,6 +115,8 @@ def _attr(obj: object, name: str) -> object:
 
 # What an owner path may end at: a tensor or an opaque handle (anything else: orphaned).
 _REACHED = (torch.Tensor, torch.ScriptObject)
+# What a view is compared on (owner_status's rule: a subclass is judged by storage alone)
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def resolve_path(model: nn.Module, path: str) -> torch.Tensor | None:
@@ -231,17 +234,25 @@ class PathSet:
         return [o if isinstance(o, _REACHED) else None for o in map(objs.__getitem__, self._leaves)]
 
     def moved(self, model: nn.Module, expected: Sequence[int], native=None,
-              versions: Sequence[int | None] | None = None) -> bool:
+              versions: Sequence[int | None] | None = None,
+              views: Sequence[View | None] | None = None) -> bool:
         """Does any path now reach a storage other than `expected` (the StorageImpl address
         each reached before), or none? With `versions` (per path a version counter, or None),
-        a tensor whose version counter differs counts as moved too. An `expected` that is a
-        float is a value: the path must reach a float equal to it. With the native module
+        a tensor whose version counter differs counts as moved too; with `views` (per path
+        the View it had, or None), a plain tensor or Parameter on that storage under another
+        view (`same_view`: Note [re-laid views] in graphtrace/verdict.py). An `expected` that
+        is a float is a value: the path must reach a float equal to it. With the native module
         (`graphtrace.native`), the common steps (registries, `__dict__`, getattr, dict keys,
-        list indices) are followed in C++, and the paths it leaves undecided here."""
+        list indices) are followed in C++, and the paths it leaves undecided here (a view
+        not exactly as it was among them: the exact rule is decided here)."""
         undecided: Sequence[int] = range(len(self.paths))
         if native is not None:
-            extra = () if versions is None else (
-                versions if type(versions) is list else list(versions),)
+            extra: tuple = ()
+            if views is not None:
+                extra = (None if versions is None else list(versions),
+                         views if type(views) is list else list(views))
+            elif versions is not None:
+                extra = (versions if type(versions) is list else list(versions),)
             got = native.paths_moved(model, nn.Module, nn.Parameter, self._native_nodes,
                                      self._leaves, expected if type(expected) is list
                                      else list(expected), *extra)
@@ -269,6 +280,9 @@ class PathSet:
                     return True
                 if versions is not None and versions[i] is not None \
                         and tensor._version != versions[i]:
+                    return True
+                if views is not None and views[i] is not None and type(tensor) in _PLAIN \
+                        and not same_view(views[i], View.of(tensor)):
                     return True
             except Exception:
                 return True

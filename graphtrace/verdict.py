@@ -78,6 +78,9 @@ class View(NamedTuple):
 # view is `moved`, and the verdict is `stale` (the graph reads bytes laid out for another
 # view), its note naming both views (`relaid_note`). An owner whose capture-time view is not
 # known (an opaque handle, a manifest from before views were kept) is judged by storage alone.
+# The guard's clean check compares views in the same native walk that compares storages
+# (`PathSet.moved(views=)` over `paths_moved`): a tensor whose geometry is not exactly as at
+# capture is left to `same_view` in Python, so this rule costs a clean check no second walk.
 
 def same_view(a: View, b: View) -> bool:
     """Do `a` and `b` address the same elements the same way? The strides of dimensions of

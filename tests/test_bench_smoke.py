@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +16,13 @@ pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, timeout: int = 120) -> str:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     # the graphtrace of this checkout, not whichever one the environment installed
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, str(ROOT / "analysis" / script), "--quick", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{script} --quick exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -103,6 +105,32 @@ def test_bench_overhead_script_quick():
     for row in ("script: trace + 1 capture, emulate=False", "emulate=True, modules=off",
                 "trace enter", "## where the short script's time goes (cProfile"):
         assert row in out, row
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_callgrind_overhead_quick():
+    """The instruction counts (issue 39): a tiny workload under callgrind prints every ratio
+    line, each a number (about a minute: torch imported under valgrind)."""
+    out = _run("callgrind_overhead.py", timeout=300)
+    rows = re.findall(r"^\| emulate=(True|False), modules='(forward|off)' \| ([\d.]+)x \| "
+                      r"([\d.]+)x \| ([\d.]+)x \|", out, re.M)
+    assert len(rows) == 4, out
+    assert all(float(r[4]) > 0 for r in rows)  # graphtrace adds instructions to a capture
+    for emulate in (False, True):
+        assert re.search(rf"^script \(trace entered, one capture, trace closed\), "
+                         rf"emulate={emulate}: [\d.]+x the no-op", out, re.M), out
+        assert re.search(rf"^goal: a capture inside an open trace, emulate={emulate}, .*: "
+                         rf"[\d.]+x -> (met|NOT met)$", out, re.M), out
+
+
+def test_callgrind_overhead_says_when_valgrind_is_missing(tmp_path):
+    """Without valgrind on PATH the script exits 2 naming it (it measures nothing else)."""
+    env = dict(os.environ, PATH=str(tmp_path))  # an empty folder: no valgrind, no cc
+    proc = subprocess.run([sys.executable, str(ROOT / "analysis" / "callgrind_overhead.py"),
+                           "--quick"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "valgrind is not on PATH" in proc.stderr
 
 
 def test_bench_serving_quick(tmp_path):

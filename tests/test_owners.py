@@ -499,6 +499,54 @@ def test_moved_with_versions_also_compares_version_counters(mutation):
             lib.paths_moved(model, nn.Module, nn.Parameter, [], [], [], [0])
 
 
+# (how the owner of `w`, a (4, 8) float32 parameter, is bound again on its own storage) ->
+# whether that is another view (Note [re-laid views] in graphtrace/verdict.py)
+RELAYS = {
+    "as at capture, a new tensor": ((torch.float32, (4, 8), (8, 1), 0), False),
+    "another shape": ((torch.float32, (8, 4), (4, 1), 0), True),
+    "transposed strides": ((torch.float32, (4, 8), (1, 4), 0), True),
+    "another dtype": ((torch.int32, (4, 8), (8, 1), 0), True),
+    "another offset": ((torch.float32, (4, 7), (8, 1), 1), True),
+    "a length-one dimension's stride only": ((torch.float32, (1, 8), (99, 1), 0), False),
+}
+
+
+@pytest.mark.parametrize("relay", sorted(RELAYS))
+def test_moved_with_views_compares_each_tensors_view(relay):
+    """PathSet.moved(..., views=) (the guard's clean check): a parameter bound again on its
+    captured storage under another view counts as moved, the same with and without native;
+    the native pass flags such a leaf itself (left to Python's exact rule, not passed), and
+    passes a leaf whose geometry is exactly as it was."""
+    from graphtrace import native
+    from graphtrace.verdict import View
+
+    lib = native.load(required=True)
+    m = nn.Module()
+    shape = (1, 8) if "length-one" in relay else (4, 8)
+    m.w = nn.Parameter(torch.rand(shape), requires_grad=False)
+    m.b = nn.Parameter(torch.rand(8), requires_grad=False)
+    paths = ["w", "b"]
+    before = [t.untyped_storage()._cdata for t in (m.w, m.b)]
+    views = [View.of(m.w), View.of(m.b)]
+    nodes = PathSet(paths)
+    assert not nodes.moved(m, before, None, None, views)
+    assert not nodes.moved(m, before, lib, None, views)
+    (dtype, size, stride, offset), relaid = RELAYS[relay]
+    m.w.data = torch.empty(0, dtype=dtype).set_(m.w.untyped_storage(), offset, size, stride)
+    for lib_or_none in (None, lib):
+        assert nodes.moved(m, before, lib_or_none, None, views) == relaid
+        assert not nodes.moved(m, before, lib_or_none)  # storages only: held
+    # the native pass itself: the leaf is flagged (undecided) wherever the geometry differs
+    exact = View.of(m.w) == views[0]
+    args = (m, nn.Module, nn.Parameter, nodes._native_nodes, nodes._leaves, before)
+    assert lib.paths_moved(*args, None, views) == ([] if exact else [0])
+    assert lib.paths_moved(*args) == [] and lib.paths_moved(*args, None, None) == []
+    with pytest.raises(TypeError, match="a view is"):
+        lib.paths_moved(*args, None, [(torch.float32, [4, 8], (8, 1), 0), None])
+    with pytest.raises(TypeError, match="paths_moved"):
+        lib.paths_moved(*args, None, [None])
+
+
 # --------------------------------------------------------------------------- opaque handles
 
 def _prepacked(seed: int) -> torch.ScriptObject:

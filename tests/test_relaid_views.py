@@ -14,6 +14,10 @@ from torch import nn
 import graphtrace as gt
 from tests.test_differential import assert_agree
 
+# both writers: the native one's guard decides a clean check in C++ (views compared there),
+# the Python one's resolves every owner (Note [re-laid views] in graphtrace/verdict.py)
+pytestmark = pytest.mark.usefixtures("writer")
+
 
 class Linear(nn.Module):
     """`x @ w`, and a graph that also reads w transposed (a view of its own: no alarm)."""

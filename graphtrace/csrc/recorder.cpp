@@ -1226,6 +1226,37 @@ PyObject* native_dispatch(PyObject*, PyObject* const* a, Py_ssize_t n) {
   return out;
 }
 
+// Does `t` have exactly the geometry `view` gives, a (dtype, sizes, strides, storage offset)
+// tuple (graphtrace.verdict.View)? 1 yes, 0 no, -1 an error set (`view` malformed).
+int same_geometry(const at::Tensor& t, PyObject* view) {
+  if (!PyTuple_Check(view) || PyTuple_GET_SIZE(view) != 4 ||
+      !PyTuple_Check(PyTuple_GET_ITEM(view, 1)) || !PyTuple_Check(PyTuple_GET_ITEM(view, 2))) {
+    PyErr_SetString(PyExc_TypeError, "paths_moved: a view is (dtype, sizes, strides, offset)");
+    return -1;
+  }
+  if (PyTuple_GET_ITEM(view, 0) != reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())))
+    return 0;
+  // the sizes and strides as they are stored: a symbolic one (no concrete value) is not
+  // compared here, Python decides
+  if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return 0;
+  const auto ints_equal = [](PyObject* tuple, c10::IntArrayRef want) {
+    if (PyTuple_GET_SIZE(tuple) != static_cast<Py_ssize_t>(want.size())) return 0;
+    for (size_t d = 0; d < want.size(); ++d) {
+      const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, static_cast<Py_ssize_t>(d)));
+      if (v == -1 && PyErr_Occurred()) return -1;
+      if (v != want[d]) return 0;
+    }
+    return 1;
+  };
+  int same = ints_equal(PyTuple_GET_ITEM(view, 1), t.sizes());
+  if (same != 1) return same;
+  same = ints_equal(PyTuple_GET_ITEM(view, 2), t.strides());
+  if (same != 1) return same;
+  const long long offset = PyLong_AsLongLong(PyTuple_GET_ITEM(view, 3));
+  if (offset == -1 && PyErr_Occurred()) return -1;
+  return offset == t.storage_offset() ? 1 : 0;
+}
+
 // Owner paths still reaching the storages they reached (graphtrace.owners.PathSet.moved),
 // followed as graphtrace.owners._step does: an attribute of an nn.Module from its registries
 // (`_parameters`, `_buffers`, `_modules`), then its `__dict__`; of another object from its
@@ -1235,22 +1266,28 @@ PyObject* native_dispatch(PyObject*, PyObject* const* a, Py_ssize_t n) {
 // step, is_key), parents first; `leaves` the node of each path; `expected` the StorageImpl
 // address each reached. Returns True when a decided leaf now reaches another storage (or
 // none), else the list of undecided path positions. An `expected` entry that is a float is a
-// value the leaf must equal, as a float (a baked scalar's holder: graphtrace/guardspots.py).
+// value the leaf must equal, as a float (a baked scalar's holder: graphtrace/guard/blind.py).
 PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
   // an optional 7th argument `versions`: per leaf the version counter the tensor it reaches
-  // must have (None: not compared); a different one counts as moved (graphtrace/guard.py,
-  // Note [guard freshness fast path])
-  if ((n != 6 && n != 7) || !PyType_Check(a[1]) || !PyType_Check(a[2]) || !PyList_Check(a[3]) ||
+  // must have (None: not compared); a different one counts as moved (graphtrace/guard/check.py,
+  // Note [guard freshness fast path]). An optional 8th, `views`: per leaf the geometry the
+  // tensor had, (dtype, sizes, strides, storage offset), or None; a leaf on its storage under
+  // any other geometry is left undecided, for Python's exact rule (Note [re-laid views] in
+  // graphtrace/verdict.py: strides of length-one dimensions do not count there)
+  auto same_length = [&](Py_ssize_t k) {
+    return n <= k || a[k] == Py_None ||
+        (PyList_Check(a[k]) && PyList_GET_SIZE(a[k]) == PyList_GET_SIZE(a[4]));
+  };
+  if (n < 6 || n > 8 || !PyType_Check(a[1]) || !PyType_Check(a[2]) || !PyList_Check(a[3]) ||
       !PyList_Check(a[4]) || !PyList_Check(a[5]) ||
-      PyList_GET_SIZE(a[4]) != PyList_GET_SIZE(a[5]) ||
-      (n == 7 && a[6] != Py_None &&
-       (!PyList_Check(a[6]) || PyList_GET_SIZE(a[6]) != PyList_GET_SIZE(a[4])))) {
+      PyList_GET_SIZE(a[4]) != PyList_GET_SIZE(a[5]) || !same_length(6) || !same_length(7)) {
     PyErr_SetString(PyExc_TypeError,
                     "paths_moved(model, module_type, parameter_type, nodes, leaves, expected"
-                    "[, versions])");
+                    "[, versions[, views]])");
     return nullptr;
   }
-  PyObject* versions = n == 7 && a[6] != Py_None ? a[6] : nullptr;
+  PyObject* versions = n >= 7 && a[6] != Py_None ? a[6] : nullptr;
+  PyObject* views = n == 8 && a[7] != Py_None ? a[7] : nullptr;
   static PyObject* registries[3] = {PyUnicode_InternFromString("_parameters"),
                                     PyUnicode_InternFromString("_buffers"),
                                     PyUnicode_InternFromString("_modules")};
@@ -1379,6 +1416,15 @@ PyObject* paths_moved(PyObject*, PyObject* const* a, Py_ssize_t n) {
         Py_DECREF(undecided);
         Py_RETURN_TRUE;
       }
+    }
+    PyObject* view = views == nullptr ? Py_None : PyList_GET_ITEM(views, j);
+    if (view != Py_None) {
+      const int same = same_geometry(t, view);
+      if (same < 0) {
+        Py_DECREF(undecided);
+        return nullptr;
+      }
+      if (same == 0 && !leave_undecided(j)) return nullptr;
     }
   }
   return undecided;
@@ -1596,7 +1642,7 @@ PyMethodDef module_methods[] = {
      "configure(cls): the class whose exact instances dispatch() calls through `_op` (None: none)"},
     {"paths_moved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(paths_moved)),
      METH_FASTCALL,
-     "paths_moved(model, module_type, parameter_type, nodes, leaves, expected[, versions]) -> "
+     "paths_moved(model, module_type, parameter_type, nodes, leaves, expected[, versions[, views]]) -> "
      "True, or the undecided "
      "paths' positions (graphtrace.owners.PathSet.moved)"},
     {"named_modules", reinterpret_cast<PyCFunction>(named_modules), METH_O,

@@ -31,12 +31,21 @@ from graphtrace.guard.describe import StaleGraphError, describe
 from graphtrace.guard.manifest import FORMAT, FORMAT_VERSION, Required, _blind_json
 from graphtrace.lineage import Derived
 from graphtrace.owners import PathSet, resolve_path
-from graphtrace.verdict import View, on_storage, owner_status, same_view, verdict_of
+from graphtrace.verdict import View, on_storage, owner_status, verdict_of
 from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED
 
 __all__ = ["Guard", "empty_problems"]
 
 _NO_CLEAN_PASS = object()  # Note [guard freshness fast path]: no clean pass yet
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # the owners whose view is compared (owner_status)
+
+
+def _geometry(tensor: torch.Tensor) -> tuple | None:
+    """(dtype, shape, stride, storage offset) of a plain tensor, None where it has none."""
+    try:
+        return tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset()
+    except Exception:  # sparse and other layouts without strides: owner_status decides
+        return None
 
 class Guard:
     """The owned storages captured graphs read, their owners and graphs; see the module doc.
@@ -94,7 +103,8 @@ class Guard:
         self._fresh_sources: dict | bool | None = None
         self._owner_views: list[View | None] = [
             r.owner_views.get((m, p)) for r in self._storages for m, p, _ in r.owners]
-        self._geometry: dict | None = None  # _views_kept's baselines, made on first use
+        self._geometry: dict | None = None  # _nothing_moved's views, made on first use
+        self._exact: list[View | None] | None = None  # _exact_views, made on first use
         # per model: its owner paths resolved together, and the owner rows they answer
         rows: dict[str, list[int]] = {}
         for r, (_, m, _, _) in enumerate(self._owners):
@@ -211,8 +221,11 @@ class Guard:
         statuses: list[str] = []
         live_ptrs: list[int | None] = []
         bad: set[int] = set()
-        for (i, _, _, _), tensor, view in zip(self._owners, tensors, self._owner_views):
+        for (i, _, _, _), tensor, view, exact in zip(self._owners, tensors, self._owner_views,
+                                                     self._exact_views()):
             r = req[i]
+            if exact is not None and type(tensor) in _PLAIN and _geometry(tensor) == exact:
+                view = None  # exactly the view it had: `same_view` holds, not asked
             status, ptr = owner_status(tensor, r.ref.cdata if r.ref is not None else None,
                                        data_ptr=r.data_ptr, nbytes=r.nbytes, dead=r.dead,
                                        view=view)
@@ -266,42 +279,33 @@ class Guard:
         return [spot_row(b, "not rebuilt", self.graphs) for b in found]
 
     def _nothing_moved(self, models: Mapping[str, torch.nn.Module]) -> bool:
-        """Does every owner path still reach the storage it reached at capture? Answered by
-        the native `paths_moved` (owners.PathSet.moved) when the guard was made from a trace
-        with the native module; False (look at every owner) otherwise, or on any doubt."""
+        """Does every owner path still reach the storage it reached at capture, under the
+        view it had then where that is known (Note [re-laid views] in graphtrace/verdict.py)?
+        Answered by the native `paths_moved` (owners.PathSet.moved: one walk, storages and
+        views compared in C++, the exact view rule in Python only for a view not exactly as
+        it was) when the guard was made from a trace with the native module; False (look at
+        every owner) otherwise, or on any doubt."""
         native, expected = self._native, self._expected
         if native is None or expected is None or not self._paths:
             return False
+        if self._geometry is None:  # per model: each owner's View at capture, or None
+            exact = self._exact_views()
+            self._geometry = {name: [exact[r] for r in rows]
+                              for name, (_, rows) in self._paths.items()}
         try:
-            if any(name not in models or paths.moved(models[name], expected[name], native)
-                   for name, (paths, _) in self._paths.items()):
-                return False
-            return self._views_kept(models)
+            return not any(name not in models or paths.moved(
+                models[name], expected[name], native, None, self._geometry[name])
+                for name, (paths, _) in self._paths.items())
         except Exception:  # the slow path decides
             return False
 
-    def _views_kept(self, models: Mapping[str, torch.nn.Module]) -> bool:
-        """Does every owner whose capture-time view is known hold its tensor under that view
-        still (Note [re-laid views] in graphtrace/verdict.py)? The native fast path compares
-        storages only; this pass resolves the owner paths in Python and compares each plain
-        tensor's geometry with the one it had (exactly, `same_view`, only where it differs)."""
-        if self._geometry is None:  # per model: (dtype, torch.Size, stride, offset) or None
-            self._geometry = {name: [(v.dtype, torch.Size(v.shape), v.stride, v.offset)
-                                     if v is not None else None
-                                     for v in map(self._owner_views.__getitem__, rows)]
-                              for name, (_, rows) in self._paths.items()}
-        plain = (torch.Tensor, torch.nn.Parameter)
-        for name, (paths, rows) in self._paths.items():
-            geometry = self._geometry[name]
-            if not any(geometry):
-                continue
-            for g, t in zip(geometry, paths.resolve(models[name])):
-                if g is None or type(t) not in plain or \
-                        (t.dtype, t.shape, t.stride(), t.storage_offset()) == g:
-                    continue
-                if not same_view(View(g[0], tuple(g[1]), g[2], g[3]), View.of(t)):
-                    return False
-        return True
+    def _exact_views(self) -> list[View | None]:
+        """Per owner row its View at capture as `_geometry(tensor)` compares it (shape a
+        torch.Size), or None where unknown; made once."""
+        if self._exact is None:
+            self._exact = [View(v.dtype, torch.Size(v.shape), tuple(v.stride), v.offset)
+                           if v is not None else None for v in self._owner_views]
+        return self._exact
 
     # Note [guard rebaseline]
     # ~~~~~~~~~~~~~~~~~~~~~~~~
