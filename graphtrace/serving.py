@@ -41,7 +41,8 @@ the rebinding that a client's own weight processing may do along with it.
 
 The dirty flag is cleared only by a passing check (``raise``), or once the problems were
 logged (``warn``) or re-captured away (``recapture``). So a refused engine refuses every
-forward until a correct update (or a re-capture) passes.
+forward until a correct update (or a re-capture) passes. An internal error of the core
+is logged and counted and the engine serves (fail open), unless ``GRAPHTRACE_STRICT=1``.
 
 Note [recapture that cannot help]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -52,8 +53,7 @@ forward would pass the guard while decode keeps the old constants), a re-capture
 would be a false all-clear. So the engine says why not (`ServedEngine.cannot_recapture`, or
 `recapture` answering False), and the check then acts as under ``raise``: the problems
 stand, the engine stays dirty, the refusal's text starts with that reason. With several
-ranks, one rank that cannot makes every rank act so (they agree first). An internal error of the core
-is logged and counted and the engine serves (fail open), unless ``GRAPHTRACE_STRICT=1``.
+ranks, one rank that cannot makes every rank act so (they agree first).
 """
 
 from __future__ import annotations
