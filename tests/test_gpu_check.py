@@ -20,7 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "analysis" / "gpu_check.py"
 VARIANTS = ("unfixed-partial", "unfixed-lambda", "rejected-fix", "fixed", "marlin")
-N_GPU_TESTS = 21
+N_GPU_TESTS = 22
 
 
 from analysis import gpu_check as script
