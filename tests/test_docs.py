@@ -200,7 +200,8 @@ def test_readme_is_a_short_front_door():
     make = (ROOT / "Makefile").read_text()
     assert re.search(r"^demo: .*\n\t.*graphtrace demo$", make, re.M)
     assert re.search(r"^test: .*\n\t.*-m pytest", make, re.M)
-    assert "never run on a GPU" in section(text, "Limits that matter")
+    limits = section(text, "Limits that matter")
+    assert "docs/gpu.md#results-on-an-h200" in limits and "CPU only" in limits
 
 
 def _extras() -> set[str]:
