@@ -81,10 +81,6 @@ class Clock:
         finally:
             self.leave()
 
-    def reset(self) -> None:
-        with self._lock:
-            self.totals.clear()
-
     def report(self) -> dict:
         """Plain JSON: each section's exclusive seconds and calls, and their sums."""
         with self._lock:

@@ -298,7 +298,6 @@ class CompiledPatch:
         self._pending = _Pending()
         self._names_by_graph: dict[int, tuple[weakref.ref, list]] = {}
         self._lock = threading.Lock()
-        self.installed = False
         self._makers_wrapped = False  # Note [frozen constants]: wrapped on first need
         self.n_triton = 0
 
@@ -345,7 +344,6 @@ class CompiledPatch:
                 self.trace.add_blind_spot(f"compiled: Triton launches cannot be hooked "
                                           f"({type(exc).__name__}); only compiled regions' "
                                           "inputs are recorded", kind="compiled")
-        self.installed = True
 
     def _wrap_constant_makers(self) -> None:
         if self._makers_wrapped:
@@ -361,7 +359,6 @@ class CompiledPatch:
         for cls, name, original in reversed(self.saved):
             setattr(cls, name, original)
         self.saved.clear()
-        self.installed = False
         self._makers_wrapped = False
 
     # -- compile time: Dynamo's names for the graph's inputs ---------------------------------

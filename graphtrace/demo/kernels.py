@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import marlin_ops, ops
+from . import ops
 
 __all__ = [
     "UINT4B8", "PACK_FACTOR", "pack_int4_rows", "unpack_int4_rows", "weight_loader",
@@ -416,7 +416,7 @@ class MarlinStyleKernel(MPLinearKernelBase):
     def apply_weights(self, layer, x, bias=None):
         c = self.config
         x_2d = x.reshape(-1, x.shape[-1])
-        out = marlin_ops.gptq_marlin_gemm(
+        out = ops.gptq_marlin_gemm(
             x_2d, None, getattr(layer, self.w_q_name), bias, getattr(layer, self.w_s_name),
             None, None, getattr(layer, self.w_gidx_name), layer.g_idx_sort_indices,
             self.live_workspace(layer), c.weight_type, x_2d.shape[0], c.out_features,

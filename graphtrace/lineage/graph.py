@@ -199,7 +199,6 @@ class Lineage:
         self.n_ops = 0            # ops that wrote something, recorded
         self.ops_skipped = 0      # ops not recorded because the cap was hit
         self.truncated = 0        # written storages whose sources were cut at max_sources
-        self.n_released = 0
         self._mark = 0
         self.captured: dict[int, Derived] = {}   # recorder storage id -> Derived
         self._matched = 0
@@ -537,7 +536,6 @@ class Lineage:
             free(node[0])
             if node[2]:
                 self.n_edges -= len(node[2])
-        self.n_released += len(dead)
         if dead:
             gone = set(dead)
             for node in nodes.values():

@@ -149,8 +149,7 @@ def _pack_gptq(w: torch.Tensor, group_size: int, bits: int = 4):
     qweight = torch.zeros(in_f // pack, out_f, dtype=torch.int64)
     for j in range(pack):
         qweight |= q[j::pack] << (bits * j)
-    qweight = qweight.to(torch.uint32).view(torch.int32) if hasattr(torch, "uint32") else \
-        ((qweight + 2**31) % 2**32 - 2**31).to(torch.int32)
+    qweight = qweight.to(torch.uint32).view(torch.int32)
     zeros_val = zero - 1
     zword = 0
     for j in range(pack):
