@@ -229,10 +229,7 @@ MODULE_FAST_PATH = _module_fast_path()
 def _capture_hooks() -> tuple[Callable, Callable] | None:
     """torch's (register_graph_capture_start_hook, register_graph_capture_end_hook), each
     `fn(graph) -> RemovableHandle`, or None where this torch has not both (wrap instead)."""
-    try:
-        graphs = importlib.import_module("torch.cuda.graphs")
-    except ImportError:
-        return None
+    graphs = importlib.import_module("torch.cuda.graphs")  # in every torch, CPU builds too
     start = getattr(graphs, "register_graph_capture_start_hook", None)
     end = getattr(graphs, "register_graph_capture_end_hook", None)
     return (start, end) if callable(start) and callable(end) else None

@@ -87,10 +87,7 @@ core's pre-step test when the worker shares its process (one process; the defaul
 single-worker executor with the engine core in its own process); workers in processes of
 their own (tensor parallelism) rely on a ``collective_rpc`` marking the update pending.
 
-The dirty flag is cleared only by a passing check (``raise``), or once the problems were
-logged (``warn``) or re-captured away (``recapture``). So a refused engine refuses every
-forward until a correct update (or a re-capture) passes. An internal error of the guard
-is logged and counted and the engine serves (fail open), unless ``GRAPHTRACE_STRICT=1``.
+When the dirty flag is cleared, and failing open: the graphtrace.serving module docstring.
 """
 
 from __future__ import annotations
