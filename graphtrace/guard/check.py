@@ -57,23 +57,19 @@ class Guard:
                  storages: list[dict], source: str = "trace", lineage=None,
                  blind_spots: Iterable[dict] = (), accept: Iterable[str] = (),
                  copies: Iterable["CopyPair | dict"] = ()):
-        """`storages`: per required storage a dict with keys storage_id, data_ptr, nbytes,
-        device, dtype, shape, alive (bool), graphs (graph ids), owners ((model, path, kind)
-        sorted), ref (a StorageWeakRef or None), and optionally internal (every graph
-        overwrites it before reading it: Note [write before read]), views (the View each
-        graph read, aligned with graphs) and owner_views ({(model, path): the owner's View at
-        capture}), and derived (a graphtrace.lineage.Derived: the parameters and buffers it
-        was derived from and their baselines, for freshness; a storage with it may have no
-        owner): what the verdict engine's rule and impact need. `lineage`: the trace's
-        graphtrace.lineage.Lineage, held by weak reference: while it lives (and records),
-        writes it saw count too, as in the diff (Note [freshness]). `blind_spots`: what the
-        recording could not see in these graphs, each a dict with the `BlindSpot` (`spot`),
-        `graph_id` (-1: every graph) and its holder's identity at capture (`ref`,
-        `data_ptr`, `nbytes`, `version`; Note [blind spots in the guard]); `accept`: the
-        blind-spot kinds the user accepts (`check()` leaves them out). `copies`: the packed
-        copies and the weights they are made from (`Trace.watch_copy`; CopyPair, or dicts
-        with model, copy, source: fingerprinted at attach), checked as the diff checks them
-        (Note [derived copies] in graphtrace/derived.py)."""
+        """`storages`: per required storage a `Required` (graphtrace/guard/manifest.py says what
+        each field is), or the dict `Required.of` reads: storage_id, data_ptr, nbytes, device,
+        dtype, shape, alive (bool), graphs, owners, ref, and optionally internal, views,
+        owner_views and derived (a storage with it may have no owner). `lineage`: the trace's
+        graphtrace.lineage.Lineage, held by weak reference: while it lives (and records), writes
+        it saw count too, as in the diff (Note [freshness]). `blind_spots`: what the recording
+        could not see in these graphs, each a dict with the `BlindSpot` (`spot`), `graph_id`
+        (-1: every graph) and its holder's identity at capture (`ref`, `data_ptr`, `nbytes`,
+        `version`; Note [blind spots in the guard]); `accept`: the blind-spot kinds the user
+        accepts (`check()` leaves them out). `copies`: the packed copies and the weights they
+        are made from (`Trace.watch_copy`; CopyPair, or dicts with model, copy, source:
+        fingerprinted at attach), checked as the diff checks them (Note [derived copies] in
+        graphtrace/derived.py)."""
         self.accept = accept  # validated by the property
         self._blind: list[dict] = [dict(b) for b in blind_spots]
         self._copy_errors: list[tuple[str, BaseException]] = []  # a pair that failed its check
