@@ -20,6 +20,7 @@ import pandas as pd
 
 from graphtrace import __version__
 from graphtrace.report import Report, ReportError, is_na, load_report
+from graphtrace.report.check import owner_labels
 from graphtrace.vocab import VERDICTS
 
 __all__ = ["main", "format_report", "build_parser"]
@@ -96,10 +97,7 @@ def stale_reads(report: Report) -> pd.DataFrame:
     Order: manifest impact, then dangling, then latent; then more graphs first.
     """
     stale = report.stale
-    owners: dict[int, list[str]] = {}
-    for r in report.owners.itertuples(index=False):
-        name = f"{r.model}:{r.path}" if r.model else str(r.path)
-        owners.setdefault(int(r.storage_id), []).append(f"{name} ({r.kind}, {r.status})")
+    owners = owner_labels(report)
     groups: dict[tuple, dict] = {}
     for r in stale.sort_values(["graph_id", "storage_id"], kind="stable").itertuples(index=False):
         impact = None if is_na(r.impact) else str(r.impact)

@@ -12,7 +12,7 @@ from graphtrace.report.canonical import is_na
 from graphtrace.report.grouping import split_joined
 from graphtrace.vocab import STALE_VERDICTS, VERDICTS
 
-__all__ = ["assert_no_stale", "StaleEdges"]
+__all__ = ["assert_no_stale", "StaleEdges", "owner_labels"]
 
 
 class StaleEdges(Protocol):
@@ -26,13 +26,13 @@ class StaleEdges(Protocol):
     def owners(self) -> pd.DataFrame: ...
 
 
-def _owner_labels(report: StaleEdges) -> dict[int, str]:
-    """storage_id -> ``path (kind, status); ...`` from the owners frame."""
+def owner_labels(report: StaleEdges) -> dict[int, list[str]]:
+    """storage_id -> ``[path (kind, status), ...]`` from the owners frame (also the CLI's)."""
     out: dict[int, list[str]] = {}
     for r in report.owners.itertuples(index=False):
         name = f"{r.model}:{r.path}" if r.model else str(r.path)
         out.setdefault(int(r.storage_id), []).append(f"{name} ({r.kind}, {r.status})")
-    return {k: "; ".join(v) for k, v in out.items()}
+    return out
 
 
 def _glob_match(path: str, pattern: str) -> bool:
@@ -72,7 +72,7 @@ def assert_no_stale(report: StaleEdges, *, allow: Iterable[str] | str = (),
     bad = stale[~_allowed_mask(stale, allow)] if allow else stale
     if bad.empty:
         return
-    owners = _owner_labels(report)
+    owners = {k: "; ".join(v) for k, v in owner_labels(report).items()}
     counts = bad["verdict"].astype(object).value_counts()
     by = ", ".join(f"{int(counts[v])} {v}" for v in STALE_VERDICTS if v in counts)
     n_graphs = bad["graph_id"].nunique()
