@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, NamedTuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from graphtrace._compat import op_schema, weak_ref_expired
 from graphtrace._schema import op_info
@@ -219,13 +220,7 @@ def invisible_handle_ops() -> dict:
     return _INVISIBLE
 
 
-try:
-    from torch.overrides import TorchFunctionMode as _FunctionMode
-except ImportError:  # pragma: no cover - every tested torch has it
-    _FunctionMode = object
-
-
-class HandleMode(_FunctionMode):
+class HandleMode(TorchFunctionMode):
     """Note [handle mode]. A class at module level: torch.compile's packages save the
     function-mode stack's types by name (vLLM's AOT compile)."""
 
