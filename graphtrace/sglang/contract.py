@@ -2,11 +2,11 @@
 
 ``check()`` compares a row of `graphtrace.sglang.releases` with the SGLang the process
 imports and returns one line per broken expectation, each naming its target (empty: the
-contract holds). It imports SGLang's modules and reads their source only (the engine never
-starts), so it runs for a release whose compiled parts are absent (``make
+contract holds). The engine never starts: it imports SGLang's modules, or, given ``root``,
+reads their source only, for a release whose modules cannot import here (``make
 test-sglang-contract``: each release's package, its ``.so`` files deleted, ahead of the
-installed environment). `missing_hooks` is what the plugin runs at load (Note [a target gone
-at plugin load] in releases.py).
+installed environment). `check_targets` is also what the plugin runs at load (Note [a target
+gone at plugin load] in releases.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from __future__ import annotations
 from graphtrace import targets
 from graphtrace.sglang.releases import Release, Target, installed_version, release
 
-__all__ = ["check", "check_targets", "check_attrs", "missing_hooks", "resolve_target",
-           "source_root"]
+__all__ = ["check", "check_targets", "check_attrs", "resolve_target", "source_root"]
 
 
 def check(rel: Release | None = None, root=None) -> list[str]:
@@ -77,14 +76,3 @@ def check_attrs(rel: Release, root=None) -> list[str]:
     for path, attrs in rel.attrs.items():
         problems += targets.check_attrs(path, attrs, "read by graphtrace.sglang", root)
     return problems
-
-
-def missing_hooks(rel: Release) -> list[str]:
-    """The hook targets of ``rel`` the running SGLang lacks, one line each naming module,
-    class and attribute (the plugin registers none of these)."""
-    out = []
-    for role, target in rel.hooks().items():
-        _, problem = resolve_target(target)
-        if problem:
-            out.append(f"{problem} [{role}]")
-    return out

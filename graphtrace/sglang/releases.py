@@ -13,10 +13,10 @@ Note [a target gone at plugin load]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 SGLang's ``HookRegistry.apply_hooks`` logs a traceback for a target it cannot resolve and
 goes on: the engine would serve with that hook missing and nothing in graphtrace's output
-saying so. So ``register()`` resolves every hook target of the row first (`missing_hooks`):
-one it cannot find is not registered, the log says which (module, class, attribute) and on
-which release, and the scheduler's trace carries a blind spot naming it, so the report and
-the guard's status say what is not guarded (fail open: the engine keeps serving).
+saying so. So ``register()`` resolves every hook target of the row first
+(``plugin.unguarded_targets``): one it cannot find is not registered, the log says which
+(module, class, attribute), and the scheduler's trace carries a blind spot naming it, so the
+report says what is not guarded (fail open: the engine keeps serving).
 ``GRAPHTRACE_STRICT=1`` raises instead, naming the targets. An installed release not in the
 table is run with the newest row, and said so in the log and the blind spot.
 """
