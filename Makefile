@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 VPY    := $(VLLM_VENV)/bin/python
 NPY    := $(NEXT_VENV)/bin/python
 
-.PHONY: demo test test-torch-next test-vllm test-vllm-contract test-sglang lint audit-vllm repro-vllm repro-sglang bench notebooks clean
+.PHONY: demo test test-torch-next test-vllm test-vllm-contract test-sglang test-sglang-contract lint audit-vllm repro-vllm repro-sglang bench notebooks clean
 
 # The native recorder (graphtrace/csrc) is compiled once per torch build by
 # `python -m graphtrace.native` into torch's extension cache (~20 s).
@@ -83,6 +83,28 @@ test-vllm: $(VLLM_VENV)/.installed
 # missing or broken SGLang fail them instead of skipping (one engine start; 8 tests in 72 s here)
 test-sglang: $(SGLANG_VENV)/.installed
 	GRAPHTRACE_REQUIRE_SGLANG=1 $(SPY) -m pytest -q -m sglang tests/sglang
+
+# SGLang release contracts (graphtrace/sglang/releases.py): 0.5.7 (AReaL's pin) and 0.5.15.post1
+# (slime's newest patched release), each release's own package (--no-deps --target, .so files
+# deleted: 20 MB and 48 MB, a few seconds each to fetch) ahead of the 0.5.23 environment on
+# PYTHONPATH. Their modules do not import there, so the contract reads their source (docs/sglang.md,
+# "Supported versions"); 0.5.23 is checked by `make test-sglang` (tests/sglang/test_contract.py).
+SGLANG_CONTRACT_DIR ?= .sglang-contract
+SGLANG_CONTRACT_RELEASES ?= 0.5.7 0.5.15.post1
+
+$(SGLANG_CONTRACT_DIR)/%/.installed: $(SGLANG_VENV)/.installed
+	rm -rf $(SGLANG_CONTRACT_DIR)/$*
+	$(SPY) -m pip install -q --no-deps --no-compile --target $(SGLANG_CONTRACT_DIR)/$* sglang==$*
+	find $(SGLANG_CONTRACT_DIR)/$* -name '*.so' -delete
+	touch $@
+
+test-sglang-contract: $(foreach r,$(SGLANG_CONTRACT_RELEASES),$(SGLANG_CONTRACT_DIR)/$(r)/.installed)
+	set -e; for r in $(SGLANG_CONTRACT_RELEASES); do \
+	  echo "== SGLang $$r contract"; \
+	  GRAPHTRACE_REQUIRE_SGLANG=1 GRAPHTRACE_SGLANG_RELEASE=$$r \
+	  PYTHONPATH=$(abspath $(SGLANG_CONTRACT_DIR))/$$r:$(CURDIR) $(SPY) -m pytest -q -p no:warnings \
+	    tests/sglang/test_contract.py::test_installed_release_keeps_the_contract; \
+	done
 
 # vLLM release contracts (graphtrace/vllm/releases.py): 0.33 and 0.34 have no CPU build, so each
 # release's Python package (the CUDA wheel, --no-deps, its compiled .so files deleted: 180 MB

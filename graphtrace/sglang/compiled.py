@@ -26,14 +26,14 @@ from typing import Any, Callable
 import torch
 
 import graphtrace as gt
+from graphtrace.errors import GraphtraceError
 from graphtrace.serving import strict
-from graphtrace.sglang import env
+from graphtrace.sglang import contract, env, plugin, releases
 
 logger = logging.getLogger("graphtrace.sglang")
 
-__all__ = ["register", "attention_state", "CPU_GRAPH_RUNNER", "LABEL"]
+__all__ = ["register", "attention_state", "LABEL"]
 
-CPU_GRAPH_RUNNER = "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner"
 LABEL = "decode_bs{bs}"
 
 # Note [compiled CPU graphs]
@@ -67,8 +67,16 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(f"{CPU_GRAPH_RUNNER}.capture_one_batch_size", _around_capture,
-                          HookType.AROUND)
+    rel, _note = releases.running()  # the plugin's log says a release not in the table
+    target = rel.target("cpu_graph_capture")
+    problems = contract.check_targets({"cpu_graph_capture": target})
+    if problems:  # fail open: said in the log and, once a session opens, in its blind spots
+        if strict():
+            raise GraphtraceError(f"graphtrace cannot hook SGLang: {problems[0]}")
+        logger.error("graphtrace: %s: not hooked", problems[0])
+        plugin.add_unguarded(f"{problems[0]}: not hooked")
+        return
+    HookRegistry.register(target.dotted, _around_capture, HookType.AROUND)
 
 
 def _around_capture(original, runner, bs, forward, *args, **kwargs):
@@ -96,8 +104,6 @@ def attention_state(model_runner) -> list:
 
 
 def _recording(runner, bs: int, forward: Callable) -> "_SecondCall | None":
-    from graphtrace.sglang import plugin
-
     session = plugin.session()
     if session is None or getattr(runner, "model_runner", None) is not session.runner:
         return None

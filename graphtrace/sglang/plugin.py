@@ -39,21 +39,21 @@ import logging
 import os
 import threading
 
+from graphtrace.errors import GraphtraceError
 from graphtrace.serving import strict
-from graphtrace.sglang import env
-from graphtrace.sglang.session import COMPLETE_UPDATES, UPDATE_BEGINS, SglangSession, tp_rank
+from graphtrace.sglang import contract, env, releases
+from graphtrace.sglang.session import SglangSession, tp_rank
 
 logger = logging.getLogger("graphtrace.sglang")
 
-__all__ = ["register", "session", "write_report", "SCHEDULER_METHODS"]
-
-RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
-UPDATER = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
-SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+__all__ = ["register", "session", "write_report", "SCHEDULER_METHODS", "unguarded",
+           "hook_targets", "unguarded_targets", "add_unguarded"]
 
 _session: SglangSession | None = None
 _lock = threading.RLock()
 _registered = False
+_release: releases.Release | None = None
+_unguarded: list[str] = []  # what register() could not hook (Note [a target gone at plugin load])
 
 # Note [fail closed, SGLang's way]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -74,23 +74,67 @@ def session() -> SglangSession | None:
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point. Cheap and idempotent; off by default."""
-    global _registered
+    global _registered, _release
     if not env.enabled():
         return
     with _lock:
         if _registered:
             return
         _registered = True
+        _release, note = releases.running()
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(f"{RUNNER}.load_model", _around_load, HookType.AROUND)
-    HookRegistry.register(f"{RUNNER}.init_cuda_graphs", _around_graphs, HookType.AROUND)
-    if env.guard_mode():
-        for name in dict.fromkeys(UPDATE_BEGINS + COMPLETE_UPDATES):
-            HookRegistry.register(f"{UPDATER}.{name}", _update_hook(name), HookType.AROUND)
-        HookRegistry.register(f"{SCHEDULER}._add_request_to_queue", _before_enqueue,
-                              HookType.BEFORE)
-    logger.info("graphtrace: SGLang plugin registered in pid %d", os.getpid())
+    hooks = hook_targets(_release, guard=env.guard_mode())
+    missing = unguarded_targets(_release, hooks, note)
+    if missing and strict():
+        raise GraphtraceError("graphtrace cannot hook SGLang (GRAPHTRACE_STRICT=1):\n  "
+                              + "\n  ".join(missing))
+    for line in missing:
+        logger.error("graphtrace: %s", line)
+    for role, (target, hook) in hooks.items():
+        if target is None or any(f"[{role}]" in line for line in missing):
+            continue  # SGLang's apply_hooks would only log a traceback for it
+        kind = HookType.BEFORE if target.hook == "before" else HookType.AROUND
+        HookRegistry.register(target.dotted, hook, kind)
+    logger.info("graphtrace: SGLang plugin registered in pid %d (SGLang %s row)", os.getpid(),
+                _release.version)
+
+
+def hook_targets(rel: releases.Release, guard: bool) -> dict:
+    """role -> (target, graphtrace's hook) that ``register`` installs for ``rel``."""
+    out = {"load_model": (rel.target("load_model"), _around_load),
+           "init_cuda_graphs": (rel.target("init_cuda_graphs"), _around_graphs)}
+    if guard:
+        for name in dict.fromkeys(rel.update_begins + rel.complete_updates):
+            out[f"update:{name}"] = (rel.target(f"update:{name}"), _update_hook(name))
+        out["enqueue"] = (rel.target("enqueue"), _before_enqueue)
+    return out
+
+
+def unguarded_targets(rel: releases.Release, hooks: dict, note: str | None = None) -> list[str]:
+    """What ``register`` will not hook, one line each naming the SGLang target (module, class,
+    attribute) and the release; the note of a release not in the table first. Kept for the
+    session's blind spots (`unguarded`)."""
+    lines = [f"SGLang {rel.version} has no hook target for {role}"
+             for role, (target, _hook) in hooks.items() if target is None]
+    wanted = {r: t for r, (t, _h) in hooks.items() if t is not None}
+    lines += [f"{problem}: not hooked" for problem in contract.check_targets(wanted)]
+    lines = ([note] if note else []) + lines
+    _unguarded.extend(line for line in lines if line not in _unguarded)
+    return lines
+
+
+def add_unguarded(line: str) -> None:
+    """Another entry point's target that was not hooked (graphtrace/sglang/compiled.py)."""
+    if line not in _unguarded:
+        _unguarded.append(line)
+    if _session is not None:
+        _session.trace.add_blind_spot(f"graphtrace cannot guard: {line}")
+
+
+def unguarded() -> list[str]:
+    """What this process's plugin could not hook (empty: every target of the row)."""
+    return list(_unguarded)
 
 
 def _guarded(where: str, fn, *args):
@@ -112,7 +156,9 @@ def _open(runner) -> None:
         guard = env.guard_action if env.guard_mode() else None
         rank = tp_rank(runner)
         _session = SglangSession(guard=guard, folder=lambda: env.guard_folder(rank),
-                                 batch_sizes=env.emulated_batch_sizes())
+                                 batch_sizes=env.emulated_batch_sizes(), release=_release)
+        for line in _unguarded:  # fail open, said in the report (releases.py's Note)
+            _session.trace.add_blind_spot(f"graphtrace cannot guard: {line}")
         _add_scheduler_methods()
 
 
@@ -133,10 +179,10 @@ def _around_graphs(original, runner, *args, **kwargs):
 
 def _update_hook(name: str):
     def around(original, manager, *args, **kwargs):
-        if _session is not None and name in UPDATE_BEGINS:
+        if _session is not None and name in _session.release.update_begins:
             _guarded(f"beginning {name}", _session.update_begin, name)
         out = original(manager, *args, **kwargs)
-        if _session is not None and name in COMPLETE_UPDATES:
+        if _session is not None and name in _session.release.complete_updates:
             refused = _guarded(f"checking {name}", _session.update_end, name)
             if refused and getattr(out, "success", False):
                 out = _failed(out, refused)
@@ -157,7 +203,7 @@ def _before_enqueue(scheduler, req, *args, **kwargs):
         return None
     refused = _guarded("checking before serving", _session.refusal)
     if refused:
-        req.set_finish_with_abort(refused, err_type="StaleGraphError")
+        req.set_finish_with_abort(refused, **_session.release.abort_kwargs)
     return None
 
 
@@ -184,8 +230,9 @@ def _add_scheduler_methods() -> None:
     """``engine.collective_rpc(name, ...)`` calls ``getattr(scheduler, name)``."""
     import sys
 
-    module = sys.modules.get(SCHEDULER.rsplit(".", 1)[0])
-    cls = getattr(module, "Scheduler", None) if module is not None else None
+    target = (_release or releases.running()[0]).target("scheduler")
+    module = sys.modules.get(target.module)
+    cls = getattr(module, target.qualname, None) if module is not None else None
     if cls is None:
         return
     for name, fn in SCHEDULER_METHODS.items():

@@ -17,6 +17,7 @@ entering the scheduler's queue runs the pending check first (`refusal`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -25,19 +26,16 @@ from typing import Callable
 
 import graphtrace as gt
 from graphtrace.serving import Ranks, ServingCore, pending, strict
+from graphtrace.sglang import releases
 
 logger = logging.getLogger("graphtrace.sglang")
 
-__all__ = ["SglangSession", "COMPLETE_UPDATES", "UPDATE_BEGINS", "tp_ranks", "tp_rank"]
+__all__ = ["SglangSession", "tp_ranks", "tp_rank", "sglang_object"]
 
-# SGLang's weight-update entry points (SchedulerWeightUpdaterManager, sglang 0.5.23): which
-# begin an update, and which end one (checked when they return: `ServingCore.complete`).
-# A session's tensor, distributed and IPC loads are inside begin .. end; a load outside a
-# session (IPC has no session check) is checked before the next forward.
-UPDATE_BEGINS = ("begin_weight_update", "update_weights_from_tensor",
-                 "update_weights_from_distributed", "update_weights_from_ipc",
-                 "update_weights_from_disk", "release_memory_occupation")
-COMPLETE_UPDATES = ("end_weight_update", "update_weights_from_disk", "resume_memory_occupation")
+# The SGLang names used here (the dummy decode run, the TP group, the runtime context) and the
+# update entry points that begin and end an update are the release's row:
+# graphtrace/sglang/releases.py.
+
 
 # Note [emulated decode graphs]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -56,12 +54,15 @@ class SglangSession:
 
     ``guard``: None (trace only) or the core's action (a string or a callable returning one).
     ``folder``: a callable giving the guard's folder. ``batch_sizes``: the decode batch sizes
-    emulated where SGLang captures no graph.
+    emulated where SGLang captures no graph. ``release``: the SGLang row (None: the installed
+    release's, or the newest row for one not in the table).
     """
 
     def __init__(self, *, guard: str | Callable[[], str] | None = None,
                  folder: Callable[[], Path | None] | None = None,
-                 batch_sizes: tuple[int, ...] = (1, 2), modules: str = "forward"):
+                 batch_sizes: tuple[int, ...] = (1, 2), modules: str = "forward",
+                 release: releases.Release | None = None):
+        self.release = release or releases.running()[0]
         self._trace = gt.trace(strict=strict(), modules=modules, record="always")
         self._trace.__enter__()
         self._thread = threading.get_ident()
@@ -70,7 +71,7 @@ class SglangSession:
         self.graphs: list = []         # the emulated graphs, kept like capture artifacts
         self.batch_sizes = tuple(batch_sizes)
         self._rank = 0
-        self.core = ServingCore(self, guard, folder, complete=COMPLETE_UPDATES,
+        self.core = ServingCore(self, guard, folder, complete=self.release.complete_updates,
                                 collective=tp_ranks, every_rank_raises=True, log=logger) \
             if guard is not None else None
 
@@ -149,7 +150,7 @@ class SglangSession:
         """Record SGLang's dummy decode forward at ``batch_size`` as one emulated graph."""
         runner = self.runner
         eager = runner.eager_runner
-        buffers, max_bs = _dummy_buffers(runner, eager)
+        buffers, max_bs = _dummy_buffers(runner, self._method("autotune_buffers", eager))
         if batch_size > max_bs:
             raise ValueError(f"decode batch size {batch_size} > the eager runner's {max_bs}")
         model = runner.model
@@ -163,10 +164,12 @@ class SglangSession:
             graphs.append(graph)
             return out
 
+        dummy_run = self._method("dummy_run", eager)
+        context = self._method("model_context", eager)  # 0.5.23 on
         model.forward = captured  # the instance's: only this dummy run goes through it
         try:
-            with eager.model_context():
-                eager._dummy_run(batch_size, buffers=buffers)
+            with context() if context is not None else contextlib.nullcontext():
+                dummy_run(batch_size, buffers=buffers)
         finally:
             del model.forward
         if not graphs:
@@ -174,6 +177,13 @@ class SglangSession:
         graphs[0].capture.info.update(batch_size=batch_size, dummy_run=True)
         self.graphs.extend(graphs)
         return graphs[0]
+
+    def _method(self, role: str, instance):
+        """``instance``'s method named by the row's ``role`` (None where the row has none);
+        ``LookupError`` naming the target where SGLang lacks it."""
+        if sglang_object(self.release, role) is None:
+            return None
+        return getattr(instance, self.release.target(role).qualname.rsplit(".", 1)[-1])
 
     # -- updates (the plugin's hooks call these) -----------------------------------------------
     def update_begin(self, method: str) -> None:
@@ -192,7 +202,7 @@ class SglangSession:
         except gt.StaleGraphError as exc:
             return str(exc)
         finally:
-            if method in COMPLETE_UPDATES:
+            if method in self.release.complete_updates:
                 self._steer(self._trace.pause_provenance)
         return None
 
@@ -238,28 +248,39 @@ class SglangSession:
         self._trace.__exit__(None, None, None)
 
 
+def sglang_object(release: releases.Release, role: str):
+    """The SGLang object the row names for ``role`` (None where the row has none). Raises
+    ``LookupError`` naming the target where the running SGLang lacks it."""
+    from graphtrace import targets
+
+    target = release.target(role)
+    if target is None:
+        return None
+    obj, problem = targets.resolve(target.module, target.qualname)
+    if problem:
+        raise LookupError(f"graphtrace: SGLang {release.version}'s {role}: {problem}")
+    return obj
+
+
 def tp_rank(runner=None) -> int:
     """This scheduler's tensor-parallel rank: SGLang 0.5.23 keeps it in its runtime context
-    (``get_parallel().tp_rank``; older releases on the model runner)."""
+    (``get_parallel().tp_rank``, the row's ``parallel``); older releases on the model
+    runner."""
     try:
-        from sglang.srt.runtime_context import get_parallel
-
-        return int(get_parallel().tp_rank or 0)
+        return int(sglang_object(releases.running()[0], "parallel")().tp_rank or 0)
     except Exception:
         return int(getattr(runner, "tp_rank", 0) or 0)
 
 
 def tp_ranks() -> Ranks | None:
     """The serving core's collective in SGLang: this scheduler's tensor-parallel group (its
-    `GroupCoordinator`, sglang.srt.distributed), agreeing through ``all_gather_object`` on
-    the group's CPU (gloo) group; None with one rank or no distributed state. Every rank
-    raises the agreed refusal (``every_rank_raises``): SGLang answers a client with rank 0's
-    result, and every rank must abort the same requests, or their batches (and collectives)
-    diverge."""
+    `GroupCoordinator`, the row's ``tp_group``: ``get_tp_group()``), agreeing through
+    ``all_gather_object`` on the group's CPU (gloo) group; None with one rank or no
+    distributed state. Every rank raises the agreed refusal (``every_rank_raises``): SGLang
+    answers a client with rank 0's result, and every rank must abort the same requests, or
+    their batches (and collectives) diverge."""
     try:
-        from sglang.srt.distributed import get_tp_group
-
-        group = get_tp_group()
+        group = sglang_object(releases.running()[0], "tp_group")()
     except Exception:  # no distributed state (a bare session, tests)
         return None
     if group is None or getattr(group, "world_size", 1) <= 1:
@@ -267,16 +288,16 @@ def tp_ranks() -> Ranks | None:
     return Ranks(group.rank_in_group, group.world_size, group.all_gather_object)
 
 
-def _dummy_buffers(runner, eager):
+def _dummy_buffers(runner, autotune):
     """The eager runner's decode-shaped dummy buffers. An attention backend without CUDA-graph
     support (``torch_native``: CPU) has no seq-len fill value for them; a dummy decode's
     sequences are then one token long, the value SGLang's graph-capable backends use."""
     try:
-        return eager._autotune_buffers()
+        return autotune()
     except NotImplementedError:
         backend = runner.attn_backend
         backend.get_cuda_graph_seq_len_fill_value = lambda: 1
         try:
-            return eager._autotune_buffers()
+            return autotune()
         finally:
             del backend.get_cuda_graph_seq_len_fill_value

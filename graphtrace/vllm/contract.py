@@ -11,12 +11,11 @@ methods that need a device), it is read with ``ast``.
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import re
-import textwrap
 from pathlib import Path
 
+from graphtrace import targets
 from graphtrace.vllm.releases import HOOK_CALLS, Hook, Release, release
 
 __all__ = ["check", "check_hooks", "check_runners", "check_capture_sites", "check_fix_api",
@@ -42,20 +41,9 @@ def _check_version(rel: Release) -> list[str]:
                                           f"for {rel.version}"]
 
 
-def _resolve(module: str, qualname: str):
-    """(object, problem): the object at ``module:qualname`` or why it is not there."""
-    try:
-        obj = importlib.import_module(module)
-    except Exception as exc:
-        return None, f"{module}: cannot import ({type(exc).__name__}: {exc})"
-    for part in qualname.split("."):
-        nxt = obj.__dict__.get(part) if inspect.isclass(obj) else getattr(obj, part, None)
-        if nxt is None:
-            return None, f"{module}:{qualname}: missing ({part!r} not found)"
-        obj = nxt
-    while getattr(obj, "__graphtrace_original__", None) is not None:  # hooks installed
-        obj = obj.__graphtrace_original__
-    return obj, None
+_resolve = targets.resolve  # the engine-neutral part: graphtrace/targets.py
+assigned_attrs = targets.assigned_attrs
+_check_attrs = targets.check_attrs
 
 
 def check_hooks(hook_list) -> list[str]:
@@ -73,25 +61,13 @@ def check_hooks(hook_list) -> list[str]:
 
 def _check_call(hook: Hook, fn) -> list[str]:
     args, kwargs = HOOK_CALLS[hook.method]
-    this = () if "." not in hook.qualname else ("self",)
-    try:
-        sig = inspect.signature(fn)
-        sig.bind(*this, *args, **kwargs)
-    except (TypeError, ValueError) as exc:
-        call = ", ".join([*map(repr, args), *(f"{k}=..." for k in kwargs)])
-        return [f"{hook.target}: signature {_sig(fn)} does not accept graphtrace's call "
-                f"({call}): {exc}"]
+    problems = targets.check_call(hook.target, fn, args, kwargs, method="." in hook.qualname)
+    if problems:
+        return problems
     if hook.async_gen and not inspect.isasyncgenfunction(fn):
         return [f"{hook.target}: no longer an async generator function (graphtrace streams "
                 "its result)"]
     return []
-
-
-def _sig(fn) -> str:
-    try:
-        return str(inspect.signature(fn))
-    except (TypeError, ValueError):
-        return "(?)"
 
 
 def _check_hook_table(rel: Release) -> list[str]:
@@ -106,28 +82,6 @@ def _check_hook_table(rel: Release) -> list[str]:
         for t in sorted(listed - wrapped)]
 
 
-def assigned_attrs(cls) -> set[str]:
-    """Names assigned as ``self.<name> = ...`` anywhere in ``cls`` and its bases' source."""
-    names: set[str] = set()
-    for klass in inspect.getmro(cls):
-        if klass is object:
-            continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError):
-            continue
-        for node in ast.walk(ast.parse(source)):
-            targets = (node.targets if isinstance(node, ast.Assign)
-                       else [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign)
-                       else [])
-            for t in targets:
-                for sub in ast.walk(t):
-                    if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
-                            and sub.value.id == "self"):
-                        names.add(sub.attr)
-    return names
-
-
 def check_runners(runners) -> list[str]:
     """Each runner class sets the attributes the runner view exposes as its input buffers,
     and each holder class (V2's ``InputBuffers``, ``BlockTables``) its tensors."""
@@ -137,15 +91,6 @@ def check_runners(runners) -> list[str]:
         for attr, holder, tensors in runner.holders:
             problems += _check_attrs(holder, tensors, f"read through runner.{attr}")
     return problems
-
-
-def _check_attrs(path: str, attrs, why: str) -> list[str]:
-    module, qualname = path.split(":")
-    cls, problem = _resolve(module, qualname)
-    if problem:
-        return [problem]
-    have = assigned_attrs(cls)
-    return [f"{path}: sets no attribute {a!r} ({why})" for a in attrs if a not in have]
 
 
 def scan_capture_sites(root: Path) -> tuple[dict[str, str], list[str]]:
