@@ -11,8 +11,8 @@ so the second figure is the size each capability had when it landed.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
-import sys
 
 from _common import ROOT
 
@@ -27,6 +27,7 @@ COMMITS = {
     "849da4f": "issue 40 item 1: the guard checks packed copies not rebuilt",
     "943a3dd": "issue 36: vLLM 0.34 direct reload fix texts",
     "058b768": "vLLM worker guard accepts 'packed copy not rebuilt'",
+    "1a61e23": "SGLang release table and contract (graphtrace/targets.py shared with vLLM's)",
 }
 # not capability, named to explain the rest of the difference (counted the same way)
 EXPLAINED = {
@@ -101,4 +102,14 @@ def main(before: str = "c66e59b", after: str = "HEAD") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("before", nargs="?", default="c66e59b", help="commit (default c66e59b)")
+    parser.add_argument("after", nargs="?", default="HEAD", help="commit (default HEAD)")
+    args = parser.parse_args()
+    for commit in (args.before, args.after, *COMMITS, *EXPLAINED):
+        try:
+            git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
+        except subprocess.CalledProcessError:
+            parser.error(f"{commit!r} is not a commit of this repository (a shallow clone? "
+                         "`git fetch --unshallow` first)")
+    main(args.before, args.after)
