@@ -215,6 +215,16 @@ def is_call(method: object) -> bool:
             and getattr(method.__func__, "__code__", None) is call.__code__)
 
 
+def is_keeper(method: object) -> bool:
+    """Whether `method` is one of graphtrace's bound forward wrappers or `_call_impl`
+    overrides: what an owner walk steps over (they reach the module and graphtrace's own
+    cells, never a user's tensor)."""
+    if not isinstance(method, types.MethodType):
+        return False
+    code = getattr(method.__func__, "__code__", None)
+    return code is forward.__code__ or code is call.__code__
+
+
 def _call_for(module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> types.MethodType:
     """`call` bound to `module`, as its own function object whose cells hold the module's FQN
     id and forward wrapper (pickled as `getattr(module, "_call_impl")`, the class's)."""
@@ -418,4 +428,4 @@ class ModuleAttribution:
                 del stack[-len(seeded):]
 
 
-__all__ = ["ModuleAttribution", "MODES", "is_wrapper", "compiled_inside"]
+__all__ = ["ModuleAttribution", "MODES", "is_wrapper", "is_keeper", "compiled_inside"]
