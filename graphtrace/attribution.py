@@ -58,10 +58,6 @@ except AttributeError:  # pragma: no cover - every tested torch has it
 # id(module) -> FQN id, for the modules whose forward is wrapped by the open trace (one trace
 # is open at a time). A module missing here runs its plain forward, unattributed.
 _fqn_ids: dict[int, int] = {}
-# id(module) -> (FQN id, its forward wrapper), for the modules whose call takes the one-frame
-# path (`call` below; Note [one frame per module call]). Missing: the call goes through
-# `nn.Module._call_impl` and the forward wrapper.
-_calls: dict[int, tuple[int, Any]] = {}
 if MODULE_FAST_PATH is not None:
     _MODULE_CALL_IMPL, _tracing_state, _global_hooks = MODULE_FAST_PATH
 else:  # pragma: no cover - every tested torch has them: no one-frame call
@@ -100,31 +96,39 @@ def forward(self, *args, **kwargs):
 # the wrapper alone. The fast-path test is the one `_call_impl` makes (the same eight hook
 # tables and `torch._C._get_tracing_state()`), so the two paths cannot disagree on which a
 # call takes. A module whose `_call_impl` someone else replaced on the instance keeps it (and
-# the forward wrapper alone). Removed with the wrapper; a deep copy gets a `call` bound to
-# the copy, which finds no entry in `_calls` and hands over to the class's `_call_impl`;
-# pickle stores it as `getattr(module, "_call_impl")`, the class's.
+# the forward wrapper alone). Each module's `call` is its own function object whose closure
+# cells hold the module's FQN id and forward wrapper (`_call_for`), so a call reads both
+# without a lookup; the test that `self.forward` is still that wrapper is what tells a
+# module's own call from a copy's. Removed with the wrapper; a deep copy gets a `call` bound
+# to the copy, whose `forward` is not the wrapper in the cells, so it hands over to the
+# class's `_call_impl`; pickle stores it as `getattr(module, "_call_impl")`, the class's.
 
 
-def call(self, *args, **kwargs):
-    """graphtrace's `_call_impl` of a wrapped module: `nn.Module._call_impl`'s fast path (no
-    hooks, no JIT tracing) with the push and pop of the forward wrapper, one frame where the
-    two take two; anything else goes through `nn.Module._call_impl` (Note [one frame per module
-    call])."""
-    if (_dynamo_compiling() or self._forward_pre_hooks or self._forward_hooks
-            or self._backward_pre_hooks or self._backward_hooks
-            or _global_forward_pre or _global_forward or _global_backward_pre
-            or _global_backward or _tracing_state()):
-        return type(self)._call_impl(self, *args, **kwargs)
-    entry = _calls.get(id(self))
-    if entry is None or type(self)._call_impl is not _MODULE_CALL_IMPL \
-            or self.forward is not entry[1]:
-        return type(self)._call_impl(self, *args, **kwargs)
-    stack = module_stack.stack
-    stack.append(entry[0])
-    try:
-        return type(self).forward(self, *args, **kwargs)
-    finally:
-        stack.pop()
+def _call_with(fid: int, wrapper: Any) -> Callable:
+    """`call` with its module's FQN id and forward wrapper in closure cells: read per call
+    without a lookup (`_call_for` copies the function with each module's own cells)."""
+    def call(self, *args, **kwargs):
+        """graphtrace's `_call_impl` of a wrapped module: `nn.Module._call_impl`'s fast path
+        (no hooks, no JIT tracing) with the push and pop of the forward wrapper, one frame
+        where the two take two; anything else goes through `nn.Module._call_impl` (Note [one
+        frame per module call])."""
+        if (_dynamo_compiling() or self._forward_pre_hooks or self._forward_hooks
+                or self._backward_pre_hooks or self._backward_hooks
+                or _global_forward_pre or _global_forward or _global_backward_pre
+                or _global_backward or _tracing_state() or self.forward is not wrapper
+                or type(self)._call_impl is not _MODULE_CALL_IMPL):
+            return type(self)._call_impl(self, *args, **kwargs)
+        stack = module_stack.stack
+        stack.append(fid)
+        try:
+            return type(self).forward(self, *args, **kwargs)
+        finally:
+            stack.pop()
+    return call
+
+
+call = _call_with(-1, None)  # the code every module's copy runs; its own cells: `_call_for`
+_CALL_CELLS = call.__code__.co_freevars  # the order of `call.__closure__`'s cells
 
 
 _frame_skipped = False
@@ -211,11 +215,23 @@ def is_call(method: object) -> bool:
             and getattr(method.__func__, "__code__", None) is call.__code__)
 
 
-def _call_for(module: torch.nn.Module) -> types.MethodType:
-    """`call` bound to `module`, as its own function object (pickled as
-    `getattr(module, "_call_impl")`, the class's)."""
-    return types.MethodType(types.FunctionType(call.__code__, call.__globals__, "_call_impl"),
-                            module)
+def is_keeper(method: object) -> bool:
+    """Whether `method` is one of graphtrace's bound forward wrappers or `_call_impl`
+    overrides: what an owner walk steps over (they reach the module and graphtrace's own
+    cells, never a user's tensor)."""
+    if not isinstance(method, types.MethodType):
+        return False
+    code = getattr(method.__func__, "__code__", None)
+    return code is forward.__code__ or code is call.__code__
+
+
+def _call_for(module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> types.MethodType:
+    """`call` bound to `module`, as its own function object whose cells hold the module's FQN
+    id and forward wrapper (pickled as `getattr(module, "_call_impl")`, the class's)."""
+    cells = {"fid": types.CellType(fid), "wrapper": types.CellType(wrapper)}
+    fn = types.FunctionType(call.__code__, call.__globals__, "_call_impl", None,
+                            tuple(cells[name] for name in _CALL_CELLS))
+    return types.MethodType(fn, module)
 
 
 def _wrapper_for(module: torch.nn.Module) -> types.MethodType:
@@ -320,10 +336,11 @@ class ModuleAttribution:
         if _MODULE_CALL_IMPL is None:
             return
         if mine is None and type(module)._call_impl is _MODULE_CALL_IMPL:
-            module.__dict__["_call_impl"] = _call_for(module)
-        elif not (is_call(mine) and mine.__self__ is module):
-            return
-        _calls[id(module)] = (fid, wrapper)
+            module.__dict__["_call_impl"] = _call_for(module, fid, wrapper)
+        elif is_call(mine) and mine.__self__ is module:  # kept while paused: its id now
+            cells = dict(zip(_CALL_CELLS, mine.__func__.__closure__))
+            cells["fid"].cell_contents = fid
+            cells["wrapper"].cell_contents = wrapper
 
     def _detach(self, keep: set[int] = frozenset()) -> None:
         """Remove the keepers, but those of the modules in `keep`."""
@@ -333,7 +350,6 @@ class ModuleAttribution:
                 kept.append(module)
                 continue
             _fqn_ids.pop(id(module), None)
-            _calls.pop(id(module), None)
             c = module.__dict__.get("_call_impl")
             if is_call(c) and c.__self__ is module:
                 del module.__dict__["_call_impl"]
@@ -412,4 +428,4 @@ class ModuleAttribution:
                 del stack[-len(seeded):]
 
 
-__all__ = ["ModuleAttribution", "MODES", "is_wrapper", "compiled_inside"]
+__all__ = ["ModuleAttribution", "MODES", "is_wrapper", "is_keeper", "compiled_inside"]

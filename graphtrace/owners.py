@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from graphtrace._compat import free_weak_ref, is_traceable_wrapper_subclass, storage_weak_ref
-from graphtrace.attribution import is_wrapper as is_attribution_wrapper
+from graphtrace.attribution import is_keeper as is_attribution_keeper
 from graphtrace.blindspots import BlindSpot
 from graphtrace.opaque import is_opaque, storage_of
 from graphtrace.owner_paths import PathSet, resolve_path, resolve_value
@@ -370,7 +370,7 @@ def _attribute_owners(model: nn.Module, max_depth: int,
             h = _classify(type(v))
         if h == _LEAF or h == _MODULE:
             return
-        if h == _METHOD and is_attribution_wrapper(v):  # graphtrace's own, while tracing
+        if h == _METHOD and is_attribution_keeper(v):  # graphtrace's own, while tracing
             return
         if h == _TENSOR or h == _OPAQUE:  # an opaque handle is owned like a tensor
             out.append((path, v))

@@ -304,3 +304,30 @@ def test_vllm_plugin_reads_its_modules_setting_and_fails_open(monkeypatch, caplo
         assert plugin.modules_setting() == expected
     assert ("not one of" in caplog.text) == (value == "fast")
 
+
+
+def test_an_owner_walk_inside_a_trace_steps_over_the_module_keepers():
+    """The forward wrappers and `_call_impl` overrides a trace puts on each module reach
+    nothing of the user's: the owner walk steps over them, so inside the trace it finds the
+    same owners within the same `max_items` as outside (and walks no more objects)."""
+    import warnings
+
+    from graphtrace.owners import walk_owners
+
+    model = Net()
+    model.head.scale = [torch.ones(2)]  # an attribute holder: the walk enters the list
+
+    def walk(max_items: int) -> tuple[list[str], list[str]]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            paths = [path for path, _, _ in walk_owners(model, max_items=max_items)]
+        return paths, [str(w.message) for w in caught]
+
+    least = next(n for n in range(1, 100) if not walk(n)[1])  # the least budget, untraced
+    assert walk(least - 1)[1]  # one less is cut: the budget is tight
+    outside = walk(least)
+    with gt.trace(model, strict=True, provenance=False):
+        assert "_call_impl" in model.head.__dict__ and "forward" in model.head.__dict__
+        inside = walk(least)
+    assert inside == outside
+    assert "head.scale[0]" in inside[0]
