@@ -40,3 +40,24 @@ class EngineGate:
             pytest.fail(f"{self.require_env}=1 but {self.name} is not usable: {self.why_not}",
                         pytrace=False)
         pytest.skip(f"{self.name} is not usable here ({self.why_not})")
+
+
+def planted_copy(original, name: str, tmp_path: Path, monkeypatch,
+                 renames: tuple[tuple[str, str], ...]) -> str:
+    """A copy of the engine module ``original``'s source with ``renames`` applied (each must
+    occur), loaded as ``name`` (a sibling, so its relative imports resolve in the engine);
+    the contract tests plant a renamed hook target in it. Returns ``name``."""
+    import importlib.util
+    import sys
+
+    source = Path(original.__file__).read_text()
+    for old, new in renames:
+        assert old in source, old
+        source = source.replace(old, new, 1)
+    path = tmp_path / f"planted{len(renames)}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return name

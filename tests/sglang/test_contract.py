@@ -10,16 +10,15 @@ with its name; nothing here skips.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from graphtrace.errors import GraphtraceError
 from graphtrace.sglang import contract, plugin, releases
+from tests.engine_probe import planted_copy
 
 pytestmark = pytest.mark.sglang
 
@@ -50,18 +49,8 @@ def _planted_updater(tmp_path: Path, monkeypatch, *renames: tuple[str, str]) -> 
     ``...scheduler_components.planted_weight_updater``."""
     import sglang.srt.managers.scheduler_components.weight_updater as original
 
-    source = Path(original.__file__).read_text()
-    for old, new in renames:
-        assert old in source, old
-        source = source.replace(old, new, 1)
-    path = tmp_path / f"planted{len(renames)}.py"
-    path.write_text(source)
-    name = f"{UPDATER.rsplit('.', 1)[0]}.planted_weight_updater"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return name
+    return planted_copy(original, f"{UPDATER.rsplit('.', 1)[0]}.planted_weight_updater",
+                        tmp_path, monkeypatch, renames)
 
 
 def _row_on(module: str) -> releases.Release:

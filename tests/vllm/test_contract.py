@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from graphtrace.vllm import contract, releases
+from tests.engine_probe import planted_copy
 
 pytestmark = pytest.mark.vllm
 
@@ -51,22 +51,10 @@ def test_an_unsupported_release_is_refused_by_name():
 def _planted_worker(tmp_path: Path, monkeypatch, *renames: tuple[str, str]) -> str:
     """A copy of the installed release's gpu_worker.py with ``renames`` applied to its source,
     loaded as ``vllm.v1.worker.planted_gpu_worker`` (its relative imports resolve in vLLM)."""
-    import importlib.util
-
     import vllm.v1.worker.gpu_worker as original
 
-    source = Path(original.__file__).read_text()
-    for old, new in renames:
-        assert old in source, old
-        source = source.replace(old, new, 1)
-    path = tmp_path / f"planted{len(renames)}.py"
-    path.write_text(source)
-    name = "vllm.v1.worker.planted_gpu_worker"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return name
+    return planted_copy(original, "vllm.v1.worker.planted_gpu_worker", tmp_path, monkeypatch,
+                        renames)
 
 
 def _worker_hooks(module: str) -> list[releases.Hook]:
