@@ -489,3 +489,39 @@ def test_native_named_modules_lists_what_owners_named_modules_does():
         mod.named_modules(broken)
     with pytest.raises(AttributeError):
         mod.named_modules(object())
+
+
+def test_native_table_names_each_storage_device_when_devices_alternate():
+    """Storages made on alternating devices in one capture keep each its own device in the
+    native table (it remembers the last device looked up), as in the Python table."""
+    a, m = torch.randn(8), torch.randn(8, device="meta")
+    devices = {}
+    for native_writer in (True, False):
+        with gt.trace(strict=True, native=native_writer) as t:
+            with gt.capture("g", emulate=False):
+                outs = [(a if i % 2 == 0 else m) * (i + 1) for i in range(6)]
+        table = t.recorder.storages
+        devices[native_writer] = [
+            table.devices[table.find(v.untyped_storage()._cdata)] for v in (a, m, *outs)]
+    want = ["cpu", "meta"] + ["cpu", "meta"] * 3
+    assert devices[True] == devices[False] == want
+
+
+def test_captures_of_one_trace_each_record_only_their_own_rows():
+    """The native writer's buffers pass from one capture to the next of a trace (Note [record
+    buffers reused] in graphtrace/csrc/recorder.cpp): a small capture after a large one, and
+    one with a Python-writer op (a subclass) mid-capture, record exactly the Python writer's rows."""
+    torch.manual_seed(0)
+    model, x = Workload(), torch.randn(2, 8)
+    rows = {}
+    for native_flag in (True, False):
+        with gt.trace(model, strict=True, native=native_flag) as t, torch.no_grad():
+            for label, fn in (("large", lambda: model(x)), ("small", lambda: x * 2),
+                              ("large again", lambda: model(x)), ("one", lambda: x + 1)):
+                with gt.capture(label, emulate=False):
+                    fn()
+        acc = t.accesses
+        rows[native_flag] = acc[[c for c in acc.columns if c != "data_ptr"]].astype(str)
+    small = rows[True][rows[True].graph.astype(str) == "small"]
+    assert len(small) == 2 and small.op.astype(str).tolist() == ["aten::mul.Tensor"] * 2
+    assert rows[True].equals(rows[False])

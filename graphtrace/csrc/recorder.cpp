@@ -143,23 +143,23 @@ class Table {
 
   // `impl` must be alive (the caller holds a tensor or storage on it).
   int64_t add(c10::StorageImpl* impl) {
-    auto it = index_.find(impl);
-    if (it != index_.end()) return it->second;
-    const int64_t nb = static_cast<int64_t>(impl->nbytes());  // throws for symbolic sizes
-    const auto device = impl->device();
-    const int64_t dkey = static_cast<int64_t>(device.type()) * 65536 + device.index() + 1;
-    auto d = device_ids_.find(dkey);
-    if (d == device_ids_.end()) {
-      d = device_ids_.emplace(dkey, static_cast<int32_t>(device_names_.size())).first;
-      device_names_.push_back(device.str());
-    }
     const int64_t sid = static_cast<int64_t>(handles_.size());
+    auto slot = index_.emplace(impl, sid);  // one probe, whether new or seen
+    if (!slot.second) return slot.first->second;
+    int64_t nb;
+    int32_t dev;
+    try {
+      nb = static_cast<int64_t>(impl->nbytes());  // throws for symbolic sizes
+      dev = device_id(impl->device());
+    } catch (...) {
+      index_.erase(impl);
+      throw;
+    }
     void* handle = c10::raw::intrusive_ptr::make_weak(impl);
     handles_.push_back(reinterpret_cast<int64_t>(handle));
     data_ptrs_.push_back(reinterpret_cast<int64_t>(impl->data_ptr().get()));
     nbytes_.push_back(nb);
-    devices_.push_back(d->second);
-    index_.emplace(impl, sid);
+    devices_.push_back(dev);
     if (sweeping && handles_.size() >= swept_ + kSweepLag + kSweepBatch) {
       sweep(swept_, handles_.size() - kSweepLag);
       swept_ = handles_.size() - kSweepLag;
@@ -205,6 +205,7 @@ class Table {
     constexpr size_t kMalloc = 16;
     size_t n = (handles_.capacity() + data_ptrs_.capacity() + nbytes_.capacity()) * 8 +
         devices_.capacity() * 4;
+    n += (spare_ops.capacity() + spare_modules.capacity()) * 4 + spare_rows.capacity() * 8;
     n += (index_.bucket_count() + 1) * (8 + sizeof(std::pair<const void*, int64_t>)) + kMalloc;
     n += (views.bucket_count() + 1) * (8 + sizeof(std::pair<std::vector<int64_t>, int64_t>)) +
         kMalloc;
@@ -214,6 +215,10 @@ class Table {
 
   // (dtype, offset, ndim, sizes..., strides...) -> the trace's view id (its Interner's)
   KeyMap views;
+  // Emptied record buffers that a writer's flush left, taken by the next op recorded in this
+  // trace (Note [record buffers reused]).
+  std::vector<int32_t> spare_ops, spare_modules;
+  std::vector<int64_t> spare_rows;
   bool sweeping = true;  // off only to measure what sweeping gives (analysis/bench_overhead.py)
 
   // (handles, data_ptrs, nbytes as int64 bytes; device names) of storages n.. on.
@@ -248,6 +253,20 @@ class Table {
   }
 
  private:
+  // The device's index into device_names_; consecutive storages are mostly on one device.
+  int32_t device_id(const c10::Device& device) {
+    const int64_t dkey = static_cast<int64_t>(device.type()) * 65536 + device.index() + 1;
+    if (dkey == last_dkey_) return last_dev_;
+    auto d = device_ids_.find(dkey);
+    if (d == device_ids_.end()) {
+      d = device_ids_.emplace(dkey, static_cast<int32_t>(device_names_.size())).first;
+      device_names_.push_back(device.str());
+    }
+    last_dkey_ = dkey;
+    last_dev_ = d->second;
+    return last_dev_;
+  }
+
   static PyObject* bytes_of(const int64_t* data, size_t n) {
     return check(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(data),
                                            static_cast<Py_ssize_t>(n * sizeof(int64_t))));
@@ -261,6 +280,8 @@ class Table {
   std::vector<int32_t> devices_;
   std::unordered_map<int64_t, int32_t> device_ids_;
   std::vector<std::string> device_names_;
+  int64_t last_dkey_ = -1;  // -1: none yet (a real key is at least 0: CPU's)
+  int32_t last_dev_ = 0;
 };
 
 struct StoragesObject {
@@ -370,13 +391,15 @@ class Keeper {
     c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
     auto sizes = t.sizes();
     auto strides = t.strides();
-    key_.clear();
-    key_.push_back(reinterpret_cast<int64_t>(impl));
-    key_.push_back(static_cast<int64_t>(t.scalar_type()));
-    key_.push_back(t.storage_offset());
-    key_.push_back(static_cast<int64_t>(sizes.size()));
-    key_.insert(key_.end(), sizes.begin(), sizes.end());
-    key_.insert(key_.end(), strides.begin(), strides.end());
+    const size_t ndim = sizes.size();
+    key_.resize(4 + 2 * ndim);  // written in place, as Writer::slot_of's
+    int64_t* key = key_.data();
+    key[0] = reinterpret_cast<int64_t>(impl);
+    key[1] = static_cast<int64_t>(t.scalar_type());
+    key[2] = t.storage_offset();
+    key[3] = static_cast<int64_t>(ndim);
+    std::memcpy(key + 4, sizes.data(), ndim * sizeof(int64_t));
+    std::memcpy(key + 4 + ndim, strides.data(), ndim * sizeof(int64_t));
     auto it = aliases_.find(key_);
     if (it != aliases_.end()) return Py_NewRef(it->second);
     if (seen_.insert(impl).second && making_) {
@@ -601,6 +624,7 @@ class Writer {
   PyObject* size_type = nullptr;    // torch.Size
   PyObject* keeper_obj = nullptr;   // a Keeper (owned) while the capture keeps an emulated graph
   Keeper* keeper = nullptr;
+  bool ops_is_array = false;        // ops_arr is an array.array: its length is Py_SIZE
 
   ~Writer() {
     Py_XDECREF(keeper_obj);
@@ -620,8 +644,11 @@ class Writer {
     Plan& plan = plan_for(func);
     if (plan.opaque) throw Fallback();  // ScriptObject arguments: recorded by the Python writer
     if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs))) throw Fallback();
-    Py_ssize_t flushed = PyObject_Length(ops_arr);
+    // An array.array's length is its ob_size: read in place (the Python writer's fallback
+    // appends to the same array, so it is read per op, not counted here).
+    Py_ssize_t flushed = ops_is_array ? Py_SIZE(ops_arr) : PyObject_Length(ops_arr);
     if (flushed < 0) throw PythonError();
+    if (ops_.capacity() == 0) take_buffers();
     const int64_t seq = flushed + static_cast<int64_t>(ops_.size());
     ops_.push_back(static_cast<int32_t>(plan.op_id));
     modules_.push_back(static_cast<int32_t>(current_module()));
@@ -697,9 +724,9 @@ class Writer {
     extend(ops_arr, ops_.data(), ops_.size() * sizeof(int32_t));
     extend(modules_arr, modules_.data(), modules_.size() * sizeof(int32_t));
     extend(rows_arr, rows_.data(), rows_.size() * sizeof(int64_t));
-    ops_.clear();
-    modules_.clear();
-    rows_.clear();
+    give_back(ops_, table->spare_ops);
+    give_back(modules_, table->spare_modules);
+    give_back(rows_, table->spare_rows);
   }
 
  private:
@@ -709,9 +736,45 @@ class Writer {
   std::vector<int32_t> ops_, modules_;
   std::vector<int64_t> rows_;
 
+  // arr.frombytes(a read-only view of `data`): copied once, into the array.
   static void extend(PyObject* arr, const void* data, size_t n) {
-    Ref bytes(PyBytes_FromStringAndSize(static_cast<const char*>(data), n));
-    Ref r(PyObject_CallMethod(arr, "frombytes", "O", bytes.p));
+    static PyObject* s_frombytes = PyUnicode_InternFromString("frombytes");
+    if (s_frombytes == nullptr) throw PythonError();
+    Ref view(PyMemoryView_FromMemory(const_cast<char*>(static_cast<const char*>(data)),
+                                     static_cast<Py_ssize_t>(n), PyBUF_READ));
+    Ref r(PyObject_CallMethodOneArg(arr, s_frombytes, view.p));
+  }
+
+  // Note [record buffers reused]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // A writer buffers its rows in vectors until a flush copies them into the capture's arrays.
+  // Grown from empty in every capture, they were reallocated a dozen times each and written
+  // to fresh memory (page faults, cache misses: docs/performance.md, "A third pass"). So a
+  // flush hands the emptied vectors to the trace's table and the next op recorded by any of
+  // its writers takes them: a capture like the last grows none, in memory already paged in.
+  // They hold integers only (never a storage), and the table keeps at most the largest
+  // capture's buffers (counted in `memory()`), freed with it.
+  template <typename T>
+  static void give_back(std::vector<T>& mine, std::vector<T>& spare) {
+    mine.clear();
+    if (mine.capacity() >= spare.capacity()) {
+      spare = std::move(mine);
+      mine = std::vector<T>();
+    }
+  }
+
+  template <typename T>
+  static void take(std::vector<T>& mine, std::vector<T>& spare) {
+    if (spare.capacity() > mine.capacity()) {
+      mine = std::move(spare);
+      spare = std::vector<T>();
+    }
+  }
+
+  void take_buffers() {
+    take(ops_, table->spare_ops);
+    take(modules_, table->spare_modules);
+    take(rows_, table->spare_rows);
   }
 
   Plan& plan_for(PyObject* func) {
@@ -813,13 +876,15 @@ class Writer {
     c10::StorageImpl* impl = storage_impl(t);
     auto sizes = t.sizes();  // throws for symbolic shapes: the Python writer reports those
     auto strides = t.strides();
-    key_.clear();
-    key_.push_back(static_cast<int64_t>(t.scalar_type()));
-    key_.push_back(t.storage_offset());
-    key_.push_back(static_cast<int64_t>(sizes.size()));
-    key_.insert(key_.end(), sizes.begin(), sizes.end());
-    key_.insert(key_.end(), strides.begin(), strides.end());
-    const size_t n = key_.size();
+    const size_t ndim = sizes.size();
+    const size_t n = 3 + 2 * ndim;
+    key_.resize(n);  // written in place: no reallocation once the longest key was seen
+    int64_t* key = key_.data();
+    key[0] = static_cast<int64_t>(t.scalar_type());
+    key[1] = t.storage_offset();
+    key[2] = static_cast<int64_t>(ndim);
+    std::memcpy(key + 3, sizes.data(), ndim * sizeof(int64_t));
+    std::memcpy(key + 3 + ndim, strides.data(), ndim * sizeof(int64_t));
     if (memo != nullptr && memo->impl == impl && memo->n == n &&
         std::memcmp(memo->key, key_.data(), n * sizeof(int64_t)) == 0 &&
         table->handle(slot_storage(memo->slot)) == reinterpret_cast<int64_t>(impl)) {
@@ -901,6 +966,8 @@ int Writer_init(PyWriterObject* self, PyObject* args, PyObject* kwds) {
   w->ops_arr = PyObject_GetAttrString(capture, "ops");
   w->modules_arr = PyObject_GetAttrString(capture, "op_modules");
   w->rows_arr = PyObject_GetAttrString(capture, "accesses");
+  w->ops_is_array = w->ops_arr != nullptr &&
+      std::strcmp(Py_TYPE(w->ops_arr)->tp_name, "array.array") == 0;
   if (Py_TYPE(storages) != &StoragesType) {
     PyErr_SetString(PyExc_TypeError, "graphtrace: Writer needs a graphtrace native Storages table");
     delete w;
