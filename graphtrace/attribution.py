@@ -97,16 +97,22 @@ def forward(self, *args, **kwargs):
 # tables and `torch._C._get_tracing_state()`), so the two paths cannot disagree on which a
 # call takes. A module whose `_call_impl` someone else replaced on the instance keeps it (and
 # the forward wrapper alone). Each module's `call` is its own function object whose closure
-# cells hold the module's FQN id and forward wrapper (`_call_for`), so a call reads both
-# without a lookup; the test that `self.forward` is still that wrapper is what tells a
-# module's own call from a copy's. Removed with the wrapper; a deep copy gets a `call` bound
-# to the copy, whose `forward` is not the wrapper in the cells, so it hands over to the
-# class's `_call_impl`; pickle stores it as `getattr(module, "_call_impl")`, the class's.
+# cells hold the module's FQN id, forward wrapper, class forward and that forward bound to the
+# module (`_call_for`), so a call reads them without a lookup and calls the forward with its
+# own argument tuple (a call as `type(self).forward(self, *args)` builds a list and a tuple
+# first); the test that `type(self).forward` is still that class forward sends a call to the
+# class's `_call_impl` once someone replaced it, and the test that `self.forward` is still the
+# wrapper is what tells a module's own call from a copy's. Removed with the wrapper; a deep
+# copy gets a `call` bound to the copy, whose `forward` is not the wrapper in the cells, so it
+# hands over to the class's `_call_impl`; pickle stores it as `getattr(module, "_call_impl")`,
+# the class's.
 
 
-def _call_with(fid: int, wrapper: Any) -> Callable:
-    """`call` with its module's FQN id and forward wrapper in closure cells: read per call
-    without a lookup (`_call_for` copies the function with each module's own cells)."""
+def _call_with(fid: int, wrapper: Any, forward: Any, cls_forward: Any) -> Callable:
+    """`call` with its module's FQN id, forward wrapper, class forward and that forward bound
+    to the module in closure cells: read per call without a lookup, and the forward called
+    with the call's own argument tuple (`type(self).forward(self, *args)` builds a list and a
+    tuple per call); `_call_for` copies the function with each module's own cells."""
     def call(self, *args, **kwargs):
         """graphtrace's `_call_impl` of a wrapped module: `nn.Module._call_impl`'s fast path
         (no hooks, no JIT tracing) with the push and pop of the forward wrapper, one frame
@@ -116,18 +122,19 @@ def _call_with(fid: int, wrapper: Any) -> Callable:
                 or self._backward_pre_hooks or self._backward_hooks
                 or _global_forward_pre or _global_forward or _global_backward_pre
                 or _global_backward or _tracing_state() or self.forward is not wrapper
-                or type(self)._call_impl is not _MODULE_CALL_IMPL):
+                or type(self)._call_impl is not _MODULE_CALL_IMPL
+                or type(self).forward is not cls_forward):
             return type(self)._call_impl(self, *args, **kwargs)
         stack = module_stack.stack
         stack.append(fid)
         try:
-            return type(self).forward(self, *args, **kwargs)
+            return forward(*args, **kwargs)
         finally:
             stack.pop()
     return call
 
 
-call = _call_with(-1, None)  # the code every module's copy runs; its own cells: `_call_for`
+call = _call_with(-1, None, None, None)  # the code every module's copy runs; its own cells: `_call_for`
 _CALL_CELLS = call.__code__.co_freevars  # the order of `call.__closure__`'s cells
 
 
@@ -225,10 +232,18 @@ def is_keeper(method: object) -> bool:
     return code is forward.__code__ or code is call.__code__
 
 
+def _call_cells(module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> dict:
+    """What a module's `call` reads from its cells, by cell name."""
+    cls_forward = type(module).forward
+    return {"fid": fid, "wrapper": wrapper, "cls_forward": cls_forward,
+            "forward": types.MethodType(cls_forward, module)}
+
+
 def _call_for(module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> types.MethodType:
     """`call` bound to `module`, as its own function object whose cells hold the module's FQN
-    id and forward wrapper (pickled as `getattr(module, "_call_impl")`, the class's)."""
-    cells = {"fid": types.CellType(fid), "wrapper": types.CellType(wrapper)}
+    id, forward wrapper and class forward (pickled as `getattr(module, "_call_impl")`, the
+    class's)."""
+    cells = {k: types.CellType(v) for k, v in _call_cells(module, fid, wrapper).items()}
     fn = types.FunctionType(call.__code__, call.__globals__, "_call_impl", None,
                             tuple(cells[name] for name in _CALL_CELLS))
     return types.MethodType(fn, module)
@@ -339,8 +354,8 @@ class ModuleAttribution:
             module.__dict__["_call_impl"] = _call_for(module, fid, wrapper)
         elif is_call(mine) and mine.__self__ is module:  # kept while paused: its id now
             cells = dict(zip(_CALL_CELLS, mine.__func__.__closure__))
-            cells["fid"].cell_contents = fid
-            cells["wrapper"].cell_contents = wrapper
+            for name, value in _call_cells(module, fid, wrapper).items():
+                cells[name].cell_contents = value
 
     def _detach(self, keep: set[int] = frozenset()) -> None:
         """Remove the keepers, but those of the modules in `keep`."""

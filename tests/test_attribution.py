@@ -331,3 +331,22 @@ def test_an_owner_walk_inside_a_trace_steps_over_the_module_keepers():
         inside = walk(least)
     assert inside == outside
     assert "head.scale[0]" in inside[0]
+
+
+class Scaled(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_a_class_forward_replaced_while_traced_is_the_one_called(monkeypatch):
+    """A module's one-frame call holds its class forward bound (Note [one frame per module
+    call]): once someone replaces the class's forward, the call runs the new one, as untraced,
+    and its ops stay with the module."""
+    model, x = nn.Sequential(Scaled()), torch.ones(2)  # a submodule: the root has serve hooks
+    with gt.trace(model, strict=True, name="net") as t:
+        monkeypatch.setattr(Scaled, "forward", lambda self, x: x + 5)
+        with gt.capture("fwd", emulate=False):
+            out = model(x)
+    assert torch.equal(out, torch.full((2,), 6.0))
+    assert op_modules(t, "aten::add.Tensor") == ["0"]
+    assert model(x).tolist() == [6.0, 6.0]
