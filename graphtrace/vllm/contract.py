@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from graphtrace import targets
-from graphtrace.vllm.releases import HOOK_CALLS, Hook, Release, release
+from graphtrace.vllm.releases import Hook, Release, release
 
 __all__ = ["check", "check_hooks", "check_runners", "check_capture_sites", "check_fix_api",
            "check_reload_units", "scan_capture_sites", "assigned_attrs", "reload_callers"]
@@ -47,7 +47,7 @@ _check_attrs = targets.check_attrs
 
 
 def check_hooks(hook_list) -> list[str]:
-    """Each hook target exists, accepts the call its wrapper passes on (`HOOK_CALLS`), and
+    """Each hook target exists, accepts the call its wrapper passes on (`Hook.call`), and
     is an async generator function where the wrapper streams its result."""
     problems = []
     for hook in hook_list:
@@ -60,7 +60,7 @@ def check_hooks(hook_list) -> list[str]:
 
 
 def _check_call(hook: Hook, fn) -> list[str]:
-    args, kwargs = HOOK_CALLS[hook.method]
+    args, kwargs = hook.call
     problems = targets.check_call(hook.target, fn, args, kwargs, method="." in hook.qualname)
     if problems:
         return problems

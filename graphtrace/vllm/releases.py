@@ -42,51 +42,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = ["Hook", "HOOKS", "Runner", "Release", "RELEASES", "SUPPORTED", "release",
-           "runner_input_attrs", "HOOK_CALLS"]
-
-# What each wrapper passes on (graphtrace.vllm.hooks, adapter.py, serve.py): a target's
-# signature must accept this call. "self" stands for the instance; ``async_gen``: the
-# wrapper treats the result as an async generator (AsyncLLM.generate/encode).
-HOOK_CALLS: dict[str, tuple[tuple, dict]] = {
-    "load_model": ((), {}),
-    "compile_or_warm_up_model": ((), {}),
-    "shutdown": ((), {}),
-    # VllmTrace.reload: collective_rpc("reload_weights", kwargs=...)
-    "reload_weights": ((), {"weights_iterator": [], "weights_path": "", "is_checkpoint_format": True}),
-    "start_weight_update": ((), {}),
-    "start_draft_weight_update": ((), {}),
-    "update_weights": (({},), {}),
-    "finish_weight_update": ((), {}),
-    "run_busy_loop": ((), {}),
-    "step": ((), {}),
-    "step_with_batch_queue": ((), {}),
-    # the rpc wrapper names its first argument `method`
-    "collective_rpc": ((), {"method": "graphtrace_check"}),
-    "generate": (("prompt", "sampling_params", "request_id"), {}),
-    "encode": (("prompt", "pooling_params", "request_id"), {}),
-    "process_weights_after_loading": (("model", "model_config", "target_device"), {}),
-}
-
+           "runner_input_attrs"]
 
 @dataclass(frozen=True)
 class Hook:
     """One hooked entry point: ``module`` and ``qualname`` (``Class.method``, or a module
     function's name), what graphtrace.vllm.hooks does around it (``before`` / ``after``: the
     events it fires; ``"update"`` and the update's role; or a serve point's role and None),
-    and whether the wrapper expects an async generator function."""
+    ``call``: what the wrapper passes on after the instance (args, kwargs), which the target's
+    signature must accept; ``async_gen``: the wrapper treats the result as an async generator
+    (AsyncLLM.generate/encode)."""
     module: str
     qualname: str
     before: str | None = None
     after: str | None = None
+    call: tuple[tuple, dict] = ((), {})
     async_gen: bool = False
 
     @property
     def target(self) -> str:
         return f"{self.module}:{self.qualname}"
-
-    @property
-    def method(self) -> str:
-        return self.qualname.rsplit(".", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -123,10 +98,12 @@ HOOKS = (
     Hook(_WORKER, "Worker.load_model", "before_load", "after_load"),
     Hook(_WORKER, "Worker.compile_or_warm_up_model", None, "after_warmup"),
     Hook(_WORKER, "Worker.shutdown", "shutdown"),
-    Hook(_WORKER, "Worker.reload_weights", "update", "call"),
+    # VllmTrace.reload: collective_rpc("reload_weights", kwargs=...)
+    Hook(_WORKER, "Worker.reload_weights", "update", "call", ((), {
+        "weights_iterator": [], "weights_path": "", "is_checkpoint_format": True})),
     Hook(_WORKER, "Worker.start_weight_update", "update", "start"),
     Hook(_WORKER, "Worker.start_draft_weight_update", "update", "start"),
-    Hook(_WORKER, "Worker.update_weights", "update", "chunk"),
+    Hook(_WORKER, "Worker.update_weights", "update", "chunk", (({},), {})),
     Hook(_WORKER, "Worker.finish_weight_update", "update", "finish"),
     # CPUWorker overrides compile_or_warm_up_model (and not the other two)
     Hook("vllm.v1.worker.cpu_worker", "CPUWorker.compile_or_warm_up_model", None, "after_warmup"),
@@ -135,13 +112,16 @@ HOOKS = (
     # Note [check before serve] in graphtrace/vllm/serve.py
     Hook(_CORE, "EngineCore.step", "step"),
     Hook(_CORE, "EngineCore.step_with_batch_queue", "step"),
-    Hook(_CORE, "EngineCore.collective_rpc", "rpc"),
+    # the rpc wrapper names its first argument `method`
+    Hook(_CORE, "EngineCore.collective_rpc", "rpc", call=((), {"method": "graphtrace_check"})),
     Hook("vllm.v1.engine.llm_engine", "LLMEngine.step", "client_step"),
-    Hook("vllm.v1.engine.async_llm", "AsyncLLM.generate", "client_stream", async_gen=True),
-    Hook("vllm.v1.engine.async_llm", "AsyncLLM.encode", "client_stream", async_gen=True),
+    Hook("vllm.v1.engine.async_llm", "AsyncLLM.generate", "client_stream",
+         call=(("prompt", "sampling_params", "request_id"), {}), async_gen=True),
+    Hook("vllm.v1.engine.async_llm", "AsyncLLM.encode", "client_stream",
+         call=(("prompt", "pooling_params", "request_id"), {}), async_gen=True),
     # verl runs it itself once after its buckets (a module-level function)
     Hook("vllm.model_executor.model_loader.utils", "process_weights_after_loading", "update",
-         "call"),
+         "call", (("model", "model_config", "target_device"), {})),
 )
 
 _V1 = Runner("vllm.v1.worker.gpu_model_runner:GPUModelRunner",
