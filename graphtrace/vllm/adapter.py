@@ -605,7 +605,7 @@ _GUARD_UNSET = object()
 
 def _env_guard(guard, guard_dir):
     """(guard, guard_dir, from the environment?) for `trace_llm` (Note [one guard switch])."""
-    action = os.environ.get(env.ENV_GUARD, "").strip().lower()
+    action = env.guard_setting()
     on = env.guard_mode()
     if guard is _GUARD_UNSET:
         return (env.guard_action, guard_dir, True) if on else (None, guard_dir, False)
