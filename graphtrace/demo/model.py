@@ -34,7 +34,7 @@ from .kernels import (
 
 __all__ = [
     "RMSNorm", "ActOrderLinear", "DemoMLP", "DemoDecoderLayer", "make_checkpoint",
-    "DemoModel"
+    "CaseModel", "DemoModel"
 ]
 
 
@@ -121,7 +121,43 @@ def make_checkpoint(seed: int = 0, act_order_seed: int | None = None, *, n_layer
     return {name: t.to(device) for name, t in ckpt.items()}
 
 
-class DemoModel(torch.nn.Module):
+class CaseModel(torch.nn.Module):
+    """A root module whose `load_weights` fills parameters through their weight loaders; by
+    default its forward runs `self.layers` in order (a decoder's stack)."""
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def load_weights(self, checkpoint: dict[str, torch.Tensor]) -> set[str]:
+        """Load every checkpoint tensor through its parameter's `weight_loader`.
+
+        Like a vLLM model's `load_weights`: parameters are looked up afresh (a reload may
+        have swapped them), nothing is processed here. Returns the names loaded.
+        """
+        params = dict(self.named_parameters())
+        for name, tensor in checkpoint.items():
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in the model")
+            param = params[name]
+            getattr(param, "weight_loader", weight_loader)(param, tensor)
+        return set(checkpoint)
+
+    def process_weights_after_loading(self) -> None:
+        """Run every layer's PWAL (vLLM's loader does this after `load_weights`)."""
+        for m in self.modules():
+            qm = getattr(m, "quant_method", None)
+            if qm is not None and hasattr(qm, "process_weights_after_loading"):
+                qm.process_weights_after_loading(m)
+
+    def load(self, checkpoint: dict[str, torch.Tensor]) -> None:
+        """The engine's first load: load_weights, then process."""
+        self.load_weights(checkpoint)
+        self.process_weights_after_loading()
+
+
+class DemoModel(CaseModel):
     """`n_layers` act-order blocks of one kernel `variant` (a name in `kernels.KERNELS`, or
     a kernel class: the case library's variants that the seed demo does not run).
 
@@ -162,11 +198,6 @@ class DemoModel(torch.nn.Module):
     def in_features(self) -> int:
         return self.config["k"]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
     def quant_layers(self) -> list[tuple[str, ActOrderLinear]]:
         """(FQN, layer) of every act-order linear layer."""
         return [(name, m) for name, m in self.named_modules() if isinstance(m, ActOrderLinear)]
@@ -176,32 +207,6 @@ class DemoModel(torch.nn.Module):
         return make_checkpoint(seed, act_order_seed, n_layers=c["n_layers"], k=c["k"],
                                n=c["n"], group=c["group"], dtype=c["dtype"],
                                device=self.device)
-
-    def load_weights(self, checkpoint: dict[str, torch.Tensor]) -> set[str]:
-        """Load every checkpoint tensor through its parameter's `weight_loader`.
-
-        Like a vLLM model's `load_weights`: parameters are looked up afresh (a reload may
-        have swapped them), nothing is processed here. Returns the names loaded.
-        """
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in checkpoint.items():
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in the model")
-            param = params[name]
-            getattr(param, "weight_loader", weight_loader)(param, tensor)
-            loaded.add(name)
-        return loaded
-
-    def process_weights_after_loading(self) -> None:
-        """Run every layer's PWAL (vLLM's loader does this after `load_weights`)."""
-        for _, layer in self.quant_layers():
-            layer.quant_method.process_weights_after_loading(layer)
-
-    def load(self, checkpoint: dict[str, torch.Tensor]) -> None:
-        """An initial load: `load_weights` then PWAL."""
-        self.load_weights(checkpoint)
-        self.process_weights_after_loading()
 
     def make_input(self, batch_size: int, seed: int = 0) -> torch.Tensor:
         gen = torch.Generator().manual_seed(int(seed) * 1000 + batch_size)

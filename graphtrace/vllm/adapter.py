@@ -54,7 +54,7 @@ import graphtrace as gt
 from graphtrace import clock
 from graphtrace.errors import GraphtraceError
 from graphtrace.tracing import active_trace
-from graphtrace.vllm import blind, hooks, releases
+from graphtrace.vllm import blind, env, hooks, releases
 
 logger = logging.getLogger("graphtrace.vllm")
 
@@ -342,7 +342,7 @@ class VllmTrace:
             "graphtrace: a weight update (%s) ran in pid %d under a vLLM trace with no guard: "
             "nothing checks it before the engine serves from it (turn the guard on with "
             "trace_llm(guard='raise') or %s=guard; vt.diff() still reports). Said once per "
-            "trace.", method or "?", os.getpid(), _ENV_ON)
+            "trace.", method or "?", os.getpid(), env.ENV_ON)
 
     def _provenance_off(self, worker=None, *args) -> None:
         if active_trace() is self.trace:
@@ -600,29 +600,24 @@ def _plain(obj):
 # naming both, before anything is opened. A `VllmTrace` with no guard logs one warning at the
 # first weight update it sees, so an unguarded engine is never silent about it.
 
-_ENV_ON = "GRAPHTRACE_VLLM"       # graphtrace.vllm.env.ENV_ON, ENV_GUARD (the plugin's)
-_ENV_GUARD = "GRAPHTRACE_GUARD"
 _GUARD_UNSET = object()
 
 
 def _env_guard(guard, guard_dir):
     """(guard, guard_dir, from the environment?) for `trace_llm` (Note [one guard switch])."""
-    from graphtrace.vllm import env
-
-    mode = os.environ.get(_ENV_ON, "")
-    action = os.environ.get(_ENV_GUARD, "").strip().lower()
-    on = mode == "guard"
+    action = env.guard_setting()
+    on = env.guard_mode()
     if guard is _GUARD_UNSET:
         return (env.guard_action, guard_dir, True) if on else (None, guard_dir, False)
     if (guard is None or guard is False) and on:
         raise GraphtraceError(
             f"trace_llm(guard={guard!r}) turns the guard off, but the environment turns it on "
-            f"({_ENV_ON}=guard): unset {_ENV_ON} (or set it to 1) for a trace with no guard, "
+            f"({env.ENV_ON}=guard): unset {env.ENV_ON} (or set it to 1) for a trace with no guard, "
             "or leave guard= out to use the environment's guard")
     if isinstance(guard, str) and action in env.GUARD_ACTIONS and guard != action:
         raise GraphtraceError(
-            f"trace_llm(guard={guard!r}) contradicts {_ENV_GUARD}={action} in the environment: "
-            f"pass guard={action!r}, leave guard= out, or change {_ENV_GUARD}")
+            f"trace_llm(guard={guard!r}) contradicts {env.ENV_GUARD}={action} in the environment: "
+            f"pass guard={action!r}, leave guard= out, or change {env.ENV_GUARD}")
     return (None if guard is False else guard), guard_dir, False
 
 
@@ -635,8 +630,6 @@ def trace_llm(*, guard=_GUARD_UNSET, guard_dir=None, **kwargs) -> VllmTrace:
     if not from_env or guard_dir is not None:
         return VllmTrace(guard=guard, guard_dir=guard_dir, **kwargs)
     import weakref
-
-    from graphtrace.vllm import env
 
     made: list = []  # the trace, weakly: its guard's folder names its worker's rank
 

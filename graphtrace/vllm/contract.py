@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from graphtrace import targets
-from graphtrace.vllm.releases import HOOK_CALLS, Hook, Release, release
+from graphtrace.vllm.releases import Hook, Release, release
 
 __all__ = ["check", "check_hooks", "check_runners", "check_capture_sites", "check_fix_api",
            "check_reload_units", "scan_capture_sites", "assigned_attrs", "reload_callers"]
@@ -41,17 +41,15 @@ def _check_version(rel: Release) -> list[str]:
                                           f"for {rel.version}"]
 
 
-_resolve = targets.resolve  # the engine-neutral part: graphtrace/targets.py
-assigned_attrs = targets.assigned_attrs
-_check_attrs = targets.check_attrs
+assigned_attrs = targets.assigned_attrs  # the engine-neutral part: graphtrace/targets.py
 
 
 def check_hooks(hook_list) -> list[str]:
-    """Each hook target exists, accepts the call its wrapper passes on (`HOOK_CALLS`), and
+    """Each hook target exists, accepts the call its wrapper passes on (`Hook.call`), and
     is an async generator function where the wrapper streams its result."""
     problems = []
     for hook in hook_list:
-        fn, problem = _resolve(hook.module, hook.qualname)
+        fn, problem = targets.resolve(hook.module, hook.qualname)
         if problem:
             problems.append(problem)
             continue
@@ -60,7 +58,7 @@ def check_hooks(hook_list) -> list[str]:
 
 
 def _check_call(hook: Hook, fn) -> list[str]:
-    args, kwargs = HOOK_CALLS[hook.method]
+    args, kwargs = hook.call
     problems = targets.check_call(hook.target, fn, args, kwargs, method="." in hook.qualname)
     if problems:
         return problems
@@ -87,9 +85,9 @@ def check_runners(runners) -> list[str]:
     and each holder class (V2's ``InputBuffers``, ``BlockTables``) its tensors."""
     problems = []
     for runner in runners:
-        problems += _check_attrs(runner.cls, runner.attrs, "the runner view's input buffers")
+        problems += targets.check_attrs(runner.cls, runner.attrs, "the runner view's input buffers")
         for attr, holder, tensors in runner.holders:
-            problems += _check_attrs(holder, tensors, f"read through runner.{attr}")
+            problems += targets.check_attrs(holder, tensors, f"read through runner.{attr}")
     return problems
 
 
@@ -122,19 +120,19 @@ def check_capture_sites(rel: Release) -> list[str]:
 def _fact(key: str):
     """The installed vLLM's answer to one ``fix_api`` key."""
     if key == "replace_parameter.prefer_copy":
-        fn, _ = _resolve("vllm.model_executor.utils", "replace_parameter")
+        fn, _ = targets.resolve("vllm.model_executor.utils", "replace_parameter")
         return fn is not None and "prefer_copy" in inspect.signature(fn).parameters
     if key == "refill_derived":
-        return _resolve("vllm.model_executor.utils", "refill_derived")[0] is not None
+        return targets.resolve("vllm.model_executor.utils", "refill_derived")[0] is not None
     if key == "keep_constants":
-        cls, _ = _resolve("vllm.model_executor.layers.fused_moe.modular_kernel",
+        cls, _ = targets.resolve("vllm.model_executor.layers.fused_moe.modular_kernel",
                           "FusedMoEExperts")
         return cls is not None and "keep_constants" in cls.__dict__
     if key == "direct_reload":
-        return _resolve("vllm.model_executor.model_loader.reload.direct",
+        return targets.resolve("vllm.model_executor.model_loader.reload.direct",
                         "finish_direct_reload")[0] is not None
     if key == "engine_core_output_error":
-        cls, _ = _resolve("vllm.v1.engine", "EngineCoreOutput")
+        cls, _ = targets.resolve("vllm.v1.engine", "EngineCoreOutput")
         return cls is not None and "error" in getattr(cls, "__struct_fields__", ())
     raise KeyError(key)
 
@@ -145,7 +143,7 @@ def check_fix_api(rel: Release) -> list[str]:
     out = [f"fix_api[{k!r}]: the {rel.version} row says {v}, the installed vLLM {not v}"
            for k, v in rel.fix_api.items() if _fact(k) != v]
     for target in rel.direct_reload:
-        out += [p for p in [_resolve(*target.split(":"))[1]] if p]
+        out += [p for p in [targets.resolve(*target.split(":"))[1]] if p]
     return out
 
 

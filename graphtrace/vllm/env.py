@@ -14,7 +14,7 @@ from graphtrace.serving import ACTIONS
 logger = logging.getLogger("graphtrace.vllm")
 
 __all__ = ["ENV_ON", "ENV_DIR", "ENV_GUARD", "DEFAULT_DIR", "GUARD_ACTIONS", "enabled",
-           "guard_mode", "guard_action", "out_dir", "guard_folder"]
+           "guard_mode", "guard_setting", "guard_action", "out_dir", "guard_folder"]
 
 ENV_ON = "GRAPHTRACE_VLLM"
 ENV_DIR = "GRAPHTRACE_VLLM_DIR"
@@ -32,9 +32,14 @@ def guard_mode() -> bool:
     return os.environ.get(ENV_ON, "") == "guard"
 
 
+def guard_setting() -> str:
+    """``GRAPHTRACE_GUARD`` as set, lower case ("" when unset)."""
+    return os.environ.get(ENV_GUARD, "").strip().lower()
+
+
 def guard_action() -> str:
     """``GRAPHTRACE_GUARD``: raise (default), warn or recapture."""
-    value = os.environ.get(ENV_GUARD, "").strip().lower() or "raise"
+    value = guard_setting() or "raise"
     if value not in GUARD_ACTIONS:
         logger.warning("graphtrace: %s=%r is not one of %s; using 'raise'", ENV_GUARD, value,
                        ", ".join(GUARD_ACTIONS))

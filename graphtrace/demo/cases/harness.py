@@ -23,6 +23,7 @@ import torch
 
 from .. import scenario
 from ..kernels import replace_parameter, weight_loader  # noqa: F401  (re-exported for cases)
+from ..model import CaseModel  # noqa: F401  (re-exported for cases)
 from .spec import Outcome
 
 __all__ = ["capture_reload_diff", "reload_layerwise", "reload_inplace", "make_param",
@@ -48,36 +49,6 @@ class MethodLayer(torch.nn.Module):
 
     def forward(self, x):
         return x + self.quant_method.apply(self, x)
-
-
-class CaseModel(torch.nn.Module):
-    """A root module whose `load_weights` fills parameters through their weight loaders; by
-    default its forward runs `self.layers` in order (a decoder's stack)."""
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-    def load_weights(self, checkpoint: dict[str, torch.Tensor]) -> set[str]:
-        params = dict(self.named_parameters())
-        for name, tensor in checkpoint.items():
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no parameter in the model")
-            param = params[name]
-            getattr(param, "weight_loader", weight_loader)(param, tensor)
-        return set(checkpoint)
-
-    def process_weights_after_loading(self) -> None:
-        for m in self.modules():
-            qm = getattr(m, "quant_method", None)
-            if qm is not None and hasattr(qm, "process_weights_after_loading"):
-                qm.process_weights_after_loading(m)
-
-    def load(self, checkpoint: dict[str, torch.Tensor]) -> None:
-        """The engine's first load: load_weights, then process."""
-        self.load_weights(checkpoint)
-        self.process_weights_after_loading()
 
 
 def reload_layerwise(model: torch.nn.Module, checkpoint, backend: str = "auto") -> str:

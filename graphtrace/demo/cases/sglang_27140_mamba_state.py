@@ -86,11 +86,6 @@ class HybridModel(CaseModel):
         self.layers = torch.nn.ModuleList(MambaMixer(i, lambda: pool.mamba_pool)
                                           for i in range(n_layers))
 
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
 
 def pause_resume(model: HybridModel) -> str:
     pool = model.req_to_token_pool.mamba_pool

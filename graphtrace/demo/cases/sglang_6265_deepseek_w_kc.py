@@ -61,11 +61,6 @@ class DeepseekV2ForCausalLM(CaseModel):
         self.copy_on_update = copy_on_update
         self.layers = torch.nn.ModuleList(DeepseekLayer() for _ in range(n_layers))
 
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
     def load_weights(self, weights):
         loaded = super().load_weights(weights)
         self.post_load_weights()  # SGLang: at the end of every load_weights
