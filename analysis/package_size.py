@@ -45,6 +45,7 @@ EXPLAINED = {
     "25141be": "issue 39 (overhead): _call_impl's fast-path pieces",
     "87552a8": "issue 39 (overhead): no owner walk at trace exit",
     "efebe29": "issue 39 (overhead): exact-view skip in the guard's slow path",
+    "9e1e0e8": "issue 39 (overhead): the module call holds its bound class forward",
 }
 
 
