@@ -76,18 +76,23 @@ _listeners: dict[str, tuple[Callable, ...]] = {e: () for e in EVENTS}
 _lock = threading.RLock()
 _patched: set[str] = set()
 
-# module -> (class name or None, method name, before, after): the release table's hooks
-# (`releases.HOOKS`, which says what each wraps)
-_TARGETS: dict[str, list] = {}
-for _hook in releases.HOOKS:
-    _cls, _, _method = _hook.qualname.rpartition(".")
-    _TARGETS.setdefault(_hook.module, []).append((_cls or None, _method, _hook.before, _hook.after))
+def _by_module() -> dict[str, list]:
+    """module -> (class name or None, method name, before, after) of the release table's
+    hooks (`releases.HOOKS`, which says what each wraps)."""
+    by_module: dict[str, list] = {}
+    for hook in releases.HOOKS:
+        cls, _, method = hook.qualname.rpartition(".")
+        by_module.setdefault(hook.module, []).append((cls or None, method, hook.before,
+                                                      hook.after))
+    return by_module
+
+
+_TARGETS = _by_module()
 
 
 def targets() -> list[str]:
     """Every wrapped entry point as ``module:Class.method`` (``module:function``)."""
-    return [f"{m}:{c + '.' if c else ''}{meth}" for m, rows in _TARGETS.items()
-            for c, meth, _b, _a in rows]
+    return [hook.target for hook in releases.HOOKS]
 
 
 def add_listener(event: str, fn: Callable) -> None:
