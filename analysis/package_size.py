@@ -32,7 +32,7 @@ COMMITS = {
 # lines a capability commit added that a later simplification removed (issue 40's shrink): the
 # capability is counted smaller by them, so that they do not also shrink the rest
 SIMPLIFIED = {
-    "1a61e23": (-2, "f36f74a: vllm/contract.py's forwarding aliases of graphtrace/targets.py"),
+    "1a61e23": (-2, "f36f74a", "vllm/contract.py's forwarding aliases of graphtrace/targets.py"),
 }
 # not capability, named to explain the rest of the difference (counted the same way)
 EXPLAINED = {
@@ -99,9 +99,9 @@ def main(before: str = "c66e59b", after: str = "HEAD") -> None:
         capability += lines
         print(f"  commit {commit:<15}{lines:>+6}  {why}")
         if commit in SIMPLIFIED:
-            removed, where = SIMPLIFIED[commit]
+            removed, by, what = SIMPLIFIED[commit]
             capability += removed
-            print(f"    {'since removed':<20}{removed:>+6}  {where}")
+            print(f"    {'since removed':<20}{removed:>+6}  {by}: {what}")
     rest = total_new - capability
     print(f"  {'all capability':<22}{capability:>+6}")
     print("\nnot capability: the splits and the overhead work (for the record)")
@@ -117,7 +117,7 @@ if __name__ == "__main__":
     parser.add_argument("after", nargs="?", default="HEAD", help="commit (default HEAD)")
     args = parser.parse_args()
     for commit in (args.before, args.after, *COMMITS, *EXPLAINED,
-                   *(where.split(":")[0] for _, where in SIMPLIFIED.values())):
+                   *(by for _, by, _ in SIMPLIFIED.values())):
         try:
             git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
         except subprocess.CalledProcessError:
