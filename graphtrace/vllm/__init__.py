@@ -1,16 +1,6 @@
 """graphtrace inside a real vLLM (0.32): in-process adapter, worker plugin, tiny models.
 
-In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)::
-
-    import graphtrace.vllm as gv
-    with gv.trace_llm() as vt:
-        llm = LLM(...)            # model watched when the worker loads it (vLLM FQNs)
-        vt.attach(llm)
-        with vt.capture("decode", skip=1):
-            vt.generate(max_tokens=2)
-        vt.reload(new_weights)
-        report = vt.diff()
-
+In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``trace_llm``, :mod:`graphtrace.vllm.adapter`.
 Worker processes: the ``vllm.general_plugins`` entry point ``graphtrace.vllm.plugin:register``
 (on with ``GRAPHTRACE_VLLM=1``); see :mod:`graphtrace.vllm.plugin`.
 Importing this package does not import vLLM.

@@ -117,9 +117,8 @@ def find_worker(llm) -> Any:
     """The in-process vLLM worker behind ``llm`` (an ``LLM`` or ``LLMEngine``).
 
     Path in vLLM 0.32: ``llm.llm_engine.model_executor.driver_worker.worker`` (the executor
-    is also ``llm.llm_engine.engine_core.engine_core.model_executor``). Raises when the
-    engine core runs in another process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``): use the
-    ``vllm.general_plugins`` entry point (``GRAPHTRACE_VLLM=1``) there.
+    is also ``llm.llm_engine.engine_core.engine_core.model_executor``). Raises `_MP_MESSAGE`
+    when the engine core runs in another process.
     """
     engine = getattr(llm, "llm_engine", llm)
     executor = getattr(engine, "model_executor", None)
@@ -145,10 +144,8 @@ def find_model(llm) -> nn.Module:
 
 
 class _ForwardCapture:
-    """Record chosen calls of a model's forward, each as one emulated graph.
-
-    Call ``skip`` .. ``skip + forwards - 1`` (0-based, counted from entry) are recorded;
-    a single graph is labelled ``label``, several ``label#0``, ``label#1``, ...
+    """Record chosen calls of a model's forward, each as one emulated graph (which calls:
+    `VllmTrace.capture`); a single graph is labelled ``label``, several ``label#0``, ...
     This is the part of a step that vLLM's ``CUDAGraphWrapper`` would capture: the model's
     ``forward`` (``compute_logits`` and sampling run outside it).
     """
@@ -232,25 +229,10 @@ class _ForwardCapture:
 
 
 class VllmTrace:
-    """A graphtrace trace bound to one vLLM engine (see the module docs).
-
-    ``strict``: raise internal errors (tests). ``watch_runner``: also watch the model
-    runner's input buffers (model name ``runner``). ``keep_graphs``: keep the emulated
-    graphs alive like CUDA graph capture artifacts (their storages stay alive, so a moved
-    owner reads ``stale``; without them an old storage is freed and reads ``dangling``).
-    ``modules``: module attribution, as ``graphtrace.trace(modules=...)``. ``provenance``:
-    creation sites (``graphtrace.trace(provenance=...)``; None: ``GRAPHTRACE_PROVENANCE``,
-    default on): model loading, process-weights and reloads run inside the trace, so the
-    sites point into vLLM's own files. ``pause_provenance``: pause it after warm-up and
-    resume it only around weight updates (default), so serving forwards pay nothing.
-    ``runner_attrs``: the model runner attributes watched (None: all of them).
-    ``in_process``: set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` on entry when unset, refuse
-    when it is set otherwise (default True; False leaves the environment alone, for a
-    worker process where the plugin made the trace). ``guard``: check every weight update
-    before the engine serves from it (``"raise"``, ``"warn"``, ``"recapture"``, or a callable
-    returning one; None: off): the plugin's guard mode, in process (Note [check before
-    serve] in graphtrace/vllm/serve.py); ``guard_dir``: a callable giving the folder for the
-    guard's ``checks.jsonl`` (None: entries kept in ``vt.serve_guard.history`` only).
+    """A graphtrace trace bound to one vLLM engine (see the module docs). Its keyword
+    arguments: the options table of docs/vllm.md, "In process: trace_llm". ``provenance``
+    is on by default because model loading, process-weights and reloads run inside the
+    trace, so the sites point into vLLM's own files.
     """
 
     def __init__(self, *, strict: bool = False, watch_runner: bool = True,
@@ -394,9 +376,8 @@ class VllmTrace:
 
     def attach(self, llm) -> "VllmTrace":
         """Bind an in-process ``LLM``: its worker's model is watched (if not already)."""
-        find_worker(llm)  # refuses an engine built with multiprocessing on, saying what to do
+        worker = find_worker(llm)  # refuses an engine built with multiprocessing on
         self.llm = llm
-        worker = find_worker(llm)
         self.watch_worker(worker)
         if self.worker is not worker:  # a second engine: make it current
             self.worker, self.model = worker, hooks.worker_model(worker)
@@ -426,9 +407,9 @@ class VllmTrace:
 
     # -- captures ----------------------------------------------------------------------------
     def capture(self, label: str = "forward", *, forwards: int = 1, skip: int = 0) -> _ForwardCapture:
-        """Record model forwards ``skip`` .. ``skip+forwards-1`` inside the block as emulated
-        graphs (e.g. ``with vt.capture("decode", skip=1): llm.generate(...)``: call 0 is the
-        prefill, call 1 the first decode step)."""
+        """Record model forwards ``skip`` .. ``skip+forwards-1`` (0-based, counted from entry)
+        inside the block as emulated graphs (e.g. ``with vt.capture("decode", skip=1):
+        llm.generate(...)``: call 0 is the prefill, call 1 the first decode step)."""
         return _ForwardCapture(self, label, forwards, skip)
 
     def capture_dummy(self, label: str = "dummy_decode", num_tokens: int | None = None, *,
@@ -440,8 +421,7 @@ class VllmTrace:
         return capture_dummy_run(self, self.worker, label, num_tokens, uniform_decode)
 
     def recapture(self, captures: list) -> bool:
-        """Record ``captures`` again on the updated model (the serving core's ``recapture``,
-        graphtrace.serving; ``guard="recapture"``); False when they cannot be.
+        """`graphtrace.serving.ServedEngine.recapture` for vLLM.
 
         vLLM 0.32 exposes no public way to re-capture its CUDA graphs (``capture_model`` and
         ``CUDAGraphWrapper.clear_all_graphs`` are runner internals, used at startup): on CUDA
@@ -547,8 +527,7 @@ class VllmTrace:
         return report
 
     def check(self, trigger: str = "check") -> dict:
-        """The explicit end of a weight update (``guard=`` on): check now if an update is
-        pending; raises `graphtrace.StaleGraphError` under ``raise``. Returns the entry."""
+        """The explicit end of a weight update (``guard=`` on): `ServingCore.check`."""
         if self.serve_guard is None:
             raise GraphtraceError("this VllmTrace has no guard: trace_llm(guard='raise')")
         return self.serve_guard.check(trigger)
@@ -623,9 +602,7 @@ def _env_guard(guard, guard_dir):
 
 def trace_llm(*, guard=_GUARD_UNSET, guard_dir=None, **kwargs) -> VllmTrace:
     """``with trace_llm() as vt: llm = LLM(...)``: see :class:`VllmTrace` (its keyword
-    arguments; in-process mode is set on entry). With ``guard=`` left out, the guard is the
-    plugin's environment's (``GRAPHTRACE_VLLM=guard``, ``GRAPHTRACE_GUARD``); an explicit
-    ``guard=`` that contradicts it raises `GraphtraceError` (Note [one guard switch])."""
+    arguments); ``guard=`` left out or contradicting the environment: Note [one guard switch]."""
     guard, guard_dir, from_env = _env_guard(guard, guard_dir)
     if not from_env or guard_dir is not None:
         return VllmTrace(guard=guard, guard_dir=guard_dir, **kwargs)
