@@ -9,12 +9,9 @@ decision (``raise``: the `StaleGraphError` stands in `refusal` until a correct u
 passes) and its record (``history``, ``checks.jsonl``); ranks agree through an injected
 collective (`Ranks`; default one rank). It imports no engine.
 
-An engine adapter (graphtrace/vllm/ for vLLM; the interface: docs/internals.md, "The
-serving core") supplies only: where the model and captures are (a `ServedEngine`: its
-``trace``), which entry points are updates (it fires `update_begin` / `update_end` from its
-hooks, and names the whole updates in ``complete``), how a refusal reaches its clients (it
-calls `check` / `pending` before a forward and hands `refusal` or `refusal_info` to them),
-and its version table (which entry points exist in which release: the adapter's own).
+An engine adapter (graphtrace/vllm/ for vLLM) supplies only the engine's side: where the
+model and captures are (a `ServedEngine`), which entry points are updates, how a refusal
+reaches its clients, and its version table (the table of docs/internals.md, "The serving core").
 
 Note [in-place writes]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -111,9 +108,8 @@ class ServedEngine(Protocol):
 
     def recapture(self, captures: list) -> bool:
         """``recapture``: record the graphs of ``captures`` again on the updated model
-        (appended to the trace's captures); False when the engine cannot (the problems
-        stand, and the update is refused as under ``raise``: Note [recapture that cannot
-        help]). Only asked under ``recapture``."""
+        (appended to the trace's captures); False when the engine cannot (Note [recapture
+        that cannot help]). Only asked under ``recapture``."""
 
     def cannot_recapture(self, captures: list) -> str | None:
         """Optional: why re-recording ``captures`` would not rebuild what the engine replays
@@ -248,8 +244,7 @@ class ServingCore:
     # -- the check ---------------------------------------------------------------------------
     def check(self, trigger: str, *, force: bool = False) -> dict:
         """Check once if dirty (or ``force``): returns the check's entry ({"ok": True,
-        "checked": False} when clean); raises `StaleGraphError` under ``raise`` (with several
-        ranks, in the last rank, for all: they agree first)."""
+        "checked": False} when clean); raises `StaleGraphError` under ``raise`` (`_decide`)."""
         from graphtrace.guard import empty_problems
 
         trace = self.engine.trace
@@ -307,9 +302,9 @@ class ServingCore:
 
     def _decide(self, action: str, problems, gathered, ranks: Ranks | None, what: str,
                 note: str = "") -> None:
-        """The refusal: ``warn`` logs; ``raise`` raises `StaleGraphError` (one rank: here;
-        several: in the last rank, for all, or in every rank) and keeps it in `refusal` while
-        it stands. ``note``: a line put before the problems (why a re-capture could not)."""
+        """The refusal: ``warn`` logs; ``raise`` raises `StaleGraphError` (several ranks:
+        `_raise_for_all_ranks`) and keeps it in `refusal` while it stands. ``note``: a line
+        put before the problems (why a re-capture could not)."""
         from graphtrace.guard import StaleGraphError, describe
 
         try:
@@ -407,8 +402,8 @@ class ServingCore:
         return total
 
     def _rebase_versions(self) -> None:
-        """A new baseline: the sum again over the same parameters (microseconds), or a walk of
-        the models' parameters (milliseconds on a big model) when one of them was freed."""
+        """A new baseline: the sum again (microseconds), or a walk when a parameter was
+        freed (Note [in-place writes])."""
         watched = self._watched
         total = self._total(watched) if watched else -1
         if total < 0:
@@ -417,8 +412,7 @@ class ServingCore:
             self._versions = total
 
     def _raise_for_all_ranks(self, ranks: Ranks, gathered: list, problems, what: str) -> None:
-        """Several ranks (below, "several ranks"): the last one raises for all (or each one
-        does, ``every_rank_raises``)."""
+        """Several ranks (below, "several ranks"; ``every_rank_raises``)."""
         from graphtrace.guard import StaleGraphError, describe
 
         bad = {r: (frame, note) for r, frame, note in gathered if len(frame)}
