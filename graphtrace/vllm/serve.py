@@ -2,12 +2,9 @@
 
 One implementation for the worker plugin (``GRAPHTRACE_VLLM=guard``) and the in-process
 ``graphtrace.vllm.trace_llm(guard="raise")``: a :class:`ServeGuard` (a
-`graphtrace.serving.ServingCore`) belongs to one `VllmTrace`; the weight-update hooks of
-graphtrace.vllm.hooks fire into it and mark it dirty; it is checked once when the update is
-complete (Note [check before serve]). The core owns the update lifecycle, the check, the
-refusal and its record, and the ranks' agreement; this module supplies what is vLLM's: the
-whole updates, the world group, and how a refusal reaches vLLM's clients (the engine core's
-step, ``LLMEngine.step``, ``AsyncLLM.generate``).
+`graphtrace.serving.ServingCore`) belongs to one `VllmTrace`. This module supplies what is
+vLLM's: the whole updates, the world group, and how a refusal reaches vLLM's clients (Note
+[check before serve]).
 
 Note [check before serve]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -106,15 +103,14 @@ __all__ = ["ServeGuard", "VllmEngine", "ACTIONS", "GUARD_ACCEPT", "COMPLETE_UPDA
            "before_step", "drain_step", "DRAIN", "after_client_step", "client_step_failed",
            "client_stream", "mark_remote_update", "world_ranks", "REFUSED"]
 
-# Blind-spot kinds the engine's guard accepts (Note [blind spots in the guard], graphtrace/guard/blind.py):
-# "forward context": attention ops fetch the KV cache by layer name inside the op; a weight
-# update never touches the KV cache, and no holder can be checked, so it would fail every
-# update. "opaque handle" and "packed copy": vLLM's CPU linears read oneDNN handles (a pointer
-# in a 0-d tensor) to a packed copy of the weight; the handle's identity is guarded like any
-# tensor (a rebuilt handle is a stale edge of the graph that read the old one), only the packed
-# weights behind it are unseen, and process_weights_after_loading rebuilds every handle (the
-# holder moves on each such update); "packed copy not rebuilt" is the check of those same
-# copies (the adapter watches each with Trace.watch_copy), accepted with them. docs/vllm.md.
+# Blind-spot kinds the engine's guard accepts (Note [blind spots in the guard], graphtrace/guard/blind.py;
+# the kinds: graphtrace/vllm/blind.py): "forward context": a weight update never touches the
+# KV cache, and no holder can be checked, so it would fail every update. "opaque handle" and
+# "packed copy": the handle's identity is guarded like any tensor (a rebuilt handle is a
+# stale edge of the graph that read the old one), only the packed weights behind it are
+# unseen, and process_weights_after_loading rebuilds every handle (the holder moves on each
+# such update); "packed copy not rebuilt" is the check of those same copies, accepted with
+# them. docs/vllm.md.
 GUARD_ACCEPT = ("forward context", "opaque handle", "packed copy", "packed copy not rebuilt")
 # Entry points that are a whole update by themselves: checked when they return.
 COMPLETE_UPDATES = frozenset({"reload_weights", "finish_weight_update"})
@@ -145,11 +141,8 @@ class ServeGuard(ServingCore):
     """The serving core (graphtrace.serving) of one guarded `VllmTrace`: its weight-update
     hooks (graphtrace.vllm.hooks) fire ``before_update`` / ``after_update`` into it; the whole
     updates are `COMPLETE_UPDATES`; the ranks agree over vLLM's world group (`world_ranks`).
-
-    ``action``: ``raise``, ``warn`` or ``recapture``, or a callable returning one (the plugin
-    reads ``GRAPHTRACE_GUARD`` at each check). ``folder``: where ``guard.json``,
-    ``checks.jsonl`` and ``problems-<N>.csv`` go (a callable; None: nothing written, the
-    entries are kept in ``history``).
+    ``action`` and ``folder``: as `ServingCore`'s (the plugin reads ``GRAPHTRACE_GUARD`` at
+    each check).
     """
 
     def __init__(self, vt, action="raise", folder=None):
@@ -266,9 +259,8 @@ def _refuse(core, refused: BaseException) -> dict:
     finished = core.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR) or []
     by_client: dict[int, list] = defaultdict(list)
     for request in finished:
-        # a pooling request's error output carries an empty pooling output, as vLLM's own
-        # abort does (v1/engine/output_processor.py, abort_requests): with none the client's
-        # output processor asserts it has a detokenizer, which pooling requests lack
+        # an empty pooling output, as vLLM's abort does (v1/engine/output_processor.py,
+        # abort_requests; why: Note [check before serve], 5.)
         pooled = torch.empty(0) if getattr(request, "pooling_params", None) is not None else None
         by_client[getattr(request, "client_index", 0)].append(EngineCoreOutput(
             request.request_id, [], finish_reason=FinishReason.ERROR, pooling_output=pooled,
@@ -280,9 +272,8 @@ def _refuse(core, refused: BaseException) -> dict:
 
 def after_client_step(llm_engine, outputs) -> None:
     """The client's ``LLMEngine.step``, after it processed the step's ``outputs``: raise the
-    refusal of the step (Note [check before serve], 4.). In process, the engine core's; with
-    the engine core in another process, the workers' (asked when a step finished requests
-    with an error), raised once the client has no unfinished request left."""
+    refusal of the step, the engine core's in process, else the workers' (Note [check before
+    serve], 3. and 4.)."""
     client = getattr(llm_engine, "engine_core", None)
     core = getattr(client, "engine_core", None)
     if core is not None and hasattr(core, "__dict__"):  # the engine core in this process
