@@ -260,10 +260,9 @@ def serve_through(**points: Callable) -> None:
 
 
 def _wrap_serve(cls, method: str, role: str) -> None:
-    """The engine's per-step and per-RPC points of Note [check before serve]
-    (graphtrace/vllm/serve.py): ``step`` may be refused before it schedules anything,
-    ``rpc`` marks an update pending, ``client_step`` (``LLMEngine.step``) and
-    ``client_stream`` (``AsyncLLM.generate`` and ``encode``) raise a refusal in the client."""
+    """Wrap one of the engine's points above by its role (``releases.HOOKS``): ``step`` may
+    be refused before it schedules anything, ``rpc`` marks an update pending, the client's
+    ``client_step`` and ``client_stream`` raise a refusal."""
     original = cls.__dict__.get(method)
     if original is None or getattr(original, "__graphtrace_wrapped__", False):
         return

@@ -25,20 +25,14 @@ Environment: ``GRAPHTRACE_VLLM=1`` (on), ``GRAPHTRACE_VLLM_DIR`` (default
 ``GRAPHTRACE_PROVENANCE=0`` (no creation sites in the report: the worker's eager forwards then
 run without provenance's dispatch mode; see Note [provenance] in graphtrace/provenance.py).
 
-Guard mode, ``GRAPHTRACE_VLLM=guard``: all of the above, and every weight update is checked
-once, before the engine serves from it (Note [check before serve] in graphtrace/vllm/serve.py):
-any weight mutation (``reload_weights``, a weight-transfer session, the model's
-``load_weights`` from any path, vLLM's ``process_weights_after_loading``; Note [weight
-updates] in graphtrace.vllm.hooks) marks the worker dirty; the check runs when
-``reload_weights`` / ``finish_weight_update`` return, at ``collective_rpc("graphtrace_check")``
-(the explicit end of an update), or else before the next forward. Each check is a line of
+Guard mode, ``GRAPHTRACE_VLLM=guard``: all of the above, and every weight update (Note [weight
+updates] in graphtrace.vllm.hooks) is checked once, before the engine serves from it (when:
+Note [check before serve] in graphtrace/vllm/serve.py). Each check is a line of
 ``$GRAPHTRACE_VLLM_DIR/guard/rank<R>/checks.jsonl`` (``guard.json``: the manifest;
 ``problems-<N>.csv``). ``GRAPHTRACE_GUARD`` says what a problem does: ``raise`` (default:
-that call raises `graphtrace.StaleGraphError`; before a forward, the engine refuses the step,
-finishing its requests with ``finish_reason="error"``, until a correct update passes),
+`graphtrace.StaleGraphError`, and the engine refuses to serve until a correct update passes),
 ``warn`` (logged; it serves) or ``recapture`` (the graphs are captured again, then checked:
-`graphtrace.vllm.VllmTrace.recapture`). An internal error of the guard itself is
-logged and counted, never raised (fail open), unless ``GRAPHTRACE_STRICT=1``.
+`graphtrace.vllm.VllmTrace.recapture`).
 
 From the client (string method names work across processes without pickling code)::
 
@@ -80,8 +74,6 @@ logger = logging.getLogger("graphtrace.vllm")
 ENV_EMULATE = "GRAPHTRACE_VLLM_EMULATE"
 ENV_STRICT = STRICT_ENV
 ENV_MODULES = "GRAPHTRACE_MODULES"
-# ENV_ON, ENV_DIR, ENV_GUARD, DEFAULT_DIR, GUARD_ACTIONS, enabled, guard_mode, guard_action,
-# out_dir, guard_folder: graphtrace.vllm.env (shared with trace_llm), importable from here
 
 _session = None          # the VllmTrace of this process (one per worker process)
 _lock = threading.RLock()
@@ -205,8 +197,7 @@ def rpc_guard_status(worker=None) -> dict:
 
 
 def rpc_check(worker=None, trigger: str = "graphtrace_check") -> dict:
-    """The explicit end of a weight update: check now if the worker is dirty (raises
-    `graphtrace.StaleGraphError` under GRAPHTRACE_GUARD=raise); the check's entry."""
+    """The explicit end of a weight update (Note [check before serve], 2.): `ServingCore.check`."""
     guard = serve_guard()
     if guard is None:
         return {"ok": True, "checked": False, "guard_mode": guard_mode()}
