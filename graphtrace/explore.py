@@ -42,8 +42,7 @@ __all__ = [
     "plot_read_matrix",
 ]
 
-# One colour per verdict, in the order of vocab.VERDICTS (stable, stale, dangling,
-# diverged, orphaned, unowned, unrefreshed).
+# One colour per verdict, in the order of vocab.VERDICTS.
 VERDICT_COLORS = dict(zip(VERDICTS, (
     "#4caf50", "#d62728", "#6a1b9a", "#ff7f0e", "#9e9e9e", "#90caf9", "#c2185b"), strict=True))
 
@@ -53,12 +52,10 @@ VERDICT_COLORS = dict(zip(VERDICTS, (
 def stale_by(report: Report, by: str = "module") -> pd.DataFrame:
     """Stale-like edges grouped by ``module``, ``layer``, ``op``, ``owner_kind`` or ``graph``.
 
-    One row per group that has any: columns ``stale``, ``dangling``, ``diverged``,
-    ``total``, impact counts ``manifest``, ``latent``, ``unknown``, and the distinct
-    ``storages`` and ``graphs`` involved. Sorted by ``total`` (descending), then by group
-    name in natural order. An edge with several ops or owner kinds counts in each.
-    ``layer`` is the ``layers.N`` component of the edge's module, else of its first owner
-    path that has one, else ``(none)``.
+    One row per group that has any (groups: `graphtrace.report.group_keys`): a column per
+    stale-like verdict, ``total``, impact counts ``manifest``, ``latent``, ``unknown``, and
+    the distinct ``storages`` and ``graphs`` involved. Sorted by ``total`` (descending),
+    then by group name in natural order.
     """
     stale = report.stale
     cols = [*STALE_VERDICTS, "total", *IMPACTS, "storages", "graphs"]

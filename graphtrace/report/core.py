@@ -47,8 +47,7 @@ class Report:
 
     Build one from frames with the columns of docs/internals.md (``Report(...)`` or
     ``Report.from_frames(...)``); a frame left out is empty. Missing columns raise
-    :class:`ReportError`. ``Report.load(folder)`` (or ``load_report``) reads a folder
-    written by ``to_csv``; ``source`` and ``manifest`` then say where it came from.
+    :class:`ReportError`. Read a folder with ``Report.load``.
     """
 
     def __init__(self, accesses: pd.DataFrame | None = None,
@@ -177,8 +176,7 @@ class Report:
     @property
     def blind_spots_frame(self) -> pd.DataFrame:
         """The blind spots as a frame: one row per record, columns
-        ``vocab.BLIND_SPOT_FIELDS`` plus ``n_edges``, the edges it concerns (its holder is
-        one of the edge's owners or its op one of the edge's ops; `blind_spot_edges`)."""
+        ``vocab.BLIND_SPOT_FIELDS`` plus ``n_edges``, the edges it concerns (`blind_spot_edges`)."""
         records = self.blind_spot_records
         df = pd.DataFrame([b.to_json() for b in records], columns=list(BLIND_SPOT_FIELDS),
                           dtype=object)
@@ -361,9 +359,8 @@ class Report:
     def to_csv(self, path: str | Path, *, graphml: bool | None = None) -> Path:
         """Write the report folder (created if needed): ``accesses.csv``, ``storages.csv``,
         ``owners.csv``, ``edges.csv``, ``graph.graphml`` and ``manifest.json``. Returns
-        the folder. Atomic: a failed write leaves an older report there whole, and files
-        that are not the report's stay; a folder holding such names but no graphtrace
-        manifest is refused (Note [What a report folder guarantees] in report/io.py).
+        the folder. Atomic, and a folder that is not a report is refused (Note [What a
+        report folder guarantees] in report/io.py).
 
         GraphML is for other graph tools; ``load_report`` rebuilds ``.graph`` from the CSVs.
         It costs ~10x the CSVs, so by default (``graphml=None``) it is left out above

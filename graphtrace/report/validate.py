@@ -157,14 +157,8 @@ _OPTIONAL_TEXT = ("graphtrace_version", "torch_version", "created")
 
 
 def check_meta(meta: Mapping[str, Any]) -> None:
-    """The documented meta keys have the documented types (ReportError otherwise):
-    ``errors`` a list of objects whose ``where``/``message``/``traceback`` are strings,
-    ``n_errors`` an integer >= 0, ``blind_spots`` a list of strings or objects
-    (`graphtrace.blindspots.BlindSpot` fields: kind in vocab.BLIND_SPOT_KINDS, text strings),
-    ``graphs`` a list of objects with an integer ``graph_id`` (unique) and typed
-    ``label``, ``kind``, ``n_ops``, ``n_accesses``, ``thread``, ``models`` a list of
-    strings; versions and ``created`` strings. Any of them may be null or left out; other
-    keys are free JSON."""
+    """The meta keys docs/internals.md lists have the types it gives them (ReportError
+    otherwise). Any of them may be null or left out; other keys are free JSON."""
     def bad(key: str, what: str) -> ReportError:
         return ReportError(f"meta.{key}: {what}")
 
