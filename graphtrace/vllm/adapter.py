@@ -29,9 +29,7 @@ on the model by :mod:`graphtrace.vllm.blind` and reported as `graphtrace.BlindSp
 each ``packed_copy`` is also registered with ``Trace.watch_copy``, so a reload that refreshes
 the weight without rebuilding its oneDNN copy is a ``packed copy not rebuilt`` finding.
 
-In-process mode: entering a VllmTrace sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` when it is
-unset (restored on exit) and refuses when it is set to anything else; an ``LLM`` built
-with multiprocessing on is refused by ``attach``/``capture`` with what to do instead.
+In-process mode (``VLLM_ENABLE_V1_MULTIPROCESSING`` set or refused on entry): docs/vllm.md.
 
 Provenance (Note [provenance]) costs every eager op its dispatch mode, so by default
 (``pause_provenance=True``) it runs only while the engine loads, compiles and warms up

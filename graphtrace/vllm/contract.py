@@ -173,9 +173,8 @@ def reload_callers(root: Path) -> dict[str, tuple[str, ...]]:
 
 
 def check_reload_units(rel: Release) -> list[str]:
-    """Direct reload's begin/finish run only where the row says (inside entry points the
-    hooks already make one weight update: ``Worker.reload_weights``, the transfer session's
-    ``start_weight_update`` .. ``finish_weight_update``); a new caller fails naming it."""
+    """Direct reload's begin/finish run only where the row says (Note [direct reload] in
+    graphtrace/vllm/releases.py); a new caller fails naming it."""
     if not rel.reload_callers:
         return []
     import vllm

@@ -1,10 +1,8 @@
 """Tiny local checkpoints that a real vLLM can load on CPU, made without any hub access.
 
-* :func:`make_tiny_llama` writes a float32 Llama (hidden 128, 2 layers, 4 heads, 2 KV heads,
-  head size 32, intermediate 256, vocab 512) with random weights via ``save_pretrained``.
+* :func:`make_tiny_llama` writes a float32 Llama of `TINY_LLAMA`'s size, random weights.
 * :func:`make_tiny_gptq` writes a float16 Llama whose linear layers are 4-bit GPTQ
-  (``qweight``/``qzeros``/``scales``/``g_idx`` + ``quantize_config.json``, ``desc_act`` false,
-  symmetric), which vLLM 0.32 on CPU runs with ``CPUWNA16LinearKernel``.
+  (`_pack_gptq`), which vLLM 0.32 on CPU runs with ``CPUWNA16LinearKernel``.
 * :func:`checkpoint_weights` yields ``(name, tensor)`` pairs in checkpoint format for
   ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``, optionally changed.
 * :func:`engine_kwargs` / :func:`engine_env`: the ``LLM(...)`` settings that work on this CPU.
