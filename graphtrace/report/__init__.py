@@ -2,10 +2,8 @@
 
 This package imports no torch: a report folder written on a GPU machine is read and
 analysed anywhere (``load_report``), in Jupyter, in a terminal or in a project's pytest.
-Its modules: ``core`` (``Report``), ``canonical`` (the canonical form below), ``io``
-(folders), ``validate`` (vocabularies, keys, references and meta types every Report is
-checked for), ``grouping`` (group keys of ``summary(by=...)`` and :mod:`graphtrace.explore`)
-and ``check`` (``assert_no_stale``). This docstring is the one description of the format.
+Its modules: docs/internals.md's layout table. This docstring is the one description of the
+format.
 
 Frames (columns in docs/internals.md) are kept in one canonical form so that a report and
 the report read back from its folder compare equal with ``pandas.testing``:

@@ -63,8 +63,8 @@ def merge_reports(folder: str | Path | Iterable[str | Path], out: str | Path | N
         def relabel(s: pd.Series) -> pd.Series:
             return (tag + "/" + s.astype(str)).astype(object)
 
-        def remodel(s: pd.Series) -> pd.Series:
-            return s.astype(str).map(lambda m: tag if m == "" else f"{tag}.{m}").astype(object)
+        def remodel(model: str) -> str:
+            return tag if model == "" else f"{tag}.{model}"
 
         a = rep.accesses.copy()
         a["graph_id"] += g_off
@@ -74,7 +74,7 @@ def merge_reports(folder: str | Path | Iterable[str | Path], out: str | Path | N
         st["storage_id"] += s_off
         ow = rep.owners.copy()
         ow["storage_id"] += s_off
-        ow["model"] = remodel(ow["model"])
+        ow["model"] = ow["model"].astype(str).map(remodel).astype(object)
         ed = rep.edges.copy()
         ed["graph_id"] += g_off
         ed["storage_id"] += s_off
@@ -95,7 +95,7 @@ def merge_reports(folder: str | Path | Iterable[str | Path], out: str | Path | N
         for b in m.get("blind_spots", []):
             if b not in meta["blind_spots"]:
                 meta["blind_spots"].append(b)
-        meta["models"].extend(tag if x == "" else f"{tag}.{x}" for x in m.get("models", []))
+        meta["models"].extend(map(remodel, m.get("models", [])))
         meta["ranks"].append({"rank": rank, "folder": str(path), "vllm": m.get("vllm", {})})
         for key in ("graphtrace_version", "torch_version", "stack"):
             meta.setdefault(key, m.get(key))

@@ -354,9 +354,7 @@ REFUSED = "StaleGraphError: the engine refuses to serve until a correct weight u
 
 def client_stream(engine, stream):
     """``AsyncLLM.generate``'s (or ``encode``'s) output ``stream`` for one request, as its
-    caller iterates it: unchanged, except that a final output that says the request failed
-    (`_errored`) while the workers' refusal stands is replaced by raising that
-    `StaleGraphError`."""
+    caller iterates it (Note [check before serve], 5.)."""
     if not _remote["on"]:
         return stream
     return _refusing_stream(engine, stream)
@@ -378,8 +376,8 @@ async def _refusing_stream(engine, stream):
 
 
 async def _ask_refusal_async(engine):
-    """`_ask_refusal` for an ``AsyncLLM``: ``await engine.collective_rpc("graphtrace_refusal")``,
-    one query for all the requests a step refused (their streams wait on the same one)."""
+    """`_ask_refusal` for an ``AsyncLLM``: one query for all the requests a step refused
+    (Note [check before serve], 5.)."""
     import asyncio
 
     state = engine.__dict__
