@@ -18,21 +18,12 @@ When on, in each process that hosts a vLLM worker:
 4. a report folder ``$GRAPHTRACE_VLLM_DIR/<tag>/rank<R>/`` is written when asked through
    ``collective_rpc`` and at worker shutdown (tag ``shutdown``).
 
-Environment: ``GRAPHTRACE_VLLM=1`` (on), ``GRAPHTRACE_VLLM_DIR`` (default
-``./graphtrace-vllm``), ``GRAPHTRACE_VLLM_EMULATE`` (``1`` or a token count),
-``GRAPHTRACE_STRICT=1`` (raise instead of fail-open; tests), ``GRAPHTRACE_MODULES``
-(module attribution: ``forward``, the default, ``hooks`` or ``off``; see graphtrace.attribution),
-``GRAPHTRACE_PROVENANCE=0`` (no creation sites in the report: the worker's eager forwards then
-run without provenance's dispatch mode; see Note [provenance] in graphtrace/provenance.py).
+Environment: the table of docs/vllm.md, "Worker processes: the plugin".
 
 Guard mode, ``GRAPHTRACE_VLLM=guard``: all of the above, and every weight update (Note [weight
 updates] in graphtrace.vllm.hooks) is checked once, before the engine serves from it (when:
-Note [check before serve] in graphtrace/vllm/serve.py). Each check is a line of
-``$GRAPHTRACE_VLLM_DIR/guard/rank<R>/checks.jsonl`` (``guard.json``: the manifest;
-``problems-<N>.csv``). ``GRAPHTRACE_GUARD`` says what a problem does: ``raise`` (default:
-`graphtrace.StaleGraphError`, and the engine refuses to serve until a correct update passes),
-``warn`` (logged; it serves) or ``recapture`` (the graphs are captured again, then checked:
-`graphtrace.vllm.VllmTrace.recapture`).
+Note [check before serve] in graphtrace/vllm/serve.py; what ``GRAPHTRACE_GUARD`` does and what
+each worker writes: docs/guard.md, "In vLLM").
 
 From the client (string method names work across processes without pickling code)::
 
