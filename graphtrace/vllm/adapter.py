@@ -17,17 +17,14 @@ watched under the name ``""``). The model runner is watched as a second model na
 ``runner`` (``watch_runner=True``) so that the persistent input buffers a graph reads
 (``runner.input_ids.gpu``, ``runner.positions.gpu``) are owned, not "external".
 
-Every CUDA graph vLLM captures while the trace is open is recorded by graphtrace's core,
-which wraps ``torch.cuda.CUDAGraph.capture_begin``/``capture_end``: vLLM 0.32 captures
-through ``torch.cuda.graph(...)`` (``CUDAGraphWrapper``, Model Runner V2's
-``CudaGraphManager``, the encoder and ubatch wrappers) or a bare ``capture_begin()``
-(``BreakableCUDAGraphCapture``), and both end in those two methods.
+Every CUDA graph vLLM captures while the trace is open is recorded by graphtrace's core
+(Note [CUDA graph capture hooks] in graphtrace/tracing/cudagraphs.py; vLLM's capture sites:
+``capture_sites`` in graphtrace/vllm/releases.py).
 
 What the recorder cannot see (oneDNN handles, KV cache via the forward context) is found
 on the model by :mod:`graphtrace.vllm.blind` and reported as `graphtrace.BlindSpot` records
-(``report.blind_spot_records``; the raw findings also in ``report.meta["vllm"]["blind_spots"]``);
-each ``packed_copy`` is also registered with ``Trace.watch_copy``, so a reload that refreshes
-the weight without rebuilding its oneDNN copy is a ``packed copy not rebuilt`` finding.
+(``report.blind_spot_records``; the raw findings also in ``report.meta["vllm"]["blind_spots"]``;
+``packed_copy`` and ``Trace.watch_copy``: graphtrace.vllm.blind's docstring).
 
 In-process mode (``VLLM_ENABLE_V1_MULTIPROCESSING`` set or refused on entry): docs/vllm.md.
 
