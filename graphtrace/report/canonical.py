@@ -110,10 +110,9 @@ def _as_strings(s: pd.Series) -> pd.Series:
 
 
 def _categorical(codes: np.ndarray, categories, kind: str, index, name) -> pd.Series:
-    """A categorical string column in canonical form from codes into ``categories``:
-    categories are the used values as strings, sorted; ``-1`` codes (NA) become ``""`` for
-    ``str`` columns and ``""`` becomes NA for ``str?`` columns. Works on the categories,
-    so a large categorical column costs one pass over its codes."""
+    """A categorical string column in canonical form (graphtrace.report) from codes into
+    ``categories``. Works on the categories, so a large categorical column costs one pass
+    over its codes."""
     codes = np.asarray(codes)
     na = codes < 0
     has_na = bool(na.any())

@@ -2,10 +2,8 @@
 
 Every Report is checked once (built in memory or read from a folder), so a report that
 loads can be displayed, summarised and written again. A defect raises one
-:class:`ReportError` naming the frame, the column and the first bad row (``Report.load``
-turns them into the file and its line). See Note [What a report folder guarantees] in
-graphtrace.report.io for what the writer guarantees and what a folder adds (row counts,
-checksums).
+:class:`ReportError` at the first bad row. What a folder adds (row counts, checksums): Note
+[What a report folder guarantees] in graphtrace.report.io.
 """
 
 from __future__ import annotations

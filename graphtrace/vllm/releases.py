@@ -119,7 +119,6 @@ HOOKS = (
          call=(("prompt", "sampling_params", "request_id"), {}), async_gen=True),
     Hook("vllm.v1.engine.async_llm", "AsyncLLM.encode", "client_stream",
          call=(("prompt", "pooling_params", "request_id"), {}), async_gen=True),
-    # verl runs it itself once after its buckets (a module-level function)
     Hook("vllm.model_executor.model_loader.utils", "process_weights_after_loading", "update",
          "call", (("model", "model_config", "target_device"), {})),
 )
