@@ -3,13 +3,11 @@
 (Named ``graphtrace.analysis`` before; the top-level ``analysis/`` folder holds benchmark and
 audit scripts, not this.)
 
-Each helper is a small stateless function of a report. Frames first: ``stale_by``,
-``ownership_by_graph``, ``verdicts_per_layer``, ``read_matrix`` return DataFrames; ``stale_subgraph``
-returns a networkx graph. Drawing second: ``plot_verdicts_per_layer``,
-``draw_stale_subgraph``, ``plot_read_matrix`` each return a matplotlib ``Figure`` (made
-with the Agg canvas, never pyplot, so nothing opens a window); pass ``ax=`` to draw into an
-axes of your own. In Jupyter run ``%matplotlib inline`` once: without it IPython shows a
-returned figure as text, since only a matplotlib backend registers the PNG formatter.
+Each helper is a small stateless function of a report: frames first, then drawing helpers,
+each returning a matplotlib ``Figure`` (made with the Agg canvas, never pyplot, so nothing
+opens a window); pass ``ax=`` to draw into an axes of your own. In Jupyter run ``%matplotlib
+inline`` once: without it IPython shows a returned figure as text, since only a matplotlib
+backend registers the PNG formatter.
 """
 
 from __future__ import annotations

@@ -429,7 +429,6 @@ def _world_group():
     return group if getattr(group, "world_size", 1) > 1 else None
 
 
-# the engine's step and RPC points reach this module through the hooks (no import circle)
 hooks.serve_through(before_step=before_step, drain_step=drain_step,
                     mark_remote_update=mark_remote_update, after_client_step=after_client_step,
                     client_step_failed=client_step_failed, client_stream=client_stream)
