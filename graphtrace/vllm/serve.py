@@ -8,13 +8,11 @@ vLLM's: the whole updates, the world group, and how a refusal reaches vLLM's cli
 
 Note [check before serve]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-RL clients push weights through many doors (Note [weight updates] in graphtrace.vllm.hooks):
-``reload_weights``; a transfer session (``start_weight_update`` .. ``finish_weight_update``);
-the worker model's ``load_weights`` once per tensor (TRL colocate; OpenRLHF's
-``collective_rpc("update_weight")``) or per bucket and then vLLM's
-``process_weights_after_loading`` once (verl). A check after each call would run inside the
-client's receive loop (a thousand checks per sync) and a raise there would leave the model
-half-updated (and, in verl, be hidden as the ``__context__`` of its cleanup's error); the
+RL clients push weights through many doors (Note [weight updates] in graphtrace.vllm.hooks),
+the model's ``load_weights`` once per tensor (TRL colocate; OpenRLHF's
+``collective_rpc("update_weight")``) or per bucket (verl). A check after each call would run
+inside the client's receive loop (a thousand checks per sync) and a raise there would leave the
+model half-updated (and, in verl, be hidden as the ``__context__`` of its cleanup's error); the
 rebinding that makes a graph stale may come last (verl's ``process_weights_after_loading``).
 So every such entry point only marks the engine *dirty* (the guard is built from the
 capture-time owners first, if graphs were captured since) and the check runs once:
