@@ -27,7 +27,7 @@ the report read back from its folder compare equal with ``pandas.testing``:
   ``status``);
 - graph -> storage, one per row of ``edges``: key and ``relation`` are the row's
   ``access`` (``read``, ``write``, ``read+write``); attributes ``verdict``, ``impact``,
-  ``origin`` (``""`` where NA), ``stale`` (True for the stale-like verdicts: stale, dangling, diverged, unrefreshed), ``ops``,
+  ``origin`` (``""`` where NA), ``stale`` (True for ``STALE_VERDICTS``), ``ops``,
   ``args``, ``module``, ``dtype``, ``shape``. Edges point from the graph to what it
   touches, so every storage is a sink: its predecessors are the graphs that read it and
   the owners that held it;

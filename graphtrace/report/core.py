@@ -247,7 +247,7 @@ class Report:
     def summary(self, by: str | None = None) -> pd.DataFrame:
         """Counts by verdict.
 
-        ``summary()``: index ``verdict`` (all six, in contract order), columns ``edges``,
+        ``summary()``: index ``verdict`` (every verdict, in contract order), columns ``edges``,
         ``storages`` and ``graphs`` (distinct), and ``manifest``, ``latent``, ``unknown``
         (edges by impact). ``summary(by=...)`` with ``graph``, ``module``, ``layer``,
         ``op``, ``owner_kind`` or ``access``: one row per group (naturally sorted), one
@@ -274,7 +274,7 @@ class Report:
         return out.astype("int64")
 
     def counts(self) -> dict[str, int]:
-        """``{verdict: number of edges}`` for all six verdicts."""
+        """``{verdict: number of edges}`` for every verdict."""
         vc = self.edges["verdict"].astype(object).value_counts()
         return {v: int(vc.get(v, 0)) for v in VERDICTS}
 
