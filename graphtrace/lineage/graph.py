@@ -1,15 +1,10 @@
 """Lineage: which storages each op wrote from which storages it read (freshness).
 
-While a trace is open, outside its capture regions, provenance's dispatch mode
-(graphtrace.provenance.ProvenanceMode: one mode, not a second) hands every op to
-`Lineage.record`, which keeps a storage-level dataflow graph of the load and process steps:
-for each storage written (a fresh output, an in-place or `out=` target), the storages its
-value was derived from through any chain of ops, each with the write clock it had then. At
-the end of each capture, `match` turns the sources of every captured storage into the
-registered parameters and buffers they are (`derived_from`) and takes the baselines the
-verdict engine's freshness check needs (`Derived`; rule in graphtrace.verdict). See
-Note [lineage]. Detectors are plug-ins the graph feeds as it records (Note [lineage
-plug-ins]): graphtrace/lineage/steps.py and handles.py.
+`Lineage`, the storage-level dataflow graph provenance's dispatch mode
+(graphtrace.provenance.ProvenanceMode: one mode, not a second) feeds through `record`, and
+`match`, which gives each captured storage its `Derived` baselines (Note [lineage]).
+Detectors are plug-ins the graph feeds as it records (Note [lineage plug-ins]):
+graphtrace/lineage/steps.py and handles.py.
 """
 
 from __future__ import annotations
@@ -498,18 +493,7 @@ class Lineage:
         (a constant Inductor folded or prepacked at compile time from parameters: Note
         [frozen constants] in graphtrace/compiled.py): a full write of `target` whose
         sources are `sources` and theirs, as `record` would note it."""
-        nodes = self.nodes
-        merged: dict[int, int] = {}
-        for s in sources:
-            a = s._cdata
-            node = nodes.get(a)
-            if node is None:
-                node = self._node(s, a)
-            for b, cb in (node[2] or {}).items():
-                if b not in merged or cb < merged[b]:
-                    merged[b] = cb
-            if a not in merged or node[1] < merged[a]:
-                merged[a] = node[1]
+        merged = self.sources_of({s._cdata: s for s in sources})
         merged.pop(target._cdata, None)
         if merged:
             self.write(target, merged, full=True)
