@@ -1,18 +1,7 @@
 """The reload diff: resolve every capture-time owner on the live model, give each edge a verdict.
 
-Verdicts are per storage (every graph that touched it gets the same one):
-
-- no capture-time owner                                  -> unowned
-- every graph overwrites it before reading it            -> stable (Note [write before read], graphtrace/edges.py)
-- some owners still hold the storage, others do not      -> diverged
-- owners moved, the captured storage is still alive      -> stale
-- owners moved, the captured storage was freed           -> dangling
-- every owner path stopped resolving                     -> orphaned
-- every owner still holds the storage                    -> stable, or unrefreshed when the
-  parameters and buffers it was derived from changed since it was last written (freshness:
-  Note [freshness] in graphtrace/verdict.py; an unowned storage too)
-
-The rule, each owner's status and `impact` are decided by the verdict engine
+Verdicts are per storage (every graph that touched it gets the same one). The rule
+(`verdict_of`), each owner's status and `impact` are decided by the verdict engine
 (graphtrace.verdict), which `Guard.check()` calls too; this module gathers what they need for
 every edge of a trace at once and builds the report's frames. A dtype or shape change of a
 moved owner since capture is also named in the report's blind spots (Note [impact]).
@@ -39,6 +28,11 @@ from graphtrace.provenance import Provenance, edge_columns
 from graphtrace.recorder import Recorder
 from graphtrace.report import Report
 from graphtrace.verdict import (
+    DANGLING,
+    DIVERGED,
+    STALE,
+    UNOWNED,
+    UNREFRESHED,
     View,
     owner_status,
     storage_verdicts,
@@ -60,10 +54,6 @@ __all__ = ["diff", "lineage_findings"]
 EDGE_COLUMNS = COLUMNS["edges"]
 OWNER_COLUMNS = COLUMNS["owners"]
 STORAGE_COLUMNS = COLUMNS["storages"]
-# verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
-_V = {v: v for v in VERDICTS}
-STALE, DANGLING, DIVERGED, UNOWNED, UNREFRESHED = (
-    _V[v] for v in ("stale", "dangling", "diverged", "unowned", "unrefreshed"))
 
 
 class _Resolved(dict):
@@ -437,9 +427,8 @@ def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[Blin
 
 
 def lineage_findings(lineage, models: Mapping[str, torch.nn.Module], fail) -> list[dict]:
-    """What lineage found beside the edges (Note [dangling sources] in graphtrace/lineage/handles.py):
-    one record per live handle and freed source, graph or not (`Report.findings`); the
-    non-idempotent steps and the carried-over state (Note [carried-over state]) too."""
+    """What lineage's plug-ins found beside the edges, graph or not (`Lineage.findings`,
+    `Report.findings`); none when that fails (fail open)."""
     if lineage is None:
         return []
     try:
