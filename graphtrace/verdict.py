@@ -188,11 +188,9 @@ def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray
     """`verdict_of`, vectorised: per storage, its verdict (an object array).
 
     `status`: the owner statuses of all storages, one run per storage in storage order;
-    `n_owners`: each storage's run length (0: no owner, unowned); `alive`: whether each
-    captured storage is still alive; `internal`: whether every graph overwrites it before
-    reading it (default: none is); `unrefreshed`: whether its sources changed since it was
-    last written (default: none did); `source_freed`: whether it is a handle with a
-    dangling source (default: none is)."""
+    `n_owners`: each storage's run length (0: no owner, unowned); `alive`, `internal`,
+    `unrefreshed`, `source_freed`: per storage, as `verdict_of` takes them (the last three
+    default to all False)."""
     n_owners = np.asarray(n_owners, dtype=np.int64)
     internal = (np.zeros(len(n_owners), dtype=bool) if internal is None
                 else np.asarray(internal, dtype=bool))
@@ -408,9 +406,7 @@ def freshness_of(derived, resolve, lineage=None, address: int | None = None) -> 
     `resolve(model, path)`: what an owner path reaches on the live model. `lineage` (the
     trace's, while it is alive) and the storage's StorageImpl `address` add what lineage saw
     since the capture: a rewrite of the storage is judged by its new record (its sources'
-    clocks then against now), a write to a source counts as a change. The diff passes them,
-    and so does a guard made from a trace while its lineage lives; a guard read from JSON
-    has only identity and version counters (Note [freshness])."""
+    clocks then against now), a write to a source counts as a change (Note [freshness])."""
     if lineage is not None and address is not None:
         now = lineage.stale_since(address, derived)
         if now is not None:
@@ -466,9 +462,8 @@ def _storage_from_weak_ref(cdata: int):
 
 def freed_sources(derived, resolve) -> list:
     """The sources of a handle (`derived`, a graphtrace.lineage.Derived with `handle`) that
-    were freed while it lives and whose owner path now reaches a live tensor: the model
-    keeps that value in another storage, the handle's pointer reaches freed memory (Note
-    [dangling sources] in graphtrace/lineage/handles.py). Weak handles only: a guard read from JSON
+    were freed while it lives and whose owner path now reaches a live tensor (Note [dangling
+    sources] in graphtrace/lineage/handles.py). Weak handles only: a guard read from JSON
     (no handles) finds none. `resolve(model, path)`: what an owner path reaches now."""
     if derived is None or not getattr(derived, "handle", False):
         return []
