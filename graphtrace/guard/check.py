@@ -57,10 +57,8 @@ class Guard:
                  storages: list[dict], source: str = "trace", lineage=None,
                  blind_spots: Iterable[dict] = (), accept: Iterable[str] = (),
                  copies: Iterable["CopyPair | dict"] = ()):
-        """`storages`: per required storage a `Required` (graphtrace/guard/manifest.py says what
-        each field is), or the dict `Required.of` reads: storage_id, data_ptr, nbytes, device,
-        dtype, shape, alive (bool), graphs, owners, ref, and optionally internal, views,
-        owner_views and derived (a storage with it may have no owner). `lineage`: the trace's
+        """`storages`: per required storage a `Required`, or the dict `Required.of` reads
+        (its fields; `alive` for `dead`; with `derived`, no owner needed). `lineage`: the trace's
         graphtrace.lineage.Lineage, held by weak reference: while it lives (and records), writes
         it saw count too, as in the diff (Note [freshness]). `blind_spots`: what the recording
         could not see in these graphs, each a dict with the `BlindSpot` (`spot`), `graph_id`
@@ -277,10 +275,8 @@ class Guard:
     def _nothing_moved(self, models: Mapping[str, torch.nn.Module]) -> bool:
         """Does every owner path still reach the storage it reached at capture, under the
         view it had then where that is known (Note [re-laid views] in graphtrace/verdict.py)?
-        Answered by the native `paths_moved` (owners.PathSet.moved: one walk, storages and
-        views compared in C++, the exact view rule in Python only for a view not exactly as
-        it was) when the guard was made from a trace with the native module; False (look at
-        every owner) otherwise, or on any doubt."""
+        Answered by `PathSet.moved` when the guard was made from a trace with the native
+        module; False (look at every owner) otherwise, or on any doubt."""
         native, expected = self._native, self._expected
         if native is None or expected is None or not self._paths:
             return False
@@ -424,9 +420,7 @@ class Guard:
         return resolve
 
     def _rebaseline(self, r: Required, d: Derived, resolve, lineage) -> None:
-        """Note [guard rebaseline]: a derived storage found fresh although a source's version
-        moved (so its owners' moved too: it was rewritten since) takes the versions now as
-        its baseline, where every source still has its storage."""
+        """Note [guard rebaseline]."""
         moved = False
         for s in d.sources:
             t = resolve(s.model, s.path)
