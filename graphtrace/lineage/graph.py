@@ -499,9 +499,8 @@ class Lineage:
             self.write(target, merged, full=True)
 
     def forget(self, storage: torch.UntypedStorage) -> bool:
-        """`storage` holds engine state that no weight derives (a KV cache, a kernel's scratch
-        buffer: rewritten for every request): a full write with no sources, so a capture that
-        reads it matches no `Derived` to it (Note [engine state]). Whether lineage knew it."""
+        """Note [engine state]: a full write of `storage` with no sources; whether lineage
+        knew it."""
         if storage._cdata not in self.nodes:
             return False
         self.write(storage, {}, full=True)
