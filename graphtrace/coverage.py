@@ -304,6 +304,10 @@ PER_KERNEL_COLUMNS = ["node", "kernel", "words", "pointers", "attributed", "cove
                       "seen_freed", "unseen_owners"]
 
 
+_COUNTS = ("pointers", "attributed", "attributed_with_hook", "owned", "owned_attributed",
+           "seen_freed")  # per kernel and in the total, after `words`
+
+
 def _ratio(a, b):
     return np.where(np.asarray(b) > 0, np.asarray(a, dtype=float) / np.maximum(np.asarray(b), 1),
                     np.nan)
@@ -352,8 +356,7 @@ def kernel_coverage(classified: pd.DataFrame, *, attributed: Sequence[str] = ATT
         "unseen_owners": g["_unseen"].agg(lambda s: "; ".join(sorted({x for x in s if x}))),
     })
     per = words.join(agg, how="left")
-    for c in ("pointers", "attributed", "attributed_with_hook", "owned", "owned_attributed",
-              "seen_freed"):
+    for c in _COUNTS:
         per[c] = per[c].fillna(0).astype(np.int64)
     per["unseen_owners"] = per["unseen_owners"].fillna("").astype(object)
     per["coverage"] = _ratio(per["attributed"], per["pointers"])
@@ -363,14 +366,9 @@ def kernel_coverage(classified: pd.DataFrame, *, attributed: Sequence[str] = ATT
         "kernels": int(len(per)),
         "kernels_with_pointers": int((per["pointers"] > 0).sum()) if len(per) else 0,
         "kernels_fully_attributed": int(((per["pointers"] > 0) & (per["attributed"] == per["pointers"])).sum()) if len(per) else 0,
-        "words": int(per["words"].sum()) if len(per) else 0,
-        "pointers": int(per["pointers"].sum()) if len(per) else 0,
-        "attributed": int(per["attributed"].sum()) if len(per) else 0,
-        "attributed_with_hook": int(per["attributed_with_hook"].sum()) if len(per) else 0,
-        "owned": int(per["owned"].sum()) if len(per) else 0,
-        "owned_attributed": int(per["owned_attributed"].sum()) if len(per) else 0,
-        "seen_freed": int(per["seen_freed"].sum()) if len(per) else 0,
     }
+    for c in ("words", *_COUNTS):
+        tot[c] = int(per[c].sum()) if len(per) else 0
     tot["coverage"] = float(_ratio(tot["attributed"], tot["pointers"]))
     tot["coverage_with_hook"] = float(_ratio(tot["attributed_with_hook"], tot["pointers"]))
     tot["owned_coverage"] = float(_ratio(tot["owned_attributed"], tot["owned"]))
