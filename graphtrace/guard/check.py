@@ -368,10 +368,8 @@ class Guard:
 
     def _freshness(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> engine.Freshness:
         """Of the derived storages not in `bad` (whose owners all hold them, or that have
-        none): the unrefreshed ones and their impacts, the handles with dangling sources:
-        the verdict engine's `freshness` pass, the diff's too (version counters and storage
-        identity only; dangling sources by weak handle, so none from JSON). A storage found
-        fresh is rebaselined (Note [guard rebaseline])."""
+        none): the verdict engine's `freshness` pass, the diff's too. A storage found fresh
+        is rebaselined (Note [guard rebaseline])."""
         if not any(self._derived()):
             return engine.Freshness({}, {}, [])
         unchanged = self._sources_unchanged(models)  # Note [guard freshness fast path]
