@@ -238,11 +238,9 @@ class Lineage:
         return node
 
     def write(self, storage: torch.UntypedStorage, sources: dict, full: bool) -> int:
-        """`storage` is written now from `sources` (address -> clock): its node gets the next
-        clock, and `sources` replace its own (`full`, a write of the whole storage) or join
-        them, the older clock kept. Never its own source; at most `max_sources`, the oldest.
-        Every write goes through here: ops, declared copies, handles, derived constants.
-        Returns the storage's address."""
+        """`storage` is written now from `sources` (address -> clock), as Note [lineage] says
+        (`full`: a write of the whole storage; the oldest `max_sources` kept). Every write goes
+        through here: ops, declared copies, handles, derived constants. Returns its address."""
         a = storage._cdata
         node = self.nodes.get(a)
         if node is None:
