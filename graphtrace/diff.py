@@ -125,11 +125,8 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
 def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str,
             distinct: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Join names[codes] per run of equal keys (keys sorted): (unique keys, joined texts);
-    `distinct`: each name once per run, in first-seen order.
-
-    Vectorised: a run of one name is that very name object; runs of several are joined once
-    per distinct sequence of codes where the codes pack into one integer, else by string
-    additions of names with the separator put in front once per name."""
+    `distinct`: each name once per run, in first-seen order. Vectorised: a run of one name
+    is that very name object; longer runs are joined as the comments below say."""
     if len(keys) == 0:
         return keys, np.empty(0, dtype=object)
     names = np.asarray(names, dtype=object)
