@@ -2,25 +2,9 @@
 
 `t.diff()` (every edge of a trace), `Guard.check()` (the required storages, live or loaded
 from JSON) and every integration built on them call these functions; nothing else decides a
-verdict, an owner's status or an impact:
-
-- `owner_status`: does a capture-time owner, resolved on the live model, still hold the
-  captured storage (identity by weak handle, or by address and size where only that is
-  known: Note [guard identity] in graphtrace/guard/manifest.py), under the view it had at
-  capture (Note [re-laid views])?
-- `verdict_of` (scalar) and `storage_verdicts` (vectorised, per storage): the rule, from the
-  owners' statuses, whether the captured storage is alive and whether every graph overwrites
-  it before reading it (Note [write before read] in graphtrace/edges.py).
-- `unrefreshed` (with `source_changed`): is a storage whose owners still hold it (or that
-  has none) derived from sources that changed since it was last written (freshness:
-  Note [freshness])?
-- `freshness`: the pass over captured storages that diff and guard share: which are looked
-  at, `freshness_of`, `unrefreshed_impact` and `freed_sources` for each;
-- `freed_sources`: the sources of a handle that were freed while it lives, and that the
-  model now keeps elsewhere (a dangling source: Note [dangling sources] in
-  graphtrace/lineage/handles.py);
-- `impact_of`: for a stale or diverged storage, do the values the graph reads differ from
-  what its owner holds now (Note [impact])?
+verdict, an owner's status or an impact: `owner_status` (Note [re-laid views]), the rule
+(`verdict_of`, vectorised `storage_verdicts`), freshness (`freshness`, the pass diff and
+guard share: Note [freshness]) and impact (`edge_impact`: Note [impact]).
 
 tests/test_verdict.py checks the two forms of the rule against each other, and
 tests/test_differential.py checks diff and guard against each other on every scenario.
