@@ -6,25 +6,13 @@ Triton kernels, C++ kernels of compiled CPU code, library internals such as cuBL
 workspace) read memory the recorder never hears of. A captured CUDA graph holds the
 ground truth: each kernel node keeps the argument values it was launched with. This module
 is the torch-free half of that comparison (numpy + pandas only; `graphtrace.cuda_nodes`
-reads the kernel nodes on a GPU):
-
-1. `param_words` / `scan_words` turn a node's raw parameter bytes into pointer-sized words;
-2. `pointer_frame` lists them, one row per (node, word);
-3. `locate` maps values to the address range that contains them (`numpy.searchsorted`
-   on the sorted starts; overlapping ranges are handled);
-4. `classify` assigns every word a *tier* (seen by graphtrace in this graph, a model-owned
-   storage graphtrace did not see, other memory, or none: not a pointer we know of);
-5. `kernel_coverage` / `graph_coverage` give per-kernel and total coverage: the fraction of
-   pointers into known memory that graphtrace attributed (the storage appears among the
-   graph's recorded accesses), with and without a Triton-launch hook's extra ranges.
+reads the kernel nodes on a GPU), in steps: `param_words` / `scan_words`, `pointer_frame`,
+`locate`, `classify` (a tier per word: `TIERS`), `kernel_coverage` / `graph_coverage`.
 
 This is the one meaning of *coverage* in graphtrace (the `coverage` columns, the GPU check's
 figures). How many of a graph's edges, or of a compiled region's inputs, have a capture-time
 owner is *ownership* (`graphtrace.explore.ownership_by_graph`,
 `graphtrace.compiled.region_ownership`).
-
-Address ranges are half-open: a storage at `data_ptr` with `nbytes` holds
-`data_ptr <= p < data_ptr + nbytes`; a zero-byte storage holds nothing.
 """
 
 from __future__ import annotations
