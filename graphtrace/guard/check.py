@@ -1,7 +1,4 @@
-"""The guard's check: after every weight update, are the storages the captured graphs read
-still where their capture-time owners point, and fresh? (`Guard`; the module doc of
-graphtrace.guard.)
-"""
+"""The guard's check (`Guard`; the module doc of graphtrace.guard)."""
 
 from __future__ import annotations
 

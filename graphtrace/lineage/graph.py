@@ -3,8 +3,6 @@
 `Lineage`, the storage-level dataflow graph provenance's dispatch mode
 (graphtrace.provenance.ProvenanceMode: one mode, not a second) feeds through `record`, and
 `match`, which gives each captured storage its `Derived` baselines (Note [lineage]).
-Detectors are plug-ins the graph feeds as it records (Note [lineage plug-ins]):
-graphtrace/lineage/steps.py and handles.py.
 """
 
 from __future__ import annotations

@@ -3,11 +3,7 @@
 
 A `Trace` owns the recorder's tables. Recording happens only inside capture regions: an
 explicit `capture(label)` (an emulated, replayable graph on any device) or any CUDA graph
-captured while the trace is open (`torch.cuda.graph`, bare `CUDAGraph.capture_begin()`),
-which the trace learns of for its lifetime (graphtrace/tracing/cudagraphs.py). A CUDA graph's
-capture is labelled by `capture(label, cuda_graph=g)` around it (see Note [CUDA graph
-labels]). Emulated graphs: graphtrace/tracing/emulated.py; the recording rule:
-graphtrace/tracing/rule.py.
+captured while the trace is open (Note [CUDA graph capture hooks], Note [CUDA graph labels]).
 """
 
 from __future__ import annotations
