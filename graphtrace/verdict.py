@@ -105,13 +105,11 @@ def owner_status(tensor: object, cdata: int | None = None, *, data_ptr: int = 0,
                  view: View | None = None) -> tuple[str, int | None]:
     """(status, live data_ptr) of one capture-time owner whose path now reaches `tensor`.
 
-    The captured storage is known by its StorageImpl address `cdata` (a live weak handle keeps
-    it unique: exact identity), or, where `cdata` is None, by `data_ptr` and `nbytes` only
-    (`dead`: it was freed before that was recorded, so nothing holds it). `tensor` None: the
-    path no longer resolves (orphaned). An owner reaching something without a storage (meta,
-    functional wrappers) does not hold the captured storage. `view`: the owner's View at
-    capture; the captured storage under another view is moved (Note [re-laid views]). The
-    live pointer is 0 for an opaque handle and None where unknown."""
+    The captured storage is `cdata`, else `data_ptr` and `nbytes`, as `same_storage` takes
+    them (`dead`: it was freed before that was recorded, so nothing holds it). `tensor` None:
+    the path no longer resolves (orphaned). `view`: the owner's View at capture; the captured
+    storage under another view is moved (Note [re-laid views]). The live pointer is 0 for an
+    opaque handle and None where unknown."""
     if tensor is None:
         return ORPHANED, None
     plain = type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter
