@@ -75,10 +75,9 @@ class _Resolved(dict):
 
 def _live_paths(models: dict, snapshot: OwnerSnapshot, fail) -> dict[str, Mapping]:
     """Per watched model: each capture-time owner path -> what it reaches on the live model
-    now. The snapshot resolves the paths it matched (its cached walk's PathSet: only those
-    paths, not a whole new walk); any other path is resolved on its own when asked
-    (`_Resolved`). A failure is counted (`fail(where, exc)`) and every path then resolved
-    on its own: diff() reports, it does not raise."""
+    now (`_Resolved`). The snapshot resolves the paths it matched (its cached walk's PathSet:
+    only those paths, not a whole new walk). A failure is counted (`fail(where, exc)`) and
+    every path then resolved on its own: diff() reports, it does not raise."""
     try:
         found = snapshot.live_owners(models)
     except Exception as exc:
