@@ -227,9 +227,8 @@ def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray
 # old value: one derived from sources that changed since (Megatron-LM #6723's
 # `_A_neg_exp_cache = -exp(A_log)`, filled once; a refit copies new A_log in place). Lineage
 # (Note [lineage] in graphtrace/lineage/graph.py) names each captured storage's sources -- the
-# registered parameters and buffers it was derived from -- and, at the end of its capture,
-# the baselines: each source's storage and owner-tensor `_version`, the captured storage's
-# owners' `_version`s, and whether a source was already rewritten after it (`stale`).
+# registered parameters and buffers it was derived from -- and takes their baselines at the
+# end of its capture (`Derived`, with `stale`: Note [lineage], "Matching").
 # Later, the storage is `unrefreshed` when
 #   (stale, or some source changed since: its path now reaches another storage, or its
 #    owner tensor's `_version` advanced, or lineage saw a write to it)
