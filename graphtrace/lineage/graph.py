@@ -386,9 +386,8 @@ class Lineage:
         return sources
 
     def _look_for_handle_ops(self) -> None:
-        """Every 256 ops, after new imports only: were ops with a composite kernel registered
-        since (their count, ~0.4 ms), and do some of them make handles (vLLM loads `_C`
-        late)?"""
+        """Note [handle mode]: the look every 256 ops, after new imports only (a count of
+        composite kernels, ~0.4 ms)."""
         import sys
 
         from graphtrace._compat import HANDLE_OPS, registrations_for
