@@ -112,9 +112,7 @@ class Guard:
     # -- models ------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, name: str | None = None) -> "Guard":
         """Check against `model` (by weak reference) under `name`; with one model name,
-        `name` may be left out. A storage known only by address is upgraded to a weak handle
-        when an owner path of `model` reaches a storage of that address and size (Note
-        [guard identity])."""
+        `name` may be left out. Storages known by address are upgraded: Note [guard identity]."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"a guard attaches to a torch.nn.Module, got {type(model).__name__}")
         if name is None:
