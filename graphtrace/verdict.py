@@ -470,11 +470,9 @@ def freshness(storages: Iterable[tuple], resolve, lineage=None, *,
               sources_unchanged: bool = False) -> Freshness:
     """Freshness of captured storages, the one pass diff and guard call (Note [freshness]).
     `storages`: (key, Derived or None, StorageImpl address or None, alive, internal) each;
-    a storage is looked at when it is derived, alive and not overwritten by every graph
-    before it is read (`internal`: Note [write before read] in graphtrace/edges.py): its
-    dangling sources (`freed_sources`), whether it is unrefreshed (`freshness_of`) and then
-    its impact (`unrefreshed_impact`). `resolve(model, path)`: what an owner path reaches
-    now; `lineage`: the trace's, while it lives. `sources_unchanged`: the caller knows no
+    one not derived, not alive or `internal` (Note [write before read] in
+    graphtrace/edges.py) is not looked at. `resolve(model, path)`: what an owner path
+    reaches now; `lineage`: the trace's, while it lives. `sources_unchanged`: the caller knows no
     source changed since a pass found every storage fresh (the guard's fast path: Note
     [guard freshness fast path] in graphtrace/guard/check.py): dangling sources only."""
     found = Freshness({}, {}, [])
