@@ -45,7 +45,7 @@ __all__ = ["DanglingSources", "Handle", "HandleMode", "handle_mode", "invisible_
 # fresh tensor holds values, not pointers (a rebound source makes it `unrefreshed`). A
 # captured handle with a dangling source gets the verdict `dangling` from the verdict
 # engine (graphtrace.verdict.freed_sources; the guard asks the same weak handles); every
-# live handle with a freed source, captured or not, is a row of `Trace.dangling_sources()`
+# live handle with a freed source, captured or not, is a row of `Trace.findings()`
 # and of the report's `findings` (no graph needed).
 
 MAX_PENDING = 1024      # int handles waiting for their tensor (Note [dangling sources])
