@@ -4,8 +4,7 @@ A trace collects them (`Trace.add_blind_spot`), the diff adds its own, the repor
 them in ``meta["blind_spots"]`` as JSON objects (`BlindSpot.to_json`) and gives them back as
 texts (`Report.blind_spots`), records (`Report.blind_spot_records`) or a frame
 (`Report.blind_spots_frame`). A record names what it is about so that it can be matched
-to the edges it concerns: `holder` (an owner path, as in ``edges.owners``) and `op` (an op
-name, as in ``edges.ops``). Kinds: graphtrace.vocab.BLIND_SPOT_KINDS.
+to the edges it concerns (`BlindSpot.matches`).
 """
 
 from __future__ import annotations

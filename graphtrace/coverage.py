@@ -6,25 +6,13 @@ Triton kernels, C++ kernels of compiled CPU code, library internals such as cuBL
 workspace) read memory the recorder never hears of. A captured CUDA graph holds the
 ground truth: each kernel node keeps the argument values it was launched with. This module
 is the torch-free half of that comparison (numpy + pandas only; `graphtrace.cuda_nodes`
-reads the kernel nodes on a GPU):
-
-1. `param_words` / `scan_words` turn a node's raw parameter bytes into pointer-sized words;
-2. `pointer_frame` lists them, one row per (node, word);
-3. `locate` maps values to the address range that contains them (`numpy.searchsorted`
-   on the sorted starts; overlapping ranges are handled);
-4. `classify` assigns every word a *tier* (seen by graphtrace in this graph, a model-owned
-   storage graphtrace did not see, other memory, or none: not a pointer we know of);
-5. `kernel_coverage` / `graph_coverage` give per-kernel and total coverage: the fraction of
-   pointers into known memory that graphtrace attributed (the storage appears among the
-   graph's recorded accesses), with and without a Triton-launch hook's extra ranges.
+reads the kernel nodes on a GPU), in steps: `param_words` / `scan_words`, `pointer_frame`,
+`locate`, `classify` (a tier per word: `TIERS`), `kernel_coverage` / `graph_coverage`.
 
 This is the one meaning of *coverage* in graphtrace (the `coverage` columns, the GPU check's
 figures). How many of a graph's edges, or of a compiled region's inputs, have a capture-time
 owner is *ownership* (`graphtrace.explore.ownership_by_graph`,
 `graphtrace.compiled.region_ownership`).
-
-Address ranges are half-open: a storage at `data_ptr` with `nbytes` holds
-`data_ptr <= p < data_ptr + nbytes`; a zero-byte storage holds nothing.
 """
 
 from __future__ import annotations
@@ -304,6 +292,10 @@ PER_KERNEL_COLUMNS = ["node", "kernel", "words", "pointers", "attributed", "cove
                       "seen_freed", "unseen_owners"]
 
 
+_COUNTS = ("pointers", "attributed", "attributed_with_hook", "owned", "owned_attributed",
+           "seen_freed")  # per kernel and in the total, after `words`
+
+
 def _ratio(a, b):
     return np.where(np.asarray(b) > 0, np.asarray(a, dtype=float) / np.maximum(np.asarray(b), 1),
                     np.nan)
@@ -352,8 +344,7 @@ def kernel_coverage(classified: pd.DataFrame, *, attributed: Sequence[str] = ATT
         "unseen_owners": g["_unseen"].agg(lambda s: "; ".join(sorted({x for x in s if x}))),
     })
     per = words.join(agg, how="left")
-    for c in ("pointers", "attributed", "attributed_with_hook", "owned", "owned_attributed",
-              "seen_freed"):
+    for c in _COUNTS:
         per[c] = per[c].fillna(0).astype(np.int64)
     per["unseen_owners"] = per["unseen_owners"].fillna("").astype(object)
     per["coverage"] = _ratio(per["attributed"], per["pointers"])
@@ -363,14 +354,9 @@ def kernel_coverage(classified: pd.DataFrame, *, attributed: Sequence[str] = ATT
         "kernels": int(len(per)),
         "kernels_with_pointers": int((per["pointers"] > 0).sum()) if len(per) else 0,
         "kernels_fully_attributed": int(((per["pointers"] > 0) & (per["attributed"] == per["pointers"])).sum()) if len(per) else 0,
-        "words": int(per["words"].sum()) if len(per) else 0,
-        "pointers": int(per["pointers"].sum()) if len(per) else 0,
-        "attributed": int(per["attributed"].sum()) if len(per) else 0,
-        "attributed_with_hook": int(per["attributed_with_hook"].sum()) if len(per) else 0,
-        "owned": int(per["owned"].sum()) if len(per) else 0,
-        "owned_attributed": int(per["owned_attributed"].sum()) if len(per) else 0,
-        "seen_freed": int(per["seen_freed"].sum()) if len(per) else 0,
     }
+    for c in ("words", *_COUNTS):
+        tot[c] = int(per[c].sum()) if len(per) else 0
     tot["coverage"] = float(_ratio(tot["attributed"], tot["pointers"]))
     tot["coverage_with_hook"] = float(_ratio(tot["attributed_with_hook"], tot["pointers"]))
     tot["owned_coverage"] = float(_ratio(tot["owned_attributed"], tot["owned"]))

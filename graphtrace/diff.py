@@ -1,18 +1,7 @@
 """The reload diff: resolve every capture-time owner on the live model, give each edge a verdict.
 
-Verdicts are per storage (every graph that touched it gets the same one):
-
-- no capture-time owner                                  -> unowned
-- every graph overwrites it before reading it            -> stable (Note [write before read], graphtrace/edges.py)
-- some owners still hold the storage, others do not      -> diverged
-- owners moved, the captured storage is still alive      -> stale
-- owners moved, the captured storage was freed           -> dangling
-- every owner path stopped resolving                     -> orphaned
-- every owner still holds the storage                    -> stable, or unrefreshed when the
-  parameters and buffers it was derived from changed since it was last written (freshness:
-  Note [freshness] in graphtrace/verdict.py; an unowned storage too)
-
-The rule, each owner's status and `impact` are decided by the verdict engine
+Verdicts are per storage (every graph that touched it gets the same one). The rule
+(`verdict_of`), each owner's status and `impact` are decided by the verdict engine
 (graphtrace.verdict), which `Guard.check()` calls too; this module gathers what they need for
 every edge of a trace at once and builds the report's frames. A dtype or shape change of a
 moved owner since capture is also named in the report's blind spots (Note [impact]).
@@ -39,6 +28,11 @@ from graphtrace.provenance import Provenance, edge_columns
 from graphtrace.recorder import Recorder
 from graphtrace.report import Report
 from graphtrace.verdict import (
+    DANGLING,
+    DIVERGED,
+    STALE,
+    UNOWNED,
+    UNREFRESHED,
     View,
     owner_status,
     storage_verdicts,
@@ -60,10 +54,6 @@ __all__ = ["diff", "lineage_findings"]
 EDGE_COLUMNS = COLUMNS["edges"]
 OWNER_COLUMNS = COLUMNS["owners"]
 STORAGE_COLUMNS = COLUMNS["storages"]
-# verdicts by their own word, from vocab (a word that left VERDICTS fails here, at import)
-_V = {v: v for v in VERDICTS}
-STALE, DANGLING, DIVERGED, UNOWNED, UNREFRESHED = (
-    _V[v] for v in ("stale", "dangling", "diverged", "unowned", "unrefreshed"))
 
 
 class _Resolved(dict):
@@ -85,10 +75,9 @@ class _Resolved(dict):
 
 def _live_paths(models: dict, snapshot: OwnerSnapshot, fail) -> dict[str, Mapping]:
     """Per watched model: each capture-time owner path -> what it reaches on the live model
-    now. The snapshot resolves the paths it matched (its cached walk's PathSet: only those
-    paths, not a whole new walk); any other path is resolved on its own when asked
-    (`_Resolved`). A failure is counted (`fail(where, exc)`) and every path then resolved
-    on its own: diff() reports, it does not raise."""
+    now (`_Resolved`). The snapshot resolves the paths it matched (its cached walk's PathSet:
+    only those paths, not a whole new walk). A failure is counted (`fail(where, exc)`) and
+    every path then resolved on its own: diff() reports, it does not raise."""
     try:
         found = snapshot.live_owners(models)
     except Exception as exc:
@@ -135,11 +124,8 @@ def _resolve_owners(handles, captured: dict, sids: np.ndarray,
 def _joined(keys: np.ndarray, codes: np.ndarray, names, sep: str,
             distinct: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Join names[codes] per run of equal keys (keys sorted): (unique keys, joined texts);
-    `distinct`: each name once per run, in first-seen order.
-
-    Vectorised: a run of one name is that very name object; runs of several are joined once
-    per distinct sequence of codes where the codes pack into one integer, else by string
-    additions of names with the separator put in front once per name."""
+    `distinct`: each name once per run, in first-seen order. Vectorised: a run of one name
+    is that very name object; longer runs are joined as the comments below say."""
     if len(keys) == 0:
         return keys, np.empty(0, dtype=object)
     names = np.asarray(names, dtype=object)
@@ -437,9 +423,8 @@ def _unseen_pointers(edges: pd.DataFrame, named: set = frozenset()) -> list[Blin
 
 
 def lineage_findings(lineage, models: Mapping[str, torch.nn.Module], fail) -> list[dict]:
-    """What lineage found beside the edges (Note [dangling sources] in graphtrace/lineage/handles.py):
-    one record per live handle and freed source, graph or not (`Report.findings`); the
-    non-idempotent steps and the carried-over state (Note [carried-over state]) too."""
+    """What lineage's plug-ins found beside the edges, graph or not (`Lineage.findings`,
+    `Report.findings`); none when that fails (fail open)."""
     if lineage is None:
         return []
     try:

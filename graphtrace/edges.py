@@ -11,7 +11,7 @@ import numpy as np
 
 from graphtrace.encoding import FACTORY, READ, VIEW, WRITE
 
-__all__ = ["CaptureEdges", "capture_edges", "writes"]
+__all__ = ["CaptureEdges", "capture_edges", "writes", "OVERWRITES"]
 
 
 class CaptureEdges(NamedTuple):
@@ -91,7 +91,7 @@ def _edge_runs(raw: dict, n_storages: int) -> tuple[np.ndarray, np.ndarray]:
 # overwrite (aten::copy_, fill_, zero_); other in-place ops (`add_`) read what they write.
 # An owned storage whose every edge is internal is `stable` (graphtrace.verdict.verdict_of),
 # its owners' statuses still listed in `owners`: no false alarm for what no replay reads stale.
-_OVERWRITES = ("aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_")
+OVERWRITES = ("aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_")
 
 
 def _view_extents(items: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -128,7 +128,7 @@ def _internal_edges(raw: dict, rows: np.ndarray, starts: np.ndarray, names: list
     first_access = raw["access"][first]
     over = first_access == FACTORY
     out_id = ids.get("out", -1)
-    pure = [ids[n] for n in _OVERWRITES if n in ids]
+    pure = [ids[n] for n in OVERWRITES if n in ids]
     over |= (first_access == WRITE) & ((raw["arg"][first] == out_id) | np.isin(raw["op"][first], pure))
     if not over.any():
         return over

@@ -152,8 +152,7 @@ def neutral_text(kind: str) -> str:
 
 def fix_text(kind: str, stack: "Stack | str | None" = None) -> str:
     """The text of fix `kind` (a vocab.FIX_KINDS word; "" gives "") for `stack` (a Stack, a
-    stack name, or None: neutral). Rows needing a release take the stack's release; an
-    unknown or uncovered release gives the neutral text (Note [fix texts])."""
+    stack name, or None: neutral), chosen as Note [fix texts] says."""
     if not kind:
         return ""
     if kind not in FIXES:

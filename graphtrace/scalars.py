@@ -18,7 +18,7 @@ compiled code (Dynamo turns a float attribute into a graph input or a constant o
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Mapping
 
 from torch import nn
 
@@ -45,25 +45,11 @@ class BakedScalars:
         # (graph label, op, value, ((model, path), ...)) per baked float, once per graph
         self.records: list[tuple[str, str, float, tuple]] = []
 
-    def note(self, label: str, ops: Iterable, models: Mapping[str, nn.Module]) -> None:
-        """Match the floats of one emulated graph's kept ops (func, args, kwargs, ...)."""
-        found: dict = {}
-        for func, args, kwargs, *_ in ops:
-            vals: list = []
-            for a in args:
-                floats_in(a, vals)
-            for a in kwargs.values():
-                floats_in(a, vals)
-            for v in vals:
-                if v == v:  # NaN matches nothing
-                    found.setdefault(v, func)
-        self.note_found(label, found, models)
-
     def note_found(self, label: str, floats: Mapping[float, object],
                    models: Mapping[str, nn.Module], native=None) -> None:
-        """`note` of the floats an emulated graph found as it kept its ops (float -> the
-        first op taking it: EmulatedGraph.baked_floats). `native`: graphtrace.native's
-        module, which reads the models' attributes in C++ (owners.scalar_owners)."""
+        """Match the floats an emulated graph found as it kept its ops (float -> the first op
+        taking it: EmulatedGraph.baked_floats). `native`: graphtrace.native's module, which
+        reads the models' attributes in C++ (owners.scalar_owners)."""
         if not floats:
             return
         found: dict[float, str] = {}

@@ -2,25 +2,9 @@
 
 `t.diff()` (every edge of a trace), `Guard.check()` (the required storages, live or loaded
 from JSON) and every integration built on them call these functions; nothing else decides a
-verdict, an owner's status or an impact:
-
-- `owner_status`: does a capture-time owner, resolved on the live model, still hold the
-  captured storage (identity by weak handle, or by address and size where only that is
-  known: Note [guard identity] in graphtrace/guard/manifest.py), under the view it had at
-  capture (Note [re-laid views])?
-- `verdict_of` (scalar) and `storage_verdicts` (vectorised, per storage): the rule, from the
-  owners' statuses, whether the captured storage is alive and whether every graph overwrites
-  it before reading it (Note [write before read] in graphtrace/edges.py).
-- `unrefreshed` (with `source_changed`): is a storage whose owners still hold it (or that
-  has none) derived from sources that changed since it was last written (freshness:
-  Note [freshness])?
-- `freshness`: the pass over captured storages that diff and guard share: which are looked
-  at, `freshness_of`, `unrefreshed_impact` and `freed_sources` for each;
-- `freed_sources`: the sources of a handle that were freed while it lives, and that the
-  model now keeps elsewhere (a dangling source: Note [dangling sources] in
-  graphtrace/lineage/handles.py);
-- `impact_of`: for a stale or diverged storage, do the values the graph reads differ from
-  what its owner holds now (Note [impact])?
+verdict, an owner's status or an impact: `owner_status` (Note [re-laid views]), the rule
+(`verdict_of`, vectorised `storage_verdicts`), freshness (`freshness`, the pass diff and
+guard share: Note [freshness]) and impact (`edge_impact`: Note [impact]).
 
 tests/test_verdict.py checks the two forms of the rule against each other, and
 tests/test_differential.py checks diff and guard against each other on every scenario.
@@ -121,13 +105,11 @@ def owner_status(tensor: object, cdata: int | None = None, *, data_ptr: int = 0,
                  view: View | None = None) -> tuple[str, int | None]:
     """(status, live data_ptr) of one capture-time owner whose path now reaches `tensor`.
 
-    The captured storage is known by its StorageImpl address `cdata` (a live weak handle keeps
-    it unique: exact identity), or, where `cdata` is None, by `data_ptr` and `nbytes` only
-    (`dead`: it was freed before that was recorded, so nothing holds it). `tensor` None: the
-    path no longer resolves (orphaned). An owner reaching something without a storage (meta,
-    functional wrappers) does not hold the captured storage. `view`: the owner's View at
-    capture; the captured storage under another view is moved (Note [re-laid views]). The
-    live pointer is 0 for an opaque handle and None where unknown."""
+    The captured storage is `cdata`, else `data_ptr` and `nbytes`, as `same_storage` takes
+    them (`dead`: it was freed before that was recorded, so nothing holds it). `tensor` None:
+    the path no longer resolves (orphaned). `view`: the owner's View at capture; the captured
+    storage under another view is moved (Note [re-laid views]). The live pointer is 0 for an
+    opaque handle and None where unknown."""
     if tensor is None:
         return ORPHANED, None
     plain = type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter
@@ -188,11 +170,9 @@ def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray
     """`verdict_of`, vectorised: per storage, its verdict (an object array).
 
     `status`: the owner statuses of all storages, one run per storage in storage order;
-    `n_owners`: each storage's run length (0: no owner, unowned); `alive`: whether each
-    captured storage is still alive; `internal`: whether every graph overwrites it before
-    reading it (default: none is); `unrefreshed`: whether its sources changed since it was
-    last written (default: none did); `source_freed`: whether it is a handle with a
-    dangling source (default: none is)."""
+    `n_owners`: each storage's run length (0: no owner, unowned); `alive`, `internal`,
+    `unrefreshed`, `source_freed`: per storage, as `verdict_of` takes them (the last three
+    default to all False)."""
     n_owners = np.asarray(n_owners, dtype=np.int64)
     internal = (np.zeros(len(n_owners), dtype=bool) if internal is None
                 else np.asarray(internal, dtype=bool))
@@ -247,9 +227,8 @@ def storage_verdicts(status: np.ndarray, n_owners: np.ndarray, alive: np.ndarray
 # old value: one derived from sources that changed since (Megatron-LM #6723's
 # `_A_neg_exp_cache = -exp(A_log)`, filled once; a refit copies new A_log in place). Lineage
 # (Note [lineage] in graphtrace/lineage/graph.py) names each captured storage's sources -- the
-# registered parameters and buffers it was derived from -- and, at the end of its capture,
-# the baselines: each source's storage and owner-tensor `_version`, the captured storage's
-# owners' `_version`s, and whether a source was already rewritten after it (`stale`).
+# registered parameters and buffers it was derived from -- and takes their baselines at the
+# end of its capture (`Derived`, with `stale`: Note [lineage], "Matching").
 # Later, the storage is `unrefreshed` when
 #   (stale, or some source changed since: its path now reaches another storage, or its
 #    owner tensor's `_version` advanced, or lineage saw a write to it)
@@ -408,9 +387,7 @@ def freshness_of(derived, resolve, lineage=None, address: int | None = None) -> 
     `resolve(model, path)`: what an owner path reaches on the live model. `lineage` (the
     trace's, while it is alive) and the storage's StorageImpl `address` add what lineage saw
     since the capture: a rewrite of the storage is judged by its new record (its sources'
-    clocks then against now), a write to a source counts as a change. The diff passes them,
-    and so does a guard made from a trace while its lineage lives; a guard read from JSON
-    has only identity and version counters (Note [freshness])."""
+    clocks then against now), a write to a source counts as a change (Note [freshness])."""
     if lineage is not None and address is not None:
         now = lineage.stale_since(address, derived)
         if now is not None:
@@ -466,9 +443,8 @@ def _storage_from_weak_ref(cdata: int):
 
 def freed_sources(derived, resolve) -> list:
     """The sources of a handle (`derived`, a graphtrace.lineage.Derived with `handle`) that
-    were freed while it lives and whose owner path now reaches a live tensor: the model
-    keeps that value in another storage, the handle's pointer reaches freed memory (Note
-    [dangling sources] in graphtrace/lineage/handles.py). Weak handles only: a guard read from JSON
+    were freed while it lives and whose owner path now reaches a live tensor (Note [dangling
+    sources] in graphtrace/lineage/handles.py). Weak handles only: a guard read from JSON
     (no handles) finds none. `resolve(model, path)`: what an owner path reaches now."""
     if derived is None or not getattr(derived, "handle", False):
         return []
@@ -494,11 +470,9 @@ def freshness(storages: Iterable[tuple], resolve, lineage=None, *,
               sources_unchanged: bool = False) -> Freshness:
     """Freshness of captured storages, the one pass diff and guard call (Note [freshness]).
     `storages`: (key, Derived or None, StorageImpl address or None, alive, internal) each;
-    a storage is looked at when it is derived, alive and not overwritten by every graph
-    before it is read (`internal`: Note [write before read] in graphtrace/edges.py): its
-    dangling sources (`freed_sources`), whether it is unrefreshed (`freshness_of`) and then
-    its impact (`unrefreshed_impact`). `resolve(model, path)`: what an owner path reaches
-    now; `lineage`: the trace's, while it lives. `sources_unchanged`: the caller knows no
+    one not derived, not alive or `internal` (Note [write before read] in
+    graphtrace/edges.py) is not looked at. `resolve(model, path)`: what an owner path
+    reaches now; `lineage`: the trace's, while it lives. `sources_unchanged`: the caller knows no
     source changed since a pass found every storage fresh (the guard's fast path: Note
     [guard freshness fast path] in graphtrace/guard/check.py): dangling sources only."""
     found = Freshness({}, {}, [])

@@ -21,8 +21,7 @@ __all__ = [
 
 # -- verdicts (one per edge; the words are part of the public contract) ---------------------
 VERDICTS = ("stable", "stale", "dangling", "diverged", "orphaned", "unowned", "unrefreshed")
-# `unrefreshed`: the storage is where its owners point (or has none), but the sources it was
-# derived from changed since it was last written (Note [lineage] in graphtrace/lineage/graph.py)
+# `unrefreshed`: Note [freshness] in graphtrace/verdict.py
 STALE_VERDICTS = ("stale", "dangling", "diverged", "unrefreshed")   # what `report.stale` holds
 IMPACTS = ("manifest", "latent", "unknown")           # stale-like edges: do values differ now?
 ORIGINS = ("external", "internal")                    # overwritten in the graph before it reads it?
@@ -137,8 +136,7 @@ GUARD_SCHEMA: tuple[tuple[str, str], ...] = (
     # rows, but for a stale edge's re-laid owner `note` names both views (Note [re-laid views])
     ("blind_spot", "str"), ("note", "str"),
 )
-# the verdict of a guard row for a blind spot the update may have invalidated: its holder
-# moved, was written or is gone, or it has none to check (fails closed unless accepted)
+# the verdict of a blind spot's guard row (Note [blind spots in the guard])
 GUARD_UNCHECKED = "unchecked"
 GUARD_COLUMNS: list[str] = [c for c, _ in GUARD_SCHEMA]
 

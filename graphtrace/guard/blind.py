@@ -1,7 +1,6 @@
 """The guard's blind spots (Note [blind spots in the guard]): which records of a trace
 concern the guarded graphs, their holders' identity at capture, and at every check one look
-per distinct holder (`BlindHolders`), so that a check costs what the holders that changed
-cost, not graphs x holders (issue 39: a baked `eps` per norm module is one record per graph).
+per distinct holder (`BlindHolders`: Note [one look per holder]).
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ __all__ = ["BlindHolders", "accepted_kinds", "adopt_blind", "guarded_blind", "op
 #   (`orphaned`), or the same tensor written in place (`written`: its version counter
 #   moved, so what is behind it may have changed unseen), or for a baked scalar (Note
 #   [baked scalars] in graphtrace/scalars.py) a value other than the captured one
-#   (`changed`); a holder that owns a guarded
-#   storage and moved is already a stale or dangling row of that storage, so no second row;
+#   (`changed`); a holder that owns a guarded storage and moved or is gone is already a
+#   stale, dangling or orphaned row of that storage, so no second row;
 # - it has no holder, or its holder did not resolve when the guard was made: it cannot be
 #   checked at all (`statuses` empty).
 # A holder that still reaches the very storage, unwritten, is taken as unchanged. The user
@@ -214,8 +213,7 @@ class BlindHolders:
     def rows(self, accept: frozenset, models: Mapping[str, torch.nn.Module],
              graphs: Mapping[int, str], native=None) -> list[tuple]:
         """Guard rows (GUARD_COLUMNS) for the records the update may have invalidated, in
-        record order; a holder that moved or is gone while it owns a guarded storage is left
-        to that storage's own rows (its edge verdict says it already)."""
+        record order (Note [blind spots in the guard])."""
         look = self._slow if self._none_moved(models, native) else range(len(self._keys))
         out = [(k, _row(self.entries[k], "", None, graphs)) for k in self._fixed]
         for h in look:

@@ -44,11 +44,9 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
     storages it has not matched yet, as diff does), checked against `models`. With the
     trace's `lineage`, the storages it matched to sources (owned or not) carry their
     `Derived` baselines, and `check()` gives `unrefreshed` too (Note [freshness]).
-    `blind_spots`: the trace's records; those that concern the guarded graphs (and the
-    opaque handles they read) are kept with their holders' identity, and `check()` fails
-    closed on them unless their kind is in `accept` (Note [blind spots in the guard]);
-    `values`: the float a `baked scalar` record's holder held at capture; `copies`: the
-    trace's packed copies with their fingerprints (Note [derived copies])."""
+    `blind_spots`, `accept`: the trace's records and the kinds accepted (`Trace.guard`; the
+    opaque handles the graphs read join them); `values`: the float a `baked scalar` record's
+    holder held at capture; `copies`: the trace's packed copies with their fingerprints."""
     with gc_paused():  # the build allocates much, collects nothing: owners.gc_paused
         return _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept,
                          values, copies)
@@ -109,9 +107,8 @@ def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, acc
 
 
 def models_changed(snapshot: "OwnerSnapshot", models: Iterable[str]) -> None:
-    """The watched models were updated: storages captured from now on are matched to owners
-    on a fresh walk (the snapshot caches one walk per model between captures), so a holder
-    an update created owns what later graphs read from it."""
+    """`Trace.models_changed`: `snapshot` forgets its cached walk of each of `models`, so a
+    holder an update created owns what later graphs read from it."""
     for name in models:
         snapshot.forget(name)
 

@@ -1,7 +1,4 @@
-"""The guard's check: after every weight update, are the storages the captured graphs read
-still where their capture-time owners point, and fresh? (`Guard`; the module doc of
-graphtrace.guard.)
-"""
+"""The guard's check (`Guard`; the module doc of graphtrace.guard)."""
 
 from __future__ import annotations
 
@@ -57,10 +54,8 @@ class Guard:
                  storages: list[dict], source: str = "trace", lineage=None,
                  blind_spots: Iterable[dict] = (), accept: Iterable[str] = (),
                  copies: Iterable["CopyPair | dict"] = ()):
-        """`storages`: per required storage a `Required` (graphtrace/guard/manifest.py says what
-        each field is), or the dict `Required.of` reads: storage_id, data_ptr, nbytes, device,
-        dtype, shape, alive (bool), graphs, owners, ref, and optionally internal, views,
-        owner_views and derived (a storage with it may have no owner). `lineage`: the trace's
+        """`storages`: per required storage a `Required`, or the dict `Required.of` reads
+        (its fields; `alive` for `dead`; with `derived`, no owner needed). `lineage`: the trace's
         graphtrace.lineage.Lineage, held by weak reference: while it lives (and records), writes
         it saw count too, as in the diff (Note [freshness]). `blind_spots`: what the recording
         could not see in these graphs, each a dict with the `BlindSpot` (`spot`), `graph_id`
@@ -117,9 +112,7 @@ class Guard:
     # -- models ------------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, name: str | None = None) -> "Guard":
         """Check against `model` (by weak reference) under `name`; with one model name,
-        `name` may be left out. A storage known only by address is upgraded to a weak handle
-        when an owner path of `model` reaches a storage of that address and size (Note
-        [guard identity])."""
+        `name` may be left out. Storages known by address are upgraded: Note [guard identity]."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"a guard attaches to a torch.nn.Module, got {type(model).__name__}")
         if name is None:
@@ -277,10 +270,8 @@ class Guard:
     def _nothing_moved(self, models: Mapping[str, torch.nn.Module]) -> bool:
         """Does every owner path still reach the storage it reached at capture, under the
         view it had then where that is known (Note [re-laid views] in graphtrace/verdict.py)?
-        Answered by the native `paths_moved` (owners.PathSet.moved: one walk, storages and
-        views compared in C++, the exact view rule in Python only for a view not exactly as
-        it was) when the guard was made from a trace with the native module; False (look at
-        every owner) otherwise, or on any doubt."""
+        Answered by `PathSet.moved` when the guard was made from a trace with the native
+        module; False (look at every owner) otherwise, or on any doubt."""
         native, expected = self._native, self._expected
         if native is None or expected is None or not self._paths:
             return False
@@ -372,10 +363,8 @@ class Guard:
 
     def _freshness(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> engine.Freshness:
         """Of the derived storages not in `bad` (whose owners all hold them, or that have
-        none): the unrefreshed ones and their impacts, the handles with dangling sources:
-        the verdict engine's `freshness` pass, the diff's too (version counters and storage
-        identity only; dangling sources by weak handle, so none from JSON). A storage found
-        fresh is rebaselined (Note [guard rebaseline])."""
+        none): the verdict engine's `freshness` pass, the diff's too. A storage found fresh
+        is rebaselined (Note [guard rebaseline])."""
         if not any(self._derived()):
             return engine.Freshness({}, {}, [])
         unchanged = self._sources_unchanged(models)  # Note [guard freshness fast path]
@@ -424,9 +413,7 @@ class Guard:
         return resolve
 
     def _rebaseline(self, r: Required, d: Derived, resolve, lineage) -> None:
-        """Note [guard rebaseline]: a derived storage found fresh although a source's version
-        moved (so its owners' moved too: it was rewritten since) takes the versions now as
-        its baseline, where every source still has its storage."""
+        """Note [guard rebaseline]."""
         moved = False
         for s in d.sources:
             t = resolve(s.model, s.path)

@@ -1,15 +1,8 @@
 """Lineage: which storages each op wrote from which storages it read (freshness).
 
-While a trace is open, outside its capture regions, provenance's dispatch mode
-(graphtrace.provenance.ProvenanceMode: one mode, not a second) hands every op to
-`Lineage.record`, which keeps a storage-level dataflow graph of the load and process steps:
-for each storage written (a fresh output, an in-place or `out=` target), the storages its
-value was derived from through any chain of ops, each with the write clock it had then. At
-the end of each capture, `match` turns the sources of every captured storage into the
-registered parameters and buffers they are (`derived_from`) and takes the baselines the
-verdict engine's freshness check needs (`Derived`; rule in graphtrace.verdict). See
-Note [lineage]. Detectors are plug-ins the graph feeds as it records (Note [lineage
-plug-ins]): graphtrace/lineage/steps.py and handles.py.
+`Lineage`, the storage-level dataflow graph provenance's dispatch mode
+(graphtrace.provenance.ProvenanceMode: one mode, not a second) feeds through `record`, and
+`match`, which gives each captured storage its `Derived` baselines (Note [lineage]).
 """
 
 from __future__ import annotations
@@ -243,11 +236,9 @@ class Lineage:
         return node
 
     def write(self, storage: torch.UntypedStorage, sources: dict, full: bool) -> int:
-        """`storage` is written now from `sources` (address -> clock): its node gets the next
-        clock, and `sources` replace its own (`full`, a write of the whole storage) or join
-        them, the older clock kept. Never its own source; at most `max_sources`, the oldest.
-        Every write goes through here: ops, declared copies, handles, derived constants.
-        Returns the storage's address."""
+        """`storage` is written now from `sources` (address -> clock), as Note [lineage] says
+        (`full`: a write of the whole storage; the oldest `max_sources` kept). Every write goes
+        through here: ops, declared copies, handles, derived constants. Returns its address."""
         a = storage._cdata
         node = self.nodes.get(a)
         if node is None:
@@ -395,9 +386,8 @@ class Lineage:
         return sources
 
     def _look_for_handle_ops(self) -> None:
-        """Every 256 ops, after new imports only: were ops with a composite kernel registered
-        since (their count, ~0.4 ms), and do some of them make handles (vLLM loads `_C`
-        late)?"""
+        """Note [handle mode]: the look every 256 ops, after new imports only (a count of
+        composite kernels, ~0.4 ms)."""
         import sys
 
         from graphtrace._compat import HANDLE_OPS, registrations_for
@@ -498,26 +488,14 @@ class Lineage:
         (a constant Inductor folded or prepacked at compile time from parameters: Note
         [frozen constants] in graphtrace/compiled.py): a full write of `target` whose
         sources are `sources` and theirs, as `record` would note it."""
-        nodes = self.nodes
-        merged: dict[int, int] = {}
-        for s in sources:
-            a = s._cdata
-            node = nodes.get(a)
-            if node is None:
-                node = self._node(s, a)
-            for b, cb in (node[2] or {}).items():
-                if b not in merged or cb < merged[b]:
-                    merged[b] = cb
-            if a not in merged or node[1] < merged[a]:
-                merged[a] = node[1]
+        merged = self.sources_of({s._cdata: s for s in sources})
         merged.pop(target._cdata, None)
         if merged:
             self.write(target, merged, full=True)
 
     def forget(self, storage: torch.UntypedStorage) -> bool:
-        """`storage` holds engine state that no weight derives (a KV cache, a kernel's scratch
-        buffer: rewritten for every request): a full write with no sources, so a capture that
-        reads it matches no `Derived` to it (Note [engine state]). Whether lineage knew it."""
+        """Note [engine state]: a full write of `storage` with no sources; whether lineage
+        knew it."""
         if storage._cdata not in self.nodes:
             return False
         self.write(storage, {}, full=True)

@@ -45,7 +45,7 @@ __all__ = ["DanglingSources", "Handle", "HandleMode", "handle_mode", "invisible_
 # fresh tensor holds values, not pointers (a rebound source makes it `unrefreshed`). A
 # captured handle with a dangling source gets the verdict `dangling` from the verdict
 # engine (graphtrace.verdict.freed_sources; the guard asks the same weak handles); every
-# live handle with a freed source, captured or not, is a row of `Trace.dangling_sources()`
+# live handle with a freed source, captured or not, is a row of `Trace.findings()`
 # and of the report's `findings` (no graph needed).
 
 MAX_PENDING = 1024      # int handles waiting for their tensor (Note [dangling sources])
@@ -68,8 +68,7 @@ class DanglingSources:
     with a named source freed since."""
 
     def __init__(self):
-        # handle storage address -> Handle; int handles waiting for the tensor that will hold
-        # them (value -> (Handle, sources))
+        # address -> Handle; value -> (Handle, sources)
         self.handles: dict[int, Handle] = {}
         self.pending: dict[int, tuple] = {}
 
@@ -125,10 +124,8 @@ class DanglingSources:
         return self.handles.get(address)
 
     def findings(self, graph: Graph, models: Mapping[str, torch.nn.Module]) -> list[dict]:
-        """Every live handle with a named source that was freed since it was made (Note
-        [dangling sources]): one dict per (handle, freed source), `kind` `dangling source`
-        (the source's path now reaches a live tensor) or `released source` (it reaches
-        nothing)."""
+        """One row per live handle and named source freed since it was made (Note [dangling
+        sources])."""
         from graphtrace.owners import resolve_path
 
         nodes = graph.nodes
@@ -181,9 +178,9 @@ class DanglingSources:
 # pushed and running; every other call it passes through after one dict lookup. It stays
 # on the stack for the whole trace, capture regions included, so code compiled inside the
 # trace is not compiled again there; code compiled outside the trace is compiled once more
-# inside it (Dynamo guards on the function-mode stack), in processes with such ops only. Under Dynamo (`torch.compiler.is_compiling()`) it passes everything through;
-# a function compiled while it is on the stack is compiled again once without it (Dynamo
-# guards on the function-mode stack).
+# inside it (Dynamo guards on the function-mode stack), in processes with such ops only.
+# Under Dynamo (`torch.compiler.is_compiling()`) it passes everything through; a function
+# compiled while it is on the stack is compiled again once without it.
 
 _INVISIBLE: dict = {}        # packet or overload -> (overload, "int" / "object")
 _SCANNED = [-1]               # how many op names the last scan saw

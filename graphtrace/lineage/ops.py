@@ -12,6 +12,7 @@ import torch
 
 from graphtrace._compat import op_schema
 from graphtrace._schema import op_info, tensors_in
+from graphtrace.edges import OVERWRITES
 from graphtrace.encoding import OUT_FRESH, WRITE
 
 __all__ = ["Graph"]
@@ -35,8 +36,6 @@ class Graph(Protocol):
     def named(self, sources: dict, direct) -> tuple: ...
     def record_handle(self, func, kind: str, args, kwargs, out) -> None: ...
 
-_OVERWRITES = frozenset({"aten::copy_", "aten::fill_.Scalar", "aten::fill_.Tensor",
-                         "aten::zero_"})
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # in-place ops whose new value of `self` does not depend on its old one (Note [non-idempotent
 # steps]); every other `aten::name_` op reads the storage it writes
@@ -72,7 +71,7 @@ def _op(func) -> _Op:
         by_keyword = {n: a == WRITE for n, a in info.by_keyword.values()}
         found = _OPS[func] = _Op(positional, by_keyword,
                                  any(r == OUT_FRESH for r in info.returns),
-                                 any(by_keyword.values()), info.name in _OVERWRITES,
+                                 any(by_keyword.values()), info.name in OVERWRITES,
                                  _returns_handle(func, info.name),
                                  info.name == "aten::lift_fresh", _self_reads(info.name))
     return found
@@ -104,7 +103,7 @@ def _returns_handle(func, name: str) -> str:
 
 def _walk(value, writes: bool, keyword: bool, written: list, reads: dict) -> None:
     """The tensors of one argument (any nesting) as written (with whether the argument was a
-    keyword, an `out=`) or as read storages by address: the slow path of `Lineage.note`."""
+    keyword, an `out=`) or as read storages by address: the slow path of `Lineage.record`."""
     for t in tensors_in(value):
         if writes:
             written.append((t, keyword))

@@ -90,8 +90,7 @@ class NonIdempotent:
         self._missed: set = set()  # Parameters not found by a fresh walk of the models
 
     def written(self, graph: Graph, func, op, written: list, reads: dict) -> None:
-        """`func` wrote `written` ((tensor, an out= argument?)) having read `reads`
-        (outside optimizer steps): note each storage it wrote from its own value."""
+        """Note each storage `func` wrote from its own value (hook: Note [lineage plug-ins])."""
         for t, is_out in written:
             try:
                 s = t.untyped_storage()
@@ -125,8 +124,7 @@ class NonIdempotent:
             self.self_updates[key] = [entries[0][3], 1]
 
     def findings(self, graph: Graph, models: Mapping[str, torch.nn.Module]) -> list[dict]:
-        """One record per registered storage, op and line that updated the storage from its
-        own value while the trace was open (Note [non-idempotent steps])."""
+        """Its records as `Lineage.findings` rows (Note [non-idempotent steps])."""
         rows = []
         registered = None
         for (a, op, site), (ref, n) in self.self_updates.items():
@@ -229,8 +227,7 @@ class CarriedOver:
             self.carried[key] = [StorageWeakRef(storage), 1, source]
 
     def findings(self, graph: Graph, models: Mapping[str, torch.nn.Module]) -> list[dict]:
-        """One record per live unregistered storage, op and line that read state carried over
-        from an earlier load cycle into a process step (Note [carried-over state])."""
+        """Its records of live storages as `Lineage.findings` rows (Note [carried-over state])."""
         live = {key: r for key, r in self.carried.items() if not r[0].expired()}
         if not live:
             return []

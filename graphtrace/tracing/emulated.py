@@ -136,11 +136,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 class EmulatedGraph:
     """A replayable record of a capture region with CUDA graph address semantics.
 
-    Replay re-runs the recorded ops on the storages they saw at capture time and copies
-    fresh results into the outputs the capture returned. See Note [Emulated graphs keep
-    storages]. Like a real graph's capture artifacts, it keeps the storages it read from
-    outside and its outputs alive (drop the graph to free them), not its intermediates.
-    `native` (graphtrace.native's module, as a trace's recorder has it) keeps ops in C++.
+    See Note [Emulated graphs keep storages]. Like a real graph's capture artifacts, it
+    keeps the storages it read from outside and its outputs alive (drop the graph to free
+    them), not its intermediates. `native` (graphtrace.native's module, as a trace's
+    recorder has it) keeps ops in C++.
     """
 
     __slots__ = ("label", "capture", "_keeper", "_ops", "__weakref__")
@@ -162,9 +161,8 @@ class EmulatedGraph:
         _keep_slow(self._keeper, func, args, kwargs, out, replay_flags)
 
     def seal(self) -> None:
-        """At the end of the capture: let go of the storages the region made that nothing
-        outside the graph holds (its intermediates); replay lends them afresh. Note
-        [Emulated graphs keep storages]."""
+        """At the end of the capture: let go of its intermediates (Note [Emulated graphs
+        keep storages])."""
         self._keeper.seal(SCRATCH)
 
     def replay(self) -> None:

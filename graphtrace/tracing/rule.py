@@ -64,9 +64,7 @@ class RecordingRule:
         return self.provenance is not None and self.record == "auto"
 
     def _install_update_hooks(self) -> None:
-        """The signals of an update beginning and of serving (Note [recording while
-        serving]): global parameter/buffer registration hooks, per watched model a
-        `load_state_dict` pre-hook and a forward pre-hook. Removed at exit."""
+        """The signals of Note [recording while serving]; removed at exit."""
         if not self._rule_on():
             return
         from torch.nn.modules.module import (
@@ -156,8 +154,7 @@ class RecordingRule:
         self._attribution_off()
 
     def _serving(self) -> None:
-        """A watched model's forward began: under ``record="auto"``, once graphs exist,
-        provenance and lineage pause (Note [recording while serving])."""
+        """A watched model's forward began: the rule's pause (Note [recording while serving])."""
         p = self.provenance
         if (p is None or self.record != "auto" or self._manual or not self._open
                 or self._updating
@@ -197,9 +194,8 @@ class RecordingRule:
         """``with t.updating(): update(model)``: provenance and lineage record inside the
         block, paused or not before it, and a watched model's forward inside it does not
         pause them. After it, a pause made by `pause_provenance()` is restored; otherwise
-        they record until the model serves again (Note [recording while serving]). For an
-        update graphtrace cannot see begin (`p.data = new`, `p.data.copy_(new)` after the
-        model served). Call on the thread that opened the trace."""
+        they record until the model serves again. For an update graphtrace cannot see begin
+        (Note [recording while serving]). Call on the thread that opened the trace."""
         if not self._open:
             raise GraphtraceError("t.updating() needs the trace open: use it inside "
                                   "`with graphtrace.trace(...) as t:`")

@@ -3,11 +3,7 @@
 
 A `Trace` owns the recorder's tables. Recording happens only inside capture regions: an
 explicit `capture(label)` (an emulated, replayable graph on any device) or any CUDA graph
-captured while the trace is open (`torch.cuda.graph`, bare `CUDAGraph.capture_begin()`),
-which the trace learns of for its lifetime (graphtrace/tracing/cudagraphs.py). A CUDA graph's
-capture is labelled by `capture(label, cuda_graph=g)` around it (see Note [CUDA graph
-labels]). Emulated graphs: graphtrace/tracing/emulated.py; the recording rule:
-graphtrace/tracing/rule.py.
+captured while the trace is open (Note [CUDA graph capture hooks], Note [CUDA graph labels]).
 """
 
 from __future__ import annotations
@@ -422,11 +418,9 @@ class Trace(RecordingRule, CudaGraphCaptures):
 
     def declare_state(self, tensors: Iterable[torch.Tensor]) -> int:
         """Declare the storages of `tensors` engine state no weight derives (a KV cache, an
-        attention kernel's scratch buffer: rewritten for every request, dropped after a weight
-        update): lineage forgets what they were computed from so far, so a capture that reads
-        them as inputs does not find them `unrefreshed` after an update (Note [engine state]
-        in graphtrace/lineage/graph.py). Call it before the capture. Owners and identity are still
-        checked. Returns how many storages lineage knew; 0 without lineage."""
+        attention kernel's scratch buffer), so that a capture reading them is not found
+        `unrefreshed` after an update (Note [engine state] in graphtrace/lineage/graph.py).
+        Call it before the capture. Returns how many storages lineage knew; 0 without lineage."""
         if self.lineage is None:
             return 0
         known = 0
@@ -533,10 +527,8 @@ class Trace(RecordingRule, CudaGraphCaptures):
         return self.provenance.lineage if self.provenance is not None else None
 
     def findings(self):
-        """What lineage found beside the graphs' edges, graph or no graph: one row per live
-        handle and source of it that was freed (`kind` `dangling source`, or `released
-        source` when the model dropped that path on purpose; Note [dangling sources] in
-        graphtrace/lineage/handles.py), columns graphtrace.vocab.FINDING_FIELDS. The same rows are
+        """What lineage found beside the graphs' edges, graph or no graph (`Lineage.findings`:
+        kinds vocab.FINDING_KINDS, columns vocab.FINDING_FIELDS). The same rows are
         `t.diff().findings`. Empty without lineage."""
         from graphtrace.diff import lineage_findings
         from graphtrace.report.core import findings_frame
@@ -598,10 +590,8 @@ def trace(model: torch.nn.Module | None = None, *, strict: bool = False,
     GRAPHTRACE_LINEAGE says, default on; False: off). See Note [lineage] in
     graphtrace/lineage/graph.py.
     `record`: when provenance and lineage record: "auto" (default) while loading, capturing
-    and around weight updates, paused while the model serves (from a watched model's
-    forward once graphs exist until an update begins: `load_state_dict`, a parameter or
-    buffer registered, `t.updating()`); "always": whenever the trace is open. See Note
-    [recording while serving] in graphtrace/tracing/rule.py.
+    and around weight updates, paused while the model serves; "always": whenever the trace
+    is open. See Note [recording while serving] in graphtrace/tracing/rule.py.
     """
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"graphtrace.trace() takes a torch.nn.Module, got {type(model).__name__}")
