@@ -58,8 +58,6 @@ class _ModuleStack(threading.local):
 # graphtrace.attribution; a writer reads its capturing thread's list directly.
 module_stack = _ModuleStack()
 
-# One access is ACCESS_FIELDS int64s: seq, code, slot (the layout: graphtrace.encoding).
-
 
 class Interner:
     """Strings and small tuples to dense ints, so records stay integers."""
@@ -97,9 +95,8 @@ class Registered:
 
     @property
     def handle_set(self) -> set:
-        """`set(self.handles)`, made once per read of the table (shared by the answers
-        `StorageTable.registered_since` gives from it): the owner snapshot, provenance and
-        lineage each intersect the same capture's storages with theirs."""
+        """`set(self.handles)`, made once per read of the table (see
+        `StorageTable.registered_since`)."""
         found = self._set[0]
         if found is None:
             found = self._set[0] = set(self.handles)
@@ -121,7 +118,6 @@ class StorageTable:
 
     Pure Python, or backed by the native recorder's table (`native`), which both writers then
     register into; either way the columns read the same (they are synced on access).
-    `native_table` is that table, for the native Writer to register into.
     """
 
     __slots__ = ("_index", "_handles", "_data_ptrs", "_nbytes", "_devices", "_device_names",
@@ -632,9 +628,8 @@ class Recorder:
         return plan
 
     def new_writer(self, capture: Capture) -> Writer:
-        """The writer of one capture, made on its capturing thread (PyWriter keeps that
-        thread's module stack): the native Writer when this recorder has one, with a
-        PyWriter for what it hands over."""
+        """The writer of one capture (made on its capturing thread: see PyWriter): the native
+        Writer when this recorder has one, with a PyWriter for what it hands over."""
         writer = PyWriter(self, capture)
         if self.native is None:
             return writer
