@@ -2,11 +2,8 @@
 
 The mode runs the op, then appends a few integers per tensor to columnar arrays. Names,
 strings and DataFrames are built later, in `diff()`. Storages are held by weak reference
-only (the raw `_weak_ref` handle that `StorageWeakRef` wraps): a held weak reference keeps
-the StorageImpl allocation, and so its address, unique without keeping its data alive, so
-the handle is the storage's identity and `_expired` tells whether it was freed. The native
-table releases the handles of storages that die young (a capture's intermediates: see
-csrc/recorder.cpp), which reads the same: freed.
+only (the raw `_weak_ref` handle that `StorageWeakRef` wraps), which is their identity:
+Note [weak handles and the sweep] in docs/internals.md.
 """
 
 from __future__ import annotations
