@@ -104,7 +104,6 @@ def replace_parameter(layer: torch.nn.Module, name: str, new: torch.Tensor | Non
 
     (`vllm/model_executor/utils.py` in vLLM 0.32; reimplemented, not copied.)
 
-    * `new is None`: set the attribute to None.
     * `prefer_copy` and an existing parameter of the same shape, dtype and device: copy the
       values into the existing parameter in place (its storage, hence every address a
       captured graph holds, is kept) and carry `new`'s custom attributes over.
@@ -249,11 +248,18 @@ class MPLinearKernelBase:
     def _transform_scales(self, layer) -> None:
         self._transform_param(layer, self.w_s_name, lambda x: x.data.contiguous())
 
-    def _machete_mm(self, layer, x_2d: torch.Tensor) -> torch.Tensor:
+    def _machete_apply(self, layer, x: torch.Tensor, bias, permute) -> torch.Tensor:
+        """The Machete forward, its activations permuted by `permute(x_2d)` (act-order)."""
         c = self.config
-        return ops.machete_mm(x_2d, getattr(layer, self.w_q_name), c.weight_type, None,
-                              getattr(layer, self.w_s_name), None, c.group_size,
-                              None, None, None)
+        x_2d = x.reshape(-1, x.shape[-1])
+        if c.has_g_idx:
+            x_2d = permute(x_2d)
+        out = ops.machete_mm(x_2d, getattr(layer, self.w_q_name), c.weight_type, None,
+                             getattr(layer, self.w_s_name), None, c.group_size,
+                             None, None, None)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], c.out_features)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """The Machete kernels' PWAL: sort by `g_idx` (kept as `_keep_perm` says), repack the
@@ -317,13 +323,7 @@ class MacheteUnfixedKernel(MPLinearKernelBase):
         self._bind_act_perm(perm)
 
     def apply_weights(self, layer, x, bias=None):
-        x_2d = x.reshape(-1, x.shape[-1])
-        if self.config.has_g_idx:
-            x_2d = self.act_perm(x_2d)
-        out = self._machete_mm(layer, x_2d)
-        if bias is not None:
-            out = out + bias
-        return out.reshape(*x.shape[:-1], self.config.out_features)
+        return self._machete_apply(layer, x, bias, lambda x_2d: self.act_perm(x_2d))
 
 
 class MacheteUnfixedPartialKernel(MacheteUnfixedKernel):
@@ -367,14 +367,11 @@ class MacheteFixedKernel(MPLinearKernelBase):
         self.use_permute_cols = self._use_permute_cols()
 
     def apply_weights(self, layer, x, bias=None):
-        x_2d = x.reshape(-1, x.shape[-1])
-        if self.config.has_g_idx:
+        def permute(x_2d):  # through the layer, at apply time
             perm = layer.g_idx_sort_indices
-            x_2d = ops.permute_cols(x_2d, perm) if self.use_permute_cols else x_2d[:, perm]
-        out = self._machete_mm(layer, x_2d)
-        if bias is not None:
-            out = out + bias
-        return out.reshape(*x.shape[:-1], self.config.out_features)
+            return ops.permute_cols(x_2d, perm) if self.use_permute_cols else x_2d[:, perm]
+
+        return self._machete_apply(layer, x, bias, permute)
 
     def live_perm(self, layer):
         return layer.g_idx_sort_indices
