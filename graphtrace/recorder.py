@@ -376,8 +376,7 @@ class PyWriter:
         """Nothing to land: this writer appends to the Capture's arrays directly."""
 
     def record(self, func, args, kwargs, out) -> int:
-        """Append one row per tensor; return its replay flags (REPLAY_WROTE: it wrote an
-        input, REPLAY_FRESH: it made a fresh output).
+        """Append one row per tensor; return its replay flags (`Writer.record`).
 
         This loop runs for every argument of every op: one dict hit on the view key
         (storage, view) finds both ids for any tensor seen before.

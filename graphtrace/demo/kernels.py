@@ -155,12 +155,8 @@ class LayerConfig:
 
 
 class WNA16ActOrderLinearMethod:
-    """The layer's `quant_method`: creates checkpoint-format weights, owns the kernel.
-
-    A plain object, as vLLM's `QuantizeMethodBase` subclasses are; `graphtrace.demo.reload`
-    registers it as a virtual subclass of vLLM's `QuantizeMethodBase` when vLLM drives the
-    reload, so vLLM's layerwise processing calls its `process_weights_after_loading`.
-    """
+    """The layer's `quant_method`: creates checkpoint-format weights, owns the kernel (a plain
+    class: `graphtrace.demo.reload` registers it with vLLM's `QuantizeMethodBase`)."""
 
     def __init__(self, kernel_cls: type[MPLinearKernelBase], config: LayerConfig):
         self.kernel_cls = kernel_cls
