@@ -216,10 +216,7 @@ def is_keeper(method: object) -> bool:
     """Whether `method` is one of graphtrace's bound forward wrappers or `_call_impl`
     overrides: what an owner walk steps over (they reach the module and graphtrace's own
     cells, never a user's tensor)."""
-    if not isinstance(method, types.MethodType):
-        return False
-    code = getattr(method.__func__, "__code__", None)
-    return code is forward.__code__ or code is call.__code__
+    return is_wrapper(method) or is_call(method)
 
 
 def _call_cells(module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> dict:
