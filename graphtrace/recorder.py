@@ -332,8 +332,7 @@ class _Plan:
 
 @runtime_checkable
 class Writer(Protocol):
-    """What RecordingMode calls on its capture's writer: PyWriter, or the native Writer
-    (graphtrace/csrc/recorder.cpp), which hands PyWriter.fallback what it does not handle."""
+    """What RecordingMode calls on its capture's writer: PyWriter or the native one (see PyWriter)."""
 
     def record(self, func, args, kwargs, out) -> int:
         """Append the op's records; return its replay flags (encoding.REPLAY_*)."""

@@ -30,12 +30,10 @@ is what the variants below disagree about:
 | `fixed` | registered `layer.g_idx_sort_indices` (prefer_copy), `kernel.use_permute_cols` bool | the layer's parameter, looked up at apply time |
 | `marlin` | plain attribute `layer.g_idx_sort_indices`, plus `kernel.workspace` | both, passed to `gptq_marlin_gemm` |
 
-vLLM's reload copies new values into the storages of the parameters and buffers that were
-registered before the reload, so only what the forward reads through registered tensors
-survives a reload. `fixed` is the merged fix of the seed report; `rejected-fix` is its
-first iteration, which the live probe rejected; `marlin` mirrors vLLM's Marlin kernel
-before its own act-order fix (workspace on the kernel, sort indices as a plain,
-unregistered tensor attribute on the layer).
+Only what the forward reads through registered tensors survives vLLM's reload
+(`graphtrace.demo.reload`). `fixed` is the merged fix of the seed report; `rejected-fix` is
+its first iteration, which the live probe rejected; `marlin` mirrors vLLM's Marlin kernel
+before its own act-order fix.
 """
 
 from __future__ import annotations
