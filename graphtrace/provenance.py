@@ -227,8 +227,7 @@ class ProvenanceMode(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        """Observe, never alter: Dynamo compiles under this mode as without it (see
-        RecordingMode.ignore_compile_internals)."""
+        """Observe, never alter (Note [provenance]; RecordingMode.ignore_compile_internals)."""
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
