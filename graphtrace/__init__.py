@@ -39,6 +39,5 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-# the first read of a name in _LAZY imports its module
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 del lazy_exports

@@ -168,8 +168,7 @@ def script_type_name(obj: torch.ScriptObject) -> str:
 
 def _optional(feature: str, *paths: str) -> tuple:
     """An optional feature's torch APIs, looked up together: (whether all exist, then each
-    API), every API a stand-in raising `TorchIncompatible` with the reason when one is missing
-    (the feature fails open: Note [torch compatibility])."""
+    API, or each its stand-in when one is missing: Note [torch compatibility])."""
     apis = [_lookup(feature, path) for path in paths]
     if feature in _missing:
         return (False, *[_unavailable(feature)] * len(paths))

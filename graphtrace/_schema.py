@@ -18,8 +18,6 @@ from graphtrace._compat import (
     tree_iter,
     tree_map_only,
 )
-
-# Accesses and return-slot kinds are ints of the record encoding (graphtrace.encoding).
 from graphtrace.encoding import OUT_ALIAS, OUT_FRESH, OUT_MUTATED, READ, VIEW, WRITE
 
 __all__ = ["OpInfo", "op_name", "parse_schema", "op_info", "plain_tensors", "tensors_in",

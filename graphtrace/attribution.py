@@ -5,8 +5,7 @@ dispatched. Two ways keep the stack, chosen by `gt.trace(modules=...)`:
 
 - ``"forward"`` (default): each watched module gets an instance attribute ``forward``, a
   method bound to it that pushes its id, runs ``type(module).forward`` and pops, and an
-  instance ``_call_impl`` that does the same in the frame of torch's own when the call takes
-  ``nn.Module._call_impl``'s fast path (Note [one frame per module call]); hooks cost more:
+  instance ``_call_impl`` (Note [one frame per module call]); hooks cost more:
   docs/performance.md, "Module attribution: forward wrappers against hooks". Because it is
   a bound method, a ``copy.deepcopy`` of a watched module gets a wrapper bound to the copy (it
   computes with the copy's own forward and is attributed to nothing), and ``pickle`` stores
@@ -22,11 +21,9 @@ serving] below). Under ``torch.compile`` Dynamo inlines wrappers and hooks, and 
 ``torch.compiler.is_dynamo_compiling()`` first: in a graph they only call the class forward,
 so its guards never see the stack, and ops inside compiled code are not attributed. Modules
 that Dynamo's cached graphs already inlined get hooks even under ``"forward"``
-(`compiled_inside`): those graphs guard on each inlined module's ``__dict__`` lacking
-``forward``, so wrappers would make them compile again, while hooks added after a compile are
-not guarded (``torch._dynamo.config.skip_nnmodule_hook_guards``). The wrappers' frames are
-marked for Dynamo to skip (``skip_code``), so a compiled module's own call enters Dynamo at its class
-forward, as it would without the trace.
+(`compiled_inside`): hooks added after a compile are not guarded
+(``torch._dynamo.config.skip_nnmodule_hook_guards``). The wrappers' frames are marked for
+Dynamo to skip (`_dynamo_skips_wrapper`).
 """
 
 from __future__ import annotations
@@ -109,15 +106,9 @@ def forward(self, *args, **kwargs):
 
 
 def _call_with(fid: int, wrapper: Any, forward: Any, cls_forward: Any) -> Callable:
-    """`call` with its module's FQN id, forward wrapper, class forward and that forward bound
-    to the module in closure cells: read per call without a lookup, and the forward called
-    with the call's own argument tuple (`type(self).forward(self, *args)` builds a list and a
-    tuple per call); `_call_for` copies the function with each module's own cells."""
+    """`call` with its module's values in closure cells (Note [one frame per module call])."""
     def call(self, *args, **kwargs):
-        """graphtrace's `_call_impl` of a wrapped module: `nn.Module._call_impl`'s fast path
-        (no hooks, no JIT tracing) with the push and pop of the forward wrapper, one frame
-        where the two take two; anything else goes through `nn.Module._call_impl` (Note [one
-        frame per module call])."""
+        """graphtrace's `_call_impl` of a wrapped module (Note [one frame per module call])."""
         if (_dynamo_compiling() or self._forward_pre_hooks or self._forward_hooks
                 or self._backward_pre_hooks or self._backward_hooks
                 or _global_forward_pre or _global_forward or _global_backward_pre
@@ -161,8 +152,7 @@ def compiled_inside(model: torch.nn.Module) -> set[int]:
     a module whose class forward Dynamo compiled (a frame it enters), and every module under
     one that `Module.compile()` compiled (its `_call_impl` is the frame). Their graphs guard on
     each inlined module's `__dict__` having no `forward`, so an instance wrapper there would
-    make Dynamo compile again; hooks are not guarded. A compiled entry module itself may keep
-    a wrapper: Dynamo skips the wrapper's frame and enters at the class forward, unguarded."""
+    make Dynamo compile again. An entry module keeps its wrapper (`_dynamo_skips_wrapper`)."""
     if not DYNAMO_CACHE:  # warned at import (graphtrace._compat)
         return set()
     compiled_codes: dict = {}
@@ -226,10 +216,7 @@ def is_keeper(method: object) -> bool:
     """Whether `method` is one of graphtrace's bound forward wrappers or `_call_impl`
     overrides: what an owner walk steps over (they reach the module and graphtrace's own
     cells, never a user's tensor)."""
-    if not isinstance(method, types.MethodType):
-        return False
-    code = getattr(method.__func__, "__code__", None)
-    return code is forward.__code__ or code is call.__code__
+    return is_wrapper(method) or is_call(method)
 
 
 def _call_cells(module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> dict:
@@ -240,9 +227,7 @@ def _call_cells(module: torch.nn.Module, fid: int, wrapper: types.MethodType) ->
 
 
 def _call_for(module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> types.MethodType:
-    """`call` bound to `module`, as its own function object whose cells hold the module's FQN
-    id, forward wrapper and class forward (pickled as `getattr(module, "_call_impl")`, the
-    class's)."""
+    """`call` bound to `module`, with its own cells (Note [one frame per module call])."""
     cells = {k: types.CellType(v) for k, v in _call_cells(module, fid, wrapper).items()}
     fn = types.FunctionType(call.__code__, call.__globals__, "_call_impl", None,
                             tuple(cells[name] for name in _CALL_CELLS))
@@ -345,8 +330,7 @@ class ModuleAttribution:
 
     @staticmethod
     def _fast_call(module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> None:
-        """The one-frame call of a wrapped module (Note [one frame per module call]), where its
-        `_call_impl` is torch's own and not already replaced on the instance by someone else."""
+        """The one-frame call of a wrapped module (Note [one frame per module call])."""
         mine = module.__dict__.get("_call_impl")
         if _MODULE_CALL_IMPL is None:
             return
@@ -381,9 +365,8 @@ class ModuleAttribution:
         self.ids.clear()
 
     def pause(self) -> None:
-        """The model serves (Note [attribution while serving]): remove the keepers, but those
-        of modules Dynamo's cached graphs may have inlined (their graphs guard on each one's
-        wrapper or hooks), until `resume()`."""
+        """The model serves: remove the keepers until `resume()`, but those of modules
+        `compiled_inside` finds (Note [attribution while serving])."""
         if self.mode == "off" or self.paused:
             return
         self.paused = True

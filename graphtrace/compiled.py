@@ -331,9 +331,8 @@ class CompiledPatch:
             hooked = True
         except Exception:  # names fall back to positions
             hooked = False
-        # Note [frozen constants]; Inductor's constant folding and freezing (~50 ms to import
-        # in an eager vLLM engine, which never imports freezing) are wrapped now when already
-        # imported, else when Dynamo first hands a graph to a compiler (call_user_compiler)
+        # Note [frozen constants]: wrapped now when already imported (~50 ms to import in an
+        # eager vLLM engine), else in call_user_compiler
         if not hooked or CONSTANT_FOLDING in sys.modules:
             self._wrap_constant_makers()
         if torch.cuda.is_available():
@@ -512,8 +511,7 @@ class CompiledPatch:
                     f"{region.name}_{len(args)}in", graph, None)
         if region.plan is None:
             recorder = self.trace.recorder
-            recorder.plans[region] = region.make_plan(recorder.names, args)  # both
-            # writers look plans up here first
+            recorder.plans[region] = region.make_plan(recorder.names, args)
         constants = region.constants(graph) if region.constant_names else None
         if constants:  # a constant without a storage: its stand-in (Note [frozen constants])
             constants = [c if not isinstance(c, torch.Tensor) or c.layout == torch.strided
@@ -723,8 +721,7 @@ def region_ownership(trace, raw: dict | None = None) -> list[dict]:
 
 def blind_spots(rows: list[dict]) -> list[BlindSpot]:
     """What `region_ownership` rows say the report cannot vouch for: constants compiled in that no
-    watched model owns and lineage cannot tie to parameters (folded at compile time in a graph
-    compiled before the trace: a reload never reaches them) and compiled-in objects whose
+    watched model owns and lineage cannot tie to parameters, and compiled-in objects whose
     reads were not recorded."""
     out = []
     for row in rows:

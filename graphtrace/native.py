@@ -95,10 +95,9 @@ def _build() -> ModuleType:
     from graphtrace._compat import extension_build_directory, extension_build_directory_guess
 
     name = _name()
-    # The name hashes the source and the torch build, so a built file is current: import it
-    # without torch's builder, which takes the folder's lock and runs ninja every time. Look
-    # first where the builder would have put it, worked out without importing the builder
-    # (it imports setuptools: ~0.1 s of every traced process's start).
+    # A built file is current (`_name`): import it without torch's builder, which takes the
+    # folder's lock and runs ninja every time. Look first where the builder would have put it
+    # (`extension_build_directory_guess`: the builder's import costs every traced process).
     built = Path(extension_build_directory_guess(name)) / f"{name}.so"
     if not built.exists():  # not there: a torch whose builder puts it elsewhere, or unbuilt
         built = Path(extension_build_directory(name)) / f"{name}.so"
@@ -117,9 +116,7 @@ def _build() -> ModuleType:
 
 
 def calls_op_directly(cls: type) -> bool:
-    """Is `cls.__call__` exactly `return self._op(*args, **kwargs)` (torch's OpOverload)? Then
-    the native dispatch may call `_op` itself (Note [native dispatch]); a torch whose
-    `__call__` does more (2.14) keeps its own. (graphtrace._compat.calls_op_directly.)"""
+    """`graphtrace._compat.calls_op_directly`, imported when called (this module imports no torch)."""
     from graphtrace._compat import calls_op_directly
 
     return calls_op_directly(cls)

@@ -47,8 +47,7 @@ def type_name(obj: torch.ScriptObject) -> str:
 
 
 def proxy_storage(obj: torch.ScriptObject) -> torch.UntypedStorage:
-    """The proxy storage of the object `obj` wraps (Note [opaque handles]); `obj` is watched
-    weakly, and the proxy dropped when no wrapper graphtrace saw is left."""
+    """The proxy storage of the object `obj` wraps (Note [opaque handles])."""
     key = hash(obj)
     with _lock:
         entry = _proxies.get(key)

@@ -128,20 +128,14 @@ def resolve_path(model: nn.Module, path: str) -> torch.Tensor | None:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"resolve_path() needs a torch.nn.Module, got {type(model).__qualname__}")
-    obj: object = model
-    for is_key, step in _parse(path):
-        obj = _step(obj, is_key, step)
-        if obj is _MISSING:
-            return None
+    obj = resolve_value(model, path)
     return obj if isinstance(obj, _REACHED) else None
 
 
 def _step(obj: object, is_key: bool, step: object) -> object:
     """One step of a path from `obj`; _MISSING where it does not resolve. The one stepping
-    function of owner paths: `resolve_path` and `PathSet.resolve` (which only remembers the
-    nn.Module registry a name was found in, to look there first) both step with it; the
-    native `paths_moved` accelerates the common steps and is checked against it
-    (tests/test_owners.py)."""
+    function of owner paths (the native `paths_moved` is checked against it:
+    tests/test_owners.py)."""
     try:
         if is_key:
             if isinstance(obj, dict):

@@ -24,9 +24,8 @@ Path grammar (what `walk_owners` yields and `resolve_path` reads)::
 
 Tensor subclasses (nn.Parameter) are tensors; empty and meta tensors are yielded like any
 other (the diff decides what they mean). A traceable wrapper subclass (torchao's
-``Int8Tensor``, whose own storage is a fake one) is yielded, and then each tensor it holds,
-found through ``__tensor_flatten__`` (nested), under ``<path>.<inner name>`` with the same
-owner kind: ``q_proj.weight.qdata``, ``q_proj.weight.scale`` (Note [tensor subclasses]). Opaque handles (`torch.ScriptObject`: packed
+``Int8Tensor``) is yielded, and then each tensor it holds: ``q_proj.weight.qdata``
+(Note [tensor subclasses]). Opaque handles (`torch.ScriptObject`: packed
 quantized weights, e.g. ``fc._packed_params._packed_params``) are yielded like tensors, kind
 attribute (Note [opaque handles] in graphtrace.opaque). Every path yielded resolves with `resolve_path` on
 the unchanged model to the very tensor yielded; after a reload a path that no longer
@@ -579,10 +578,9 @@ class OwnerSnapshot:
     only accumulate). A cached walk is checked before each use: if a path it matched to a
     captured storage now reaches another one (a reload ran between two captures), the model
     is walked again, so a later capture's reads of the new tensors still find their owners.
-    A walk's weak storage handles keep the walked storages' addresses unique while the walk
-    is cached, and are freed when it is dropped. Both return what
-    the walks they made had to cut (depth, size) as texts, and the subclasses they could not
-    flatten as `tensor subclass` records (Note [tensor subclasses]), for the blind spots.
+    Both return what the walks they made had to cut (depth, size) as texts, and the
+    subclasses they could not flatten as `tensor subclass` records (Note [tensor subclasses]),
+    for the blind spots.
     """
 
     __slots__ = ("owners", "native", "_views", "_walks", "_checked", "_matched")
@@ -681,8 +679,7 @@ class OwnerSnapshot:
             if check[0] is None:
                 path_set = PathSet()
                 check[:] = [path_set.paths, path_set, [], 0]
-            path_set = check[1]  # grown, not made again: captures that match new paths
-            # only the paths matched since the last call: `matched` only grows, in order
+            path_set = check[1]
             added = list(matched)[check[3]:] if check[3] else matched
             new = sorted(p for p in added if p in expected and p not in path_set)
             path_set.add(new)

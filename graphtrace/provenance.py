@@ -1,10 +1,7 @@
 """Provenance: which op, called from which line of user code, made each storage.
 
-While a trace is open, outside its capture regions, a light dispatch mode notes every
-storage an op creates together with its creation site (graphtrace.sites); the diff then
-says, for each owned edge, where the captured storage was made and, for stale-like edges,
-where the tensor its owner holds now was made, plus the fix that fits (`created_at`,
-`live_created_at`, `fix` in `report.edges`). See Note [provenance].
+See Note [provenance]; the diff's columns made from it (`created_at`, `live_created_at`,
+`fix` in `report.edges`): `edge_columns`.
 """
 
 from __future__ import annotations
@@ -230,8 +227,7 @@ class ProvenanceMode(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        """Observe, never alter: Dynamo compiles under this mode as without it (see
-        RecordingMode.ignore_compile_internals)."""
+        """Observe, never alter (Note [provenance]; RecordingMode.ignore_compile_internals)."""
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -396,9 +392,8 @@ class Provenance:
         return self._suspended is not None
 
     def suspend(self) -> None:
-        """Stop noting until `unsuspend` (Trace.pause_provenance; Note [provenance]): the
-        mode leaves this thread's dispatch stack when it is on top, else only stops
-        noting. Idempotent."""
+        """Stop noting until `unsuspend` (Trace.pause_provenance; Note [provenance]), as
+        `pause` does. Idempotent."""
         if self._suspended is None and self.thread == threading.get_ident():
             self._suspended = self.pause() or "none"
             self.n_suspends += 1

@@ -2,11 +2,8 @@
 
 The mode runs the op, then appends a few integers per tensor to columnar arrays. Names,
 strings and DataFrames are built later, in `diff()`. Storages are held by weak reference
-only (the raw `_weak_ref` handle that `StorageWeakRef` wraps): a held weak reference keeps
-the StorageImpl allocation, and so its address, unique without keeping its data alive, so
-the handle is the storage's identity and `_expired` tells whether it was freed. The native
-table releases the handles of storages that die young (a capture's intermediates: see
-csrc/recorder.cpp), which reads the same: freed.
+only (the raw `_weak_ref` handle that `StorageWeakRef` wraps), which is their identity:
+Note [weak handles and the sweep] in docs/internals.md.
 """
 
 from __future__ import annotations
@@ -58,8 +55,6 @@ class _ModuleStack(threading.local):
 # graphtrace.attribution; a writer reads its capturing thread's list directly.
 module_stack = _ModuleStack()
 
-# One access is ACCESS_FIELDS int64s: seq, code, slot (the layout: graphtrace.encoding).
-
 
 class Interner:
     """Strings and small tuples to dense ints, so records stay integers."""
@@ -97,9 +92,8 @@ class Registered:
 
     @property
     def handle_set(self) -> set:
-        """`set(self.handles)`, made once per read of the table (shared by the answers
-        `StorageTable.registered_since` gives from it): the owner snapshot, provenance and
-        lineage each intersect the same capture's storages with theirs."""
+        """`set(self.handles)`, made once per read of the table (see
+        `StorageTable.registered_since`)."""
         found = self._set[0]
         if found is None:
             found = self._set[0] = set(self.handles)
@@ -121,7 +115,6 @@ class StorageTable:
 
     Pure Python, or backed by the native recorder's table (`native`), which both writers then
     register into; either way the columns read the same (they are synced on access).
-    `native_table` is that table, for the native Writer to register into.
     """
 
     __slots__ = ("_index", "_handles", "_data_ptrs", "_nbytes", "_devices", "_device_names",
@@ -339,8 +332,7 @@ class _Plan:
 
 @runtime_checkable
 class Writer(Protocol):
-    """What RecordingMode calls on its capture's writer: PyWriter, or the native Writer
-    (graphtrace/csrc/recorder.cpp), which hands PyWriter.fallback what it does not handle."""
+    """What RecordingMode calls on its capture's writer: PyWriter or the native one (see PyWriter)."""
 
     def record(self, func, args, kwargs, out) -> int:
         """Append the op's records; return its replay flags (encoding.REPLAY_*)."""
@@ -383,8 +375,7 @@ class PyWriter:
         """Nothing to land: this writer appends to the Capture's arrays directly."""
 
     def record(self, func, args, kwargs, out) -> int:
-        """Append one row per tensor; return its replay flags (REPLAY_WROTE: it wrote an
-        input, REPLAY_FRESH: it made a fresh output).
+        """Append one row per tensor; return its replay flags (`Writer.record`).
 
         This loop runs for every argument of every op: one dict hit on the view key
         (storage, view) finds both ids for any tensor seen before.
@@ -632,9 +623,8 @@ class Recorder:
         return plan
 
     def new_writer(self, capture: Capture) -> Writer:
-        """The writer of one capture, made on its capturing thread (PyWriter keeps that
-        thread's module stack): the native Writer when this recorder has one, with a
-        PyWriter for what it hands over."""
+        """The writer of one capture (made on its capturing thread: see PyWriter): the native
+        Writer when this recorder has one, with a PyWriter for what it hands over."""
         writer = PyWriter(self, capture)
         if self.native is None:
             return writer

@@ -1,7 +1,7 @@
 """Creation sites and suggested fixes as report text (imports no torch).
 
-A *site* says which op made a storage and from which lines of user code (torch, graphtrace
-and the Python standard library left out; the nearest frames first). Its text, as the
+A *site* says which op made a storage and from which lines of user code (which, and how
+sites are recorded: Note [provenance] in graphtrace/provenance.py). Its text, as the
 `created_at` / `live_created_at` columns of `report.edges` hold it::
 
     site  := op " at " frame ( " < " frame )*
@@ -10,7 +10,6 @@ and the Python standard library left out; the nearest frames first). Its text, a
 e.g. ``aten::_to_copy at /src/kernels.py:213 in _perm_from_g_idx < /src/kernels.py:281 in
 process_weights_after_loading``: the frame after each ``<`` called the one before it.
 `suggest_fix` picks the fix a stale-like edge needs (the words: `graphtrace.vocab.FIXES`).
-How sites are recorded: Note [provenance] in graphtrace/provenance.py.
 """
 
 from __future__ import annotations

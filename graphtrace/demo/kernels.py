@@ -30,12 +30,10 @@ is what the variants below disagree about:
 | `fixed` | registered `layer.g_idx_sort_indices` (prefer_copy), `kernel.use_permute_cols` bool | the layer's parameter, looked up at apply time |
 | `marlin` | plain attribute `layer.g_idx_sort_indices`, plus `kernel.workspace` | both, passed to `gptq_marlin_gemm` |
 
-vLLM's reload copies new values into the storages of the parameters and buffers that were
-registered before the reload, so only what the forward reads through registered tensors
-survives a reload. `fixed` is the merged fix of the seed report; `rejected-fix` is its
-first iteration, which the live probe rejected; `marlin` mirrors vLLM's Marlin kernel
-before its own act-order fix (workspace on the kernel, sort indices as a plain,
-unregistered tensor attribute on the layer).
+Only what the forward reads through registered tensors survives vLLM's reload
+(`graphtrace.demo.reload`). `fixed` is the merged fix of the seed report; `rejected-fix` is
+its first iteration, which the live probe rejected; `marlin` mirrors vLLM's Marlin kernel
+before its own act-order fix.
 """
 
 from __future__ import annotations
@@ -104,7 +102,6 @@ def replace_parameter(layer: torch.nn.Module, name: str, new: torch.Tensor | Non
 
     (`vllm/model_executor/utils.py` in vLLM 0.32; reimplemented, not copied.)
 
-    * `new is None`: set the attribute to None.
     * `prefer_copy` and an existing parameter of the same shape, dtype and device: copy the
       values into the existing parameter in place (its storage, hence every address a
       captured graph holds, is kept) and carry `new`'s custom attributes over.
@@ -156,12 +153,8 @@ class LayerConfig:
 
 
 class WNA16ActOrderLinearMethod:
-    """The layer's `quant_method`: creates checkpoint-format weights, owns the kernel.
-
-    A plain object, as vLLM's `QuantizeMethodBase` subclasses are; `graphtrace.demo.reload`
-    registers it as a virtual subclass of vLLM's `QuantizeMethodBase` when vLLM drives the
-    reload, so vLLM's layerwise processing calls its `process_weights_after_loading`.
-    """
+    """The layer's `quant_method`: creates checkpoint-format weights, owns the kernel (a plain
+    class: `graphtrace.demo.reload` registers it with vLLM's `QuantizeMethodBase`)."""
 
     def __init__(self, kernel_cls: type[MPLinearKernelBase], config: LayerConfig):
         self.kernel_cls = kernel_cls
@@ -249,11 +242,18 @@ class MPLinearKernelBase:
     def _transform_scales(self, layer) -> None:
         self._transform_param(layer, self.w_s_name, lambda x: x.data.contiguous())
 
-    def _machete_mm(self, layer, x_2d: torch.Tensor) -> torch.Tensor:
+    def _machete_apply(self, layer, x: torch.Tensor, bias, permute) -> torch.Tensor:
+        """The Machete forward, its activations permuted by `permute(x_2d)` (act-order)."""
         c = self.config
-        return ops.machete_mm(x_2d, getattr(layer, self.w_q_name), c.weight_type, None,
-                              getattr(layer, self.w_s_name), None, c.group_size,
-                              None, None, None)
+        x_2d = x.reshape(-1, x.shape[-1])
+        if c.has_g_idx:
+            x_2d = permute(x_2d)
+        out = ops.machete_mm(x_2d, getattr(layer, self.w_q_name), c.weight_type, None,
+                             getattr(layer, self.w_s_name), None, c.group_size,
+                             None, None, None)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], c.out_features)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """The Machete kernels' PWAL: sort by `g_idx` (kept as `_keep_perm` says), repack the
@@ -317,13 +317,7 @@ class MacheteUnfixedKernel(MPLinearKernelBase):
         self._bind_act_perm(perm)
 
     def apply_weights(self, layer, x, bias=None):
-        x_2d = x.reshape(-1, x.shape[-1])
-        if self.config.has_g_idx:
-            x_2d = self.act_perm(x_2d)
-        out = self._machete_mm(layer, x_2d)
-        if bias is not None:
-            out = out + bias
-        return out.reshape(*x.shape[:-1], self.config.out_features)
+        return self._machete_apply(layer, x, bias, lambda x_2d: self.act_perm(x_2d))
 
 
 class MacheteUnfixedPartialKernel(MacheteUnfixedKernel):
@@ -367,14 +361,11 @@ class MacheteFixedKernel(MPLinearKernelBase):
         self.use_permute_cols = self._use_permute_cols()
 
     def apply_weights(self, layer, x, bias=None):
-        x_2d = x.reshape(-1, x.shape[-1])
-        if self.config.has_g_idx:
+        def permute(x_2d):  # through the layer, at apply time
             perm = layer.g_idx_sort_indices
-            x_2d = ops.permute_cols(x_2d, perm) if self.use_permute_cols else x_2d[:, perm]
-        out = self._machete_mm(layer, x_2d)
-        if bias is not None:
-            out = out + bias
-        return out.reshape(*x.shape[:-1], self.config.out_features)
+            return ops.permute_cols(x_2d, perm) if self.use_permute_cols else x_2d[:, perm]
+
+        return self._machete_apply(layer, x, bias, permute)
 
     def live_perm(self, layer):
         return layer.g_idx_sort_indices

@@ -14,8 +14,7 @@ so the owners graphtrace reports read like vLLM's, e.g.
 Each block computes ``x + down_proj(silu(norm(x)))`` (the residual is dropped when the
 first block changes the width). Construction creates empty checkpoint-format parameters,
 as vLLM does; `load_weights` fills them through each parameter's `weight_loader`;
-`process_weights_after_loading` runs every layer's PWAL. `DemoModel(..., seed=s)` does
-both with `make_checkpoint(s)` so the model is ready to run.
+`process_weights_after_loading` runs every layer's PWAL (`DemoModel`'s `seed` does both).
 """
 
 from __future__ import annotations

@@ -212,11 +212,9 @@ def _capture(sc: Scenario, batch_sizes, device) -> list[Graph]:
     """One graph per batch size (label `bs<N>`) of the scenario's model, emulated or a real
     CUDA graph by device."""
     model = sc.model
-    # A CUDA graph holds addresses, not tensors. vLLM's capture/compile artifacts keep the
-    # capture-time kernel tensors alive (the seed measured 0/88 freed), so the reads are
-    # stale rather than dangling; `keepalive` models that, as the emulated graph does on
-    # CPU. Without it a replay could read reused memory as indices. On CUDA the warm-up
-    # runs outside the capture, as vLLM does.
+    # `keepalive`: vLLM's capture artifacts keep the capture-time kernel tensors (the module
+    # docstring; the emulated graph does so on CPU); without it a replay could read reused
+    # memory as indices. On CUDA the warm-up runs outside the capture, as vLLM does.
     return sc.capture([(f"bs{bs}", model.make_input(bs)) for bs in batch_sizes],
                       device=device,
                       keepalive=lambda: [t for d in _census(model).values() for t in d.values()])

@@ -1,10 +1,7 @@
 """One reload scenario, end to end: capture -> reload -> diff -> replay -> flip.
 
-The seed demo (`graphtrace demo`), the case library (`graphtrace demo --case`) and the
-kernel audit (`analysis/vllm_kernel_audit.py`) all ask the same question of a model: capture
-its forward into graphs, run a weight reload inside the trace, diff, then check with the
-graphs themselves. Each used to carry its own copy of those steps; this module is the one
-copy they share, so a fix to how graphs are captured, replayed or compared lands everywhere.
+The one copy of these steps, shared by the seed demo (`graphtrace demo`), the case library
+(`graphtrace demo --case`) and the kernel audit (`analysis/vllm_kernel_audit.py`).
 
 A `Scenario` is a trace session around one model::
 
@@ -17,9 +14,7 @@ A `Scenario` is a trace session around one model::
     same_rows(after[0], eager[0])
     flip = sc.flip(perturb)                           # perturb the live tensors, replay again
 
-On CPU (any device but CUDA) a graph is graphtrace's emulated graph (`gt.capture`: replay
-re-runs the recorded ops on the captured storages, as a CUDA graph does); with
-`device="cuda"` it is a real CUDA graph (`gt.capture_cuda_graph`: warm-up, then capture).
+A graph is an emulated one, or on CUDA a real CUDA graph (`capture`).
 
 The flip test is how a graph proves what it reads: change, in place, the tensor the eager
 model reads now and replay. Graphs reading that storage change their output ("follows");

@@ -194,10 +194,8 @@ def negate_live_w13(model: MoEModel) -> str:
 
 
 def run_case(make_method, variant: str, reload: str, perturb, backend: str = "auto") -> Outcome:
-    """Build a `MoEModel` whose layers' quant method is `make_method(fixed)` (`fixed`: the
-    variant is "fixed"), load checkpoint 0, capture, reload checkpoint 1 (`reload`:
-    "vllm-inplace" or "vllm-layerwise", a key of `spec.RELOADS`), diff, and flip with
-    `perturb`."""
+    """One variant of a MoE case: layers of `make_method(variant == "fixed")`, reloaded by
+    `reload` ("vllm-inplace" or "vllm-layerwise", a key of `spec.RELOADS`)."""
     fixed = variant == "fixed"
     if reload == "vllm-inplace":
         model = MoEModel(lambda: make_method(fixed), backend=None)
@@ -218,8 +216,7 @@ def run_case(make_method, variant: str, reload: str, perturb, backend: str = "au
 def refit_case(make_method, *, buggy: str, fixed: str, **about) -> Case:
     """The case of an unquantized MoE method whose process step gives `w13_weight` and
     `w2_weight` new storages on an in-place refit (`about`: the `Case` fields that tell which
-    bug): the buggy variant reads both `stale`, the fixed one `stable`; the flip test negates
-    the live `w13_weight`."""
+    bug)."""
     def run(variant: str, backend: str = "auto") -> Outcome:
         return run_case(make_method, variant, "vllm-inplace", negate_live_w13)
 

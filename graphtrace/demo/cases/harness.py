@@ -1,17 +1,14 @@
 """What every case does around its model: capture, reload, diff, replay, flip.
 
-Cases build a tiny model, then call `capture_reload_diff` with the inputs to capture (one
-graph each, emulated on CPU: `gt.capture` replays on the captured storages, as a CUDA graph
-does), the reload to run, and the flip test's perturbation (in place, on the tensors the
-eager model reads after the reload); the steps themselves are `graphtrace.demo.scenario`'s,
-shared with the seed demo. The reloads here are the engines' own steps:
+Cases build a tiny model, then call `capture_reload_diff` (the steps are
+`graphtrace.demo.scenario`'s, shared with the seed demo). The reloads here are the engines'
+own steps:
 
 * `reload_layerwise`: `graphtrace.demo.reload.reload` (vLLM's real layerwise reload when
   vLLM is installed and the model recorded its metadata for it, else the built-in one
   following the same steps);
-* `reload_inplace`: `load_weights` into the live parameters, then every layer's
-  `quant_method.process_weights_after_loading` again: vLLM's `DefaultModelLoader.load_weights`
-  before the layerwise reload, and what RL frameworks (NeMo-RL, verl) run on a refit;
+* `reload_inplace`: `spec.RELOADS["vllm-inplace"]`, vLLM's before the layerwise reload (RL
+  frameworks: NeMo-RL, verl);
 * SGLang's and the memory saver's steps live in their case modules.
 """
 

@@ -10,8 +10,6 @@ weight updates (`update_weights_from_tensor` / `_from_distributed`) call `load_w
 which copies into the live parameters and then runs `post_load_weights` again, so the
 captured graphs kept the old `w_kc` / `w_vc` (#4961 reported it; #6265 merged the fix:
 `copy_` into the existing tensors when they exist).
-
-Flip test: the live `w_kc` / `w_vc`, +1 in place.
 """
 
 from __future__ import annotations

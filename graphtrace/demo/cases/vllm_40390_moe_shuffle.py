@@ -12,8 +12,7 @@ and looked fine). Fixed in vLLM 0.21 by `replace_parameter(..., prefer_copy=is_w
 with `is_weight_update = self.moe_kernel is not None`.
 
 vLLM's layerwise reload (which copies processed values back into the kernel tensors) masks
-this bug; the case uses the in-place refit the thread describes. Flip test: the live
-`w13_weight` (what an eager forward reads), negated in place.
+this bug; the case uses the in-place refit the thread describes.
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ captured storage (`diverged`, as the seed's rejected fix).
 
 No fix upstream. `fixed` is the pattern #40390 applied to the unquantized method: build the
 quant config and kernel once (`if self.moe_kernel is None`), so reloads only refresh the
-registered tensors in place. Flip test: the scale the eager forward reads now
-(`moe_quant_config._w1.scale`), doubled in place.
+registered tensors in place.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ assigned it with `layer.w13_weight.data = self._maybe_pad_weight(layer.w13_weigh
 The Parameter object stays, its storage is swapped: on a weight update (new values loaded
 into the live parameters, then process-weights again) the graphs keep reading the
 capture-time storage. The fix copies into the existing (already padded) storage instead.
-
-Flip test: the live `w13_weight`, negated in place.
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ live layer). This case runs the layerwise reload for the loaded layers (`kv_b_pr
 `sinks`), then the attention layers' process step on the live layers, as that step does.
 With an unquantized `kv_b_proj` the absorbed weights would be views of its weight, which
 the reload keeps: the bug needs the dequantized copy, hence the FP8-style `kv_b_proj` here.
-
-Flip test: the live `W_UV` and fp32 sinks the eager forward reads, perturbed in place.
 """
 
 from __future__ import annotations

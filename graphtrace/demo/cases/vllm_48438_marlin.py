@@ -15,8 +15,7 @@ prefer_copy=True)`): variant `fixed` (a kernel class of this module; the seed de
 only the buggy `marlin` variant).
 
 The workspace is zeroed on every run, so its stale read is `latent` (same values, old
-storage); the sort indices change with the act order (`manifest`). Flip test: the live sort
-indices reversed in place.
+storage); the sort indices change with the act order (`manifest`).
 """
 
 from __future__ import annotations

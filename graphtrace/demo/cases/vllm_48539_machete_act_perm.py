@@ -8,19 +8,8 @@ process-weights run. vLLM's layerwise reload copies new values only into the par
 buffers registered before the reload, so after it the kernel's partial/closure holds a new
 `perm` while captured graphs read the capture-time one.
 
-The kernels are the seed demo's (`graphtrace.demo.kernels`, also run by `graphtrace demo`):
-
-* `unfixed-partial` / `unfixed-lambda`: the bug; the perm read is `stale` (owner: the
-  partial's keyword / the lambda's closure cell);
-* `rejected-fix`: the thread's first fix registered `layer.g_idx_sort_indices` with
-  `replace_parameter(..., prefer_copy=True)` but still bound it into `act_perm` at
-  process time. During the reload PWAL runs on the restored, transient layer, so `act_perm`
-  keeps the transient tensor while the registered parameter keeps the captured storage: the
-  owners disagree, `diverged`;
-* `fixed` (merged): the registered `g_idx_sort_indices` is looked up through the layer at
-  apply time (`use_permute_cols` bool kept from PWAL): `stable`.
-
-Flip test: the live permutation (the one an eager forward now reads) is reversed in place.
+The variants are the seed demo's kernels (`graphtrace.demo.kernels`, whose docstring and
+`MacheteRejectedFixKernel` say what each keeps; also run by `graphtrace demo`).
 """
 
 from __future__ import annotations

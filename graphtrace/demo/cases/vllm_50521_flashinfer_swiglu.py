@@ -12,8 +12,6 @@ tensors moved and every capture-time storage expired (dangling on CUDA); here th
 graph keeps them alive, so the verdict is `stale` (impact `latent`: the values are
 config-derived, the same after every reload). The fix (#50521) registers them on the layer
 with `replace_parameter(prefer_copy=True)` and the experts read them through the layer.
-
-Flip test: the live `gemm1_alpha` (what an eager forward passes), +1 in place.
 """
 
 from __future__ import annotations
