@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from graphtrace._compat import op_schema, weak_ref_expired
 from graphtrace._schema import op_info
 from graphtrace.clock import CLOCK
-from graphtrace.lineage.ops import _PLAIN, Graph, _returns_handle, _walk
+from graphtrace.lineage.ops import _PLAIN, _returns_handle, _walk
 
 __all__ = ["DanglingSources", "Handle", "HandleMode", "handle_mode", "invisible_handle_ops",
            "MAX_PENDING"]
@@ -72,12 +72,12 @@ class DanglingSources:
         self.handles: dict[int, Handle] = {}
         self.pending: dict[int, tuple] = {}
 
-    def lift(self, graph: Graph, out) -> None:
+    def lift(self, graph, out) -> None:
         """`torch.tensor(value)` (aten::lift_fresh) made `out`."""
         if self.pending:
             self._lift(graph, out)
 
-    def record_handle(self, graph: Graph, func, kind: str, args, kwargs, out) -> None:
+    def record_handle(self, graph, func, kind: str, args, kwargs, out) -> None:
         """A handle op the dispatch mode does not see (`HandleMode`): every tensor argument
         is read."""
         reads: dict[int, torch.UntypedStorage] = {}
@@ -88,7 +88,7 @@ class DanglingSources:
         if reads:
             self.handle(graph, func, kind, reads, graph.sources_of(reads), out)
 
-    def handle(self, graph: Graph, func, kind: str, reads: dict, sources: dict,
+    def handle(self, graph, func, kind: str, reads: dict, sources: dict,
                out) -> None:
         """An op made a handle from `reads` (whose sources, with theirs, are `sources`)."""
         site = graph.site() if graph.site is not None else None
@@ -107,7 +107,7 @@ class DanglingSources:
                     self.pending.pop(next(iter(self.pending)))
                 self.pending[value] = (handle, sources)
 
-    def _lift(self, graph: Graph, out) -> None:
+    def _lift(self, graph, out) -> None:
         """`torch.tensor(value)`: the tensor that holds a pending int handle."""
         if type(out) not in _PLAIN or out.dtype != torch.int64 or out.numel() != 1:
             return
@@ -115,7 +115,7 @@ class DanglingSources:
         if found is not None:
             self._set_handle(graph, out.untyped_storage(), *found)
 
-    def _set_handle(self, graph: Graph, storage: torch.UntypedStorage, handle: Handle,
+    def _set_handle(self, graph, storage: torch.UntypedStorage, handle: Handle,
                     sources: dict) -> None:
         self.handles[graph.write(storage, sources, full=True)] = handle
 
@@ -123,7 +123,7 @@ class DanglingSources:
         """The handle whose storage is at `address` (its named sources join its `Derived`)."""
         return self.handles.get(address)
 
-    def findings(self, graph: Graph, models: Mapping[str, torch.nn.Module]) -> list[dict]:
+    def findings(self, graph, models: Mapping[str, torch.nn.Module]) -> list[dict]:
         """One row per live handle and named source freed since it was made (Note [dangling
         sources])."""
         from graphtrace.owners import resolve_path
@@ -223,7 +223,7 @@ class HandleMode(TorchFunctionMode):
 
     lineage_off = False
 
-    def __init__(self, lineage: Graph, active: Callable[[], Callable[[], bool] | None]):
+    def __init__(self, lineage, active: Callable[[], Callable[[], bool] | None]):
         super().__init__()
         self.lineage = lineage
         self.active = active
@@ -262,7 +262,7 @@ def _inert_handle_mode() -> HandleMode:
     return mode
 
 
-def handle_mode(lineage: Graph, active: Callable[[], Callable[[], bool] | None]):
+def handle_mode(lineage, active: Callable[[], Callable[[], bool] | None]):
     """A `HandleMode` for `lineage` when this process has invisible handle ops, else None.
     `active`: a weak method (no cycle through the mode) saying whether to note now."""
     if not invisible_handle_ops():

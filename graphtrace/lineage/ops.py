@@ -1,12 +1,12 @@
 """What lineage needs to know of an op, once per OpOverload: where its written arguments are,
 whether it makes fresh storages, overwrites, makes a handle or reads the storage it writes
 (`_op`), and the walk of one argument's tensors (`_walk`). Shared by the dataflow graph and
-its plug-ins (graphtrace/lineage/graph.py), with the graph as they see it (`Graph`).
+its plug-ins (graphtrace/lineage/graph.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
@@ -15,26 +15,8 @@ from graphtrace._schema import op_info, tensors_in
 from graphtrace.edges import OVERWRITES
 from graphtrace.encoding import OUT_FRESH, WRITE
 
-__all__ = ["Graph"]
+__all__: list[str] = []
 
-
-class Graph(Protocol):
-    """The lineage graph as its plug-ins see it (graphtrace.lineage.graph.Lineage, Note
-    [lineage plug-ins] in graphtrace/lineage/graph.py)."""
-
-    nodes: dict[int, list]
-    clock: int
-    optimizer_steps: int
-    models: Callable[[], Mapping[str, torch.nn.Module]] | None
-    site: Callable | None
-    fail: Callable[[str, BaseException], None] | None
-
-    def write(self, storage: torch.UntypedStorage, sources: dict, full: bool) -> int: ...
-    def sources_of(self, reads: dict) -> dict[int, int]: ...
-    def registered_tensors(self, refresh: bool) -> dict[int, list]: ...
-    def holders(self, addresses: set, models: Mapping[str, torch.nn.Module]) -> dict: ...
-    def named(self, sources: dict, direct) -> tuple: ...
-    def record_handle(self, func, kind: str, args, kwargs, out) -> None: ...
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # in-place ops whose new value of `self` does not depend on its old one (Note [non-idempotent

@@ -12,7 +12,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphtrace._schema import op_info
-from graphtrace.lineage.ops import Graph
 
 __all__ = ["NonIdempotent", "CarriedOver", "MAX_SELF_UPDATES"]
 
@@ -89,7 +88,7 @@ class NonIdempotent:
         self.self_updates: dict[tuple, list] = {}
         self._missed: set = set()  # Parameters not found by a fresh walk of the models
 
-    def written(self, graph: Graph, func, op, written: list, reads: dict) -> None:
+    def written(self, graph, func, op, written: list, reads: dict) -> None:
         """Note each storage `func` wrote from its own value (hook: Note [lineage plug-ins])."""
         for t, is_out in written:
             try:
@@ -99,7 +98,7 @@ class NonIdempotent:
             if (op.self_reads and not is_out) or s._cdata in reads:
                 self._self_update(graph, func, t, s)
 
-    def _self_update(self, graph: Graph, func, t: torch.Tensor,
+    def _self_update(self, graph, func, t: torch.Tensor,
                      s: torch.UntypedStorage) -> None:
         """An op wrote the storage `s` (through `t`) from its own value: keep a record when
         `s` is a registered parameter or buffer of a watched model."""
@@ -123,7 +122,7 @@ class NonIdempotent:
         elif len(self.self_updates) < MAX_SELF_UPDATES:
             self.self_updates[key] = [entries[0][3], 1]
 
-    def findings(self, graph: Graph, models: Mapping[str, torch.nn.Module]) -> list[dict]:
+    def findings(self, graph, models: Mapping[str, torch.nn.Module]) -> list[dict]:
         """Its records as `Lineage.findings` rows (Note [non-idempotent steps])."""
         rows = []
         registered = None
@@ -155,7 +154,7 @@ class CarriedOver:
         self.reload_clock = 0
         self.carried: dict[tuple, list] = {}
 
-    def read(self, graph: Graph, func, reads: dict, sources: dict) -> None:
+    def read(self, graph, func, reads: dict, sources: dict) -> None:
         """`func` read `reads` (whose sources, with theirs, are `sources`): a read ends a
         load cycle; and is one of them carried-over state?"""
         loads = self.loads
@@ -167,12 +166,12 @@ class CarriedOver:
             if self.reload_clock and graph.optimizer_steps == 0:
                 self._carried_over(graph, func, reads, sources)
 
-    def wrote(self, graph: Graph, s: torch.UntypedStorage, a: int, sources: dict) -> None:
+    def wrote(self, graph, s: torch.UntypedStorage, a: int, sources: dict) -> None:
         """The graph wrote the storage `s` at address `a` from `sources` (for an op)."""
         if graph.models is not None:
             self._load(graph, s, a, sources)
 
-    def _load(self, graph: Graph, s: torch.UntypedStorage, a: int, sources: dict) -> None:
+    def _load(self, graph, s: torch.UntypedStorage, a: int, sources: dict) -> None:
         """A write of the storage `s` at address `a` from `sources`: a load when `s` is a
         registered parameter or buffer and no source is one (its values come from outside
         the model). A load after a read of `s` begins a new load cycle of `s`."""
@@ -194,7 +193,7 @@ class CarriedOver:
             if clock > self.reload_clock:
                 self.reload_clock = clock
 
-    def _carried_over(self, graph: Graph, func, reads: dict, sources: dict) -> None:
+    def _carried_over(self, graph, func, reads: dict, sources: dict) -> None:
         """An op read `reads` (with `sources`, theirs): is one of them unregistered state,
         made from no registered tensor during an earlier load cycle, read together with a
         registered tensor whose load cycle began after it was written?"""
@@ -216,7 +215,7 @@ class CarriedOver:
                     self._note_carried(graph, func, a, reads[a], b)
                     break
 
-    def _note_carried(self, graph: Graph, func, a: int, storage: torch.UntypedStorage,
+    def _note_carried(self, graph, func, a: int, storage: torch.UntypedStorage,
                       source: int) -> None:
         site = graph.site() if graph.site is not None else None
         key = (a, op_info(func).name, site(func) if site is not None else "")
@@ -226,7 +225,7 @@ class CarriedOver:
         elif len(self.carried) < MAX_SELF_UPDATES:
             self.carried[key] = [StorageWeakRef(storage), 1, source]
 
-    def findings(self, graph: Graph, models: Mapping[str, torch.nn.Module]) -> list[dict]:
+    def findings(self, graph, models: Mapping[str, torch.nn.Module]) -> list[dict]:
         """Its records of live storages as `Lineage.findings` rows (Note [carried-over state])."""
         live = {key: r for key, r in self.carried.items() if not r[0].expired()}
         if not live:
