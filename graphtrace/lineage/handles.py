@@ -72,11 +72,6 @@ class DanglingSources:
         self.handles: dict[int, Handle] = {}
         self.pending: dict[int, tuple] = {}
 
-    def lift(self, graph, out) -> None:
-        """`torch.tensor(value)` (aten::lift_fresh) made `out`."""
-        if self.pending:
-            self._lift(graph, out)
-
     def record_handle(self, graph, func, kind: str, args, kwargs, out) -> None:
         """A handle op the dispatch mode does not see (`HandleMode`): every tensor argument
         is read."""
@@ -107,9 +102,11 @@ class DanglingSources:
                     self.pending.pop(next(iter(self.pending)))
                 self.pending[value] = (handle, sources)
 
-    def _lift(self, graph, out) -> None:
-        """`torch.tensor(value)`: the tensor that holds a pending int handle."""
-        if type(out) not in _PLAIN or out.dtype != torch.int64 or out.numel() != 1:
+    def lift(self, graph, out) -> None:
+        """`torch.tensor(value)` (aten::lift_fresh) made `out`: the tensor that holds a
+        pending int handle?"""
+        if not self.pending or type(out) not in _PLAIN or out.dtype != torch.int64 \
+                or out.numel() != 1:
             return
         found = self.pending.pop(int(out.item()), None)
         if found is not None:
@@ -157,9 +154,6 @@ class DanglingSources:
 
     def release(self) -> None:
         self.handles, self.pending = {}, {}
-
-    def __len__(self) -> int:
-        return len(self.handles)
 
 
 # -- handle ops with a composite kernel (Note [dangling sources]) -------------------------------

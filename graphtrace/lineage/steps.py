@@ -167,14 +167,11 @@ class CarriedOver:
                 self._carried_over(graph, func, reads, sources)
 
     def wrote(self, graph, s: torch.UntypedStorage, a: int, sources: dict) -> None:
-        """The graph wrote the storage `s` at address `a` from `sources` (for an op)."""
-        if graph.models is not None:
-            self._load(graph, s, a, sources)
-
-    def _load(self, graph, s: torch.UntypedStorage, a: int, sources: dict) -> None:
-        """A write of the storage `s` at address `a` from `sources`: a load when `s` is a
-        registered parameter or buffer and no source is one (its values come from outside
-        the model). A load after a read of `s` begins a new load cycle of `s`."""
+        """The graph wrote the storage `s` at address `a` from `sources` (for an op): a load
+        when `s` is a registered parameter or buffer and no source is one (its values come
+        from outside the model). A load after a read of `s` begins a new load cycle of `s`."""
+        if graph.models is None:
+            return
         registered = graph.registered_tensors(False)
         entries = registered.get(a)
         if entries is None or entries[0][3].expired():
