@@ -53,7 +53,7 @@ class _Region:
             self.graph.seal()  # lets go of its intermediates: Note [Emulated graphs keep storages]
         self.trace.recorder.storages.sweep(self.first_storage)  # its dead intermediates
         try:
-            self.trace._after_capture(self.capture)
+            self.trace._after_capture()
             if self.graph is not None:
                 self.trace._note_scalars(self.capture.label, self.graph)
         finally:

@@ -332,30 +332,27 @@ class Trace(RecordingRule, CudaGraphCaptures):
     def _set_region(self, region: _Region | None) -> None:
         self._regions.region = region
 
-    def _after_capture(self, capture: Capture) -> None:
+    def _after_capture(self) -> None:
         with clock.section("trace: after capture"):
-            self._after_capture_steps()
-
-    def _after_capture_steps(self) -> None:
-        self._match_owners()
-        if self.derived.pairs:
-            self.derived.refresh(self.models)
-        if self.provenance is not None:
-            try:
-                self.provenance.match(self.recorder.storages)
-            except Exception as exc:
-                self.recorder.fail("provenance match", exc)
-            if self.provenance.lineage is not None:
+            self._match_owners()
+            if self.derived.pairs:
+                self.derived.refresh(self.models)
+            if self.provenance is not None:
                 try:
-                    self.provenance.lineage.match(self.recorder.storages, self.owner_snapshot,
-                                                  self.models)
+                    self.provenance.match(self.recorder.storages)
                 except Exception as exc:
-                    self.recorder.fail("lineage match", exc)
-        for op in sorted(self.recorder.opaque_ops):
-            self.add_blind_spot(f"opaque tensors: {op} was given tensors without a storage "
-                                "(e.g. mkldnn-prepacked weights, as Inductor's CPU freezing "
-                                "makes); what they hold is not recorded",
-                                kind="opaque handle", op=op)
+                    self.recorder.fail("provenance match", exc)
+                if self.provenance.lineage is not None:
+                    try:
+                        self.provenance.lineage.match(self.recorder.storages, self.owner_snapshot,
+                                                      self.models)
+                    except Exception as exc:
+                        self.recorder.fail("lineage match", exc)
+            for op in sorted(self.recorder.opaque_ops):
+                self.add_blind_spot(f"opaque tensors: {op} was given tensors without a storage "
+                                    "(e.g. mkldnn-prepacked weights, as Inductor's CPU freezing "
+                                    "makes); what they hold is not recorded",
+                                    kind="opaque handle", op=op)
 
     def _note_scalars(self, label: str, graph: "EmulatedGraph") -> None:
         """The floats this emulated graph baked in that watched attributes held (fail open)."""
