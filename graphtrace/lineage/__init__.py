@@ -1,10 +1,5 @@
-"""Lineage: which storages each op wrote from which storages it read (freshness).
-
-The dataflow graph (`Lineage`, graphtrace/lineage/graph.py: Note [lineage]) and its
-plug-ins (Note [lineage plug-ins]): non-idempotent steps and carried-over state
-(graphtrace/lineage/steps.py), handles and their dangling sources with the function mode
-that sees handle ops (graphtrace/lineage/handles.py); what an op's schema says lineage
-needs (graphtrace/lineage/ops.py).
+"""Lineage: which storages each op wrote from which storages it read (freshness): the
+dataflow graph (graph.py, Note [lineage]) and its plug-ins; the modules: docs/internals.md.
 """
 
 from graphtrace.lineage.graph import (
@@ -18,14 +13,7 @@ from graphtrace.lineage.graph import (
     enabled_by_default,
     optimizer_hooks,
 )
-from graphtrace.lineage.handles import (
-    MAX_PENDING,
-    Handle,
-    HandleMode,
-    handle_mode,
-    invisible_handle_ops,
-)
+from graphtrace.lineage.handles import MAX_PENDING, Handle, handle_mode
 
 __all__ = ["ENV", "enabled_by_default", "Lineage", "Source", "Derived", "Handle", "MAX_EDGES",
-           "MAX_SOURCES", "MAX_PENDING", "SOURCE_KINDS", "HandleMode", "handle_mode",
-           "invisible_handle_ops", "optimizer_hooks"]
+           "MAX_SOURCES", "MAX_PENDING", "SOURCE_KINDS", "handle_mode", "optimizer_hooks"]

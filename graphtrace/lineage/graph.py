@@ -1,6 +1,4 @@
-"""Lineage: which storages each op wrote from which storages it read (freshness).
-
-`Lineage`, the storage-level dataflow graph provenance's dispatch mode
+"""`Lineage`, the storage-level dataflow graph provenance's dispatch mode
 (graphtrace.provenance.ProvenanceMode: one mode, not a second) feeds through `record`, and
 `match`, which gives each captured storage its `Derived` baselines (Note [lineage]).
 """
