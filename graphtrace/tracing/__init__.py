@@ -1,11 +1,5 @@
-"""Capture boundaries: `trace()`, `capture()`, emulated graphs, and CUDA graph captures.
-
-One module per concept: the session (`Trace`, `trace()`, `capture()`,
-`capture_cuda_graph()`: session.py), emulated graphs and their keeper (emulated.py), a
-capture region (region.py), CUDA graph captures (cudagraphs.py: Note [CUDA graph capture
-hooks], Note [CUDA graph labels]) and the recording rule (rule.py: Note [recording while
-serving]). This package re-exports the session's public names.
-"""
+"""Capture boundaries: `trace()`, `capture()`, emulated graphs, and CUDA graph captures, one
+module per concept (docs/internals.md). This package re-exports the session's public names."""
 
 from graphtrace.tracing.emulated import EmulatedGraph
 from graphtrace.tracing.session import (
