@@ -266,8 +266,8 @@ class Trace(RecordingRule, CudaGraphCaptures):
             self._attribute_modules(name, model)
             self._hook_model(name, model)
         self.owner_snapshot.forget(name)
-        if self.recorder.captures:
-            self._refresh_owners()
+        if self.recorder.captures:  # walk the models again and match every captured storage
+            self._snapshot(self.owner_snapshot.refresh)
         return self
 
     @property
@@ -293,11 +293,6 @@ class Trace(RecordingRule, CudaGraphCaptures):
 
     def _attribute_modules(self, name: str, model: torch.nn.Module) -> None:
         self._attribution.install(model, self.recorder.names, f"{name}:" if name else "")
-
-    def _refresh_owners(self) -> None:
-        """Walk the watched models again (a model watched after captures) and match every
-        captured storage."""
-        self._snapshot(self.owner_snapshot.refresh)
 
     def _match_owners(self) -> None:
         """Match the storages captured since the last snapshot (after each capture, at exit)."""
