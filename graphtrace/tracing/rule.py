@@ -278,8 +278,8 @@ class _RuleHook:
         if self.kind == "update":
             if trace._auto_paused:
                 trace._update_begins()
-        elif not trace._auto_paused and not _compiling():  # Dynamo inlines hooks: skip there
-            trace._serving()
+        elif not trace._auto_paused and not torch.compiler.is_compiling():
+            trace._serving()  # not under Dynamo, which inlines hooks
         return None
 
     def __reduce__(self):
@@ -292,10 +292,3 @@ def _no_hook(*args) -> None:
 
 def _inert_hook():
     return _no_hook
-
-
-def _compiling() -> bool:
-    try:
-        return torch.compiler.is_compiling()
-    except Exception:  # a torch without torch.compiler: nothing compiles
-        return False
