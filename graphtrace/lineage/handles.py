@@ -1,7 +1,6 @@
 """A plug-in of the lineage graph: handles ops make from the storages they read, and the
 sources a live handle lost (`DanglingSources`, Note [dangling sources]); the function mode
-that sees the handle ops the dispatch mode cannot (`HandleMode`, Note [handle mode]). Fed by
-the graph's `record` (Note [lineage plug-ins] in graphtrace/lineage/graph.py).
+that sees the handle ops the dispatch mode cannot (`HandleMode`, Note [handle mode]).
 """
 
 from __future__ import annotations

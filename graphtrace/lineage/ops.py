@@ -1,7 +1,6 @@
 """What lineage needs to know of an op, once per OpOverload: where its written arguments are,
 whether it makes fresh storages, overwrites, makes a handle or reads the storage it writes
-(`_op`), and the walk of one argument's tensors (`_walk`). Shared by the dataflow graph and
-its plug-ins (graphtrace/lineage/graph.py).
+(`_op`), and the walk of one argument's tensors (`_walk`), for the graph and its plug-ins.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Two plug-ins of the lineage graph that name process steps unsafe to repeat: writes of a
 registered tensor from its own value (`NonIdempotent`, Note [non-idempotent steps]) and reads
 of state carried over from an earlier load cycle (`CarriedOver`, Note [carried-over state]).
-Each is fed by the graph's `record` (Note [lineage plug-ins] in graphtrace/lineage/graph.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """CUDA graph captures: how a trace learns that one began or ended (torch's capture hooks or
 a wrap of `CUDAGraph`: Note [CUDA graph capture hooks]), and the labels `capture(label,
-cuda_graph=g)` gives them (Note [CUDA graph labels]); `CudaGraphCaptures` is the part of
-`Trace` that opens and closes their regions."""
+cuda_graph=g)` gives them (Note [CUDA graph labels])."""
 
 from __future__ import annotations
 

@@ -15,8 +15,6 @@ __all__: list[str] = []
 
 
 class _Region:
-    """One open capture on one thread: the mode pushed, its records, maybe a replayable graph."""
-
     __slots__ = ("trace", "capture", "mode", "graph", "first_storage", "paused", "seeded")
 
     def __init__(self, trace: "Trace", label: str | None, kind: str, emulate: bool):

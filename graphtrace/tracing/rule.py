@@ -1,6 +1,5 @@
 """The recording rule: when a trace's provenance and lineage record, and module attribution
-with them (Note [recording while serving]); `RecordingRule` is the part of `Trace` that keeps
-it."""
+with them (Note [recording while serving])."""
 
 from __future__ import annotations
 
