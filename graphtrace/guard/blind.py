@@ -18,8 +18,8 @@ from graphtrace.owners import PathSet, resolve_path, resolve_value
 from graphtrace.stage import same_storage
 from graphtrace.vocab import BLIND_SPOT_KINDS, GUARD_UNCHECKED, HOLDS, MOVED, ORPHANED
 
-__all__ = ["BlindHolders", "accepted_kinds", "adopt_blind", "guarded_blind", "opaque_spots",
-           "spot_row"]
+__all__ = ["BlindHolders", "accepted_kinds", "adopt_blind", "guarded_blind", "handle_at",
+           "opaque_spots", "spot_row"]
 
 
 # Note [blind spots in the guard]
@@ -272,13 +272,19 @@ def adopt_blind(blind: list[dict], name: str, model: torch.nn.Module) -> None:
                 or entry["data_ptr"] is None:
             continue
         target = resolve_path(model, spot.holder)
-        storage = storage_or_none(target)
-        if storage is None:
-            continue
-        if same_storage(storage, None, entry["data_ptr"], entry["nbytes"]):
-            entry["ref"] = StorageWeakRef(storage)
-            if entry["version"] is None and isinstance(target, torch.Tensor):
-                entry["version"] = target._version
+        entry["ref"] = handle_at(target, entry["data_ptr"], entry["nbytes"])
+        if entry["ref"] is not None and entry["version"] is None \
+                and isinstance(target, torch.Tensor):
+            entry["version"] = target._version
+
+
+def handle_at(target: object, data_ptr: int, nbytes: int) -> StorageWeakRef | None:
+    """A weak handle to the storage `target` reaches where it has the captured address and
+    size (a manifest's entry upgraded at attach: Note [guard identity]), else None."""
+    storage = storage_or_none(target)
+    if storage is None or not same_storage(storage, None, data_ptr, nbytes):
+        return None
+    return StorageWeakRef(storage)
 
 
 def storage_or_none(tensor: object) -> torch.UntypedStorage | None:

@@ -22,8 +22,7 @@ from graphtrace._compat import storage_from_weak_ref
 from graphtrace.blindspots import BlindSpot
 from graphtrace.derived import CopyPair, DerivedCopies
 from graphtrace.errors import GraphtraceError
-from graphtrace.guard.blind import BlindHolders, accepted_kinds, adopt_blind, spot_row
-from graphtrace.guard.blind import storage_or_none as _storage
+from graphtrace.guard.blind import BlindHolders, accepted_kinds, adopt_blind, handle_at, spot_row
 from graphtrace.guard.describe import StaleGraphError, describe
 from graphtrace.guard.manifest import FORMAT, FORMAT_VERSION, Required, _blind_json
 from graphtrace.lineage import Derived
@@ -138,10 +137,7 @@ class Guard:
             r = self._storages[i]
             if m != name or r.ref is not None or r.dead:
                 continue
-            tensor = resolve_path(model, path)
-            storage = _storage(tensor)
-            if storage is not None and stage.same_storage(storage, None, r.data_ptr, r.nbytes):
-                r.ref = StorageWeakRef(storage)
+            r.ref = handle_at(resolve_path(model, path), r.data_ptr, r.nbytes)
 
     def _adopt_sources(self, name: str, model: torch.nn.Module) -> None:
         """Freshness baselines a manifest from another process cannot carry, taken now: a
@@ -152,10 +148,8 @@ class Guard:
             for src in d.sources:
                 if src.model == name and (src.ref is None or src.version is None):
                     tensor = resolve_path(model, src.path)
-                    storage = _storage(tensor)
-                    if (src.ref is None and storage is not None
-                            and stage.same_storage(storage, None, src.data_ptr, src.nbytes)):
-                        src = src._replace(ref=StorageWeakRef(storage))
+                    if src.ref is None:
+                        src = src._replace(ref=handle_at(tensor, src.data_ptr, src.nbytes))
                     if src.version is None and isinstance(tensor, torch.Tensor):
                         src = src._replace(version=tensor._version)
                 sources.append(src)
