@@ -13,7 +13,7 @@ import ast
 import collections
 import functools
 import types
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch import nn
 from graphtrace.opaque import storage_of
 from graphtrace.verdict import View, same_view
 
-__all__ = ["PathSet", "resolve_path", "resolve_value"]
+__all__ = ["PathSet", "resolve_path", "resolve_value", "none_moved"]
 
 
 @functools.lru_cache(maxsize=65536)
@@ -284,3 +284,19 @@ class PathSet:
 
     def __len__(self) -> int:
         return len(self.paths)
+
+
+def none_moved(models: Mapping[str, nn.Module], native,
+               checks: Iterable[tuple[str, PathSet, Sequence, Sequence | None, Sequence | None]]
+               ) -> bool:
+    """Does every path still reach its baseline, by the native module? `checks`: per model
+    name, a PathSet and its `moved` baselines (expected, versions, views). False on any
+    doubt (no native module, a model not given, an error): the caller's slow path decides."""
+    if native is None:
+        return False
+    try:
+        return not any(name not in models
+                       or paths.moved(models[name], expected, native, versions, views)
+                       for name, paths, expected, versions, views in checks)
+    except Exception:
+        return False
