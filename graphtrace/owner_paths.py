@@ -164,7 +164,7 @@ class PathSet:
     `resolve_path` gives for each path, for less than half the steps on a model's
     parameter names (`layers.3.mlp.up_proj.weight` and `.bias` share five steps)."""
 
-    __slots__ = ("paths", "_nodes", "_leaves", "_registry", "_native_nodes", "_index", "_known")
+    __slots__ = ("paths", "_nodes", "_leaves", "_registry", "_native_nodes", "_index")
 
     def __init__(self, paths: Iterable[str] = ()):
         self.paths: list[str] = []
@@ -175,13 +175,12 @@ class PathSet:
         self._registry: list[str | None] = []
         # the nodes as native `paths_moved` reads them
         self._native_nodes: list[tuple[int, object, bool]] = []
-        self._known: set[str] = set()
         self.add(paths)
 
     def add(self, paths: Iterable[str]) -> None:
         """Append paths after the others, in order, repeats kept (a shared prefix reuses
         the nodes already made): a set that grows is not parsed again."""
-        nodes, index, known = self._nodes, self._index, self._known
+        nodes, index = self._nodes, self._index
         for path in paths:
             parent = -1
             for is_key, step in _parse(path):
@@ -195,10 +194,6 @@ class PathSet:
                 parent = node
             self._leaves.append(parent)
             self.paths.append(path)
-            known.add(path)
-
-    def __contains__(self, path: object) -> bool:
-        return path in self._known
 
     def resolve(self, model: nn.Module) -> list[torch.Tensor | None]:
         """`[resolve_path(model, p) for p in self.paths]`."""
