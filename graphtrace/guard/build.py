@@ -34,6 +34,7 @@ __all__ = ["guard_of", "models_changed", "load_guard"]
 
 # -- from a trace ----------------------------------------------------------------------------
 
+@gc_paused()  # the build allocates much, collects nothing: owners.gc_paused
 def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
              models: Mapping[str, torch.nn.Module], first_graph: int = 0,
              lineage=None, blind_spots: Iterable[BlindSpot] = (),
@@ -47,13 +48,6 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
     `blind_spots`, `accept`: the trace's records and the kinds accepted (`Trace.guard`; the
     opaque handles the graphs read join them); `values`: the float a `baked scalar` record's
     holder held at capture; `copies`: the trace's packed copies with their fingerprints."""
-    with gc_paused():  # the build allocates much, collects nothing: owners.gc_paused
-        return _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept,
-                         values, copies)
-
-
-def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept, values,
-              copies):
     from graphtrace.edges import capture_edges
 
     accept = accepted_kinds(accept)  # a bad kind fails before any work
