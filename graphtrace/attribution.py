@@ -46,11 +46,8 @@ from graphtrace.recorder import module_stack
 
 MODES = ("forward", "hooks", "off")
 
-try:  # False when run, True where Dynamo traces it (it then never reads the stack)
-    _dynamo_compiling = torch.compiler.is_dynamo_compiling
-except AttributeError:  # pragma: no cover - every tested torch has it
-    def _dynamo_compiling() -> bool:
-        return False
+# False when run, True where Dynamo traces it (it then never reads the stack)
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 # id(module) -> FQN id, for the modules whose forward is wrapped by the open trace (one trace
 # is open at a time). A module missing here runs its plain forward, unattributed.
