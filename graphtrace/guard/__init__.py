@@ -15,10 +15,10 @@ See Note [guard identity] in graphtrace/guard/manifest.py for what a guard loade
 """
 
 from graphtrace.guard.blind import accepted_kinds
-from graphtrace.guard.build import guard_of, load_guard, models_changed
+from graphtrace.guard.build import guard_of, load_guard
 from graphtrace.guard.check import Guard, empty_problems
 from graphtrace.guard.describe import StaleGraphError, describe
 from graphtrace.guard.manifest import FORMAT, FORMAT_VERSION
 
 __all__ = ["Guard", "StaleGraphError", "load_guard", "guard_of", "accepted_kinds",
-           "models_changed", "describe", "empty_problems", "FORMAT", "FORMAT_VERSION"]
+           "describe", "empty_problems", "FORMAT", "FORMAT_VERSION"]

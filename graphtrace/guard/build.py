@@ -29,7 +29,7 @@ from graphtrace.owners import OwnerSnapshot, gc_paused
 from graphtrace.recorder import Recorder
 from graphtrace.verdict import View
 
-__all__ = ["guard_of", "models_changed", "load_guard"]
+__all__ = ["guard_of", "load_guard"]
 
 
 # -- from a trace ----------------------------------------------------------------------------
@@ -98,13 +98,6 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
     for name, model in models.items():
         guard.attach(model, name=name)
     return guard
-
-
-def models_changed(snapshot: "OwnerSnapshot", models: Iterable[str]) -> None:
-    """`Trace.models_changed`: `snapshot` forgets its cached walk of each of `models`, so a
-    holder an update created owns what later graphs read from it."""
-    for name in models:
-        snapshot.forget(name)
 
 
 # -- from JSON -------------------------------------------------------------------------------
