@@ -11,8 +11,6 @@ dispatched. Two ways keep the stack, chosen by `gt.trace(modules=...)`:
   computes with the copy's own forward and is attributed to nothing), and ``pickle`` stores
   it as ``getattr(module, "forward")``. Modules that already carry an instance ``forward`` (someone
   else's wrapper) get hooks instead, so theirs is never shadowed.
-  ``inspect.signature(module.forward)`` still reads the class forward's signature (the
-  wrapper's ``__wrapped__``).
 - ``"hooks"``: a forward pre-hook and an ``always_call`` forward hook per module; slower, but
   ``module.forward`` stays untouched (for code that needs the very attribute).
 

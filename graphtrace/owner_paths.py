@@ -1,10 +1,6 @@
-"""Reading owner paths back: the path grammar of graphtrace.owners, resolved on a live model.
-
-`walk_owners` (graphtrace.owners) spells every path that reaches a tensor; after a reload the
-diff and the guard follow the same paths again. `resolve_path` follows one, `resolve_value`
-one that may end at any value (a baked scalar's float), `PathSet` many at once, each shared
-prefix followed once, with the native `paths_moved` for the guard's check. The grammar is in
-graphtrace.owners' docstring.
+"""Reading owner paths back: the path grammar of graphtrace.owners (in its docstring),
+resolved on a live model. `walk_owners` spells every path that reaches a tensor; after a
+reload the diff and the guard follow the same paths again.
 """
 
 from __future__ import annotations
