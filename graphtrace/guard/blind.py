@@ -1,7 +1,4 @@
-"""The guard's blind spots (Note [blind spots in the guard]): which records of a trace
-concern the guarded graphs, their holders' identity at capture, and at every check one look
-per distinct holder (`BlindHolders`: Note [one look per holder]).
-"""
+"""The guard's blind spots: Note [blind spots in the guard], Note [one look per holder]."""
 
 from __future__ import annotations
 
