@@ -11,8 +11,6 @@ dispatched. Two ways keep the stack, chosen by `gt.trace(modules=...)`:
   computes with the copy's own forward and is attributed to nothing), and ``pickle`` stores
   it as ``getattr(module, "forward")``. Modules that already carry an instance ``forward`` (someone
   else's wrapper) get hooks instead, so theirs is never shadowed.
-  ``inspect.signature(module.forward)`` still reads the class forward's signature (the
-  wrapper's ``__wrapped__``).
 - ``"hooks"``: a forward pre-hook and an ``always_call`` forward hook per module; slower, but
   ``module.forward`` stays untouched (for code that needs the very attribute).
 
@@ -46,11 +44,8 @@ from graphtrace.recorder import module_stack
 
 MODES = ("forward", "hooks", "off")
 
-try:  # False when run, True where Dynamo traces it (it then never reads the stack)
-    _dynamo_compiling = torch.compiler.is_dynamo_compiling
-except AttributeError:  # pragma: no cover - every tested torch has it
-    def _dynamo_compiling() -> bool:
-        return False
+# False when run, True where Dynamo traces it (it then never reads the stack)
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 # id(module) -> FQN id, for the modules whose forward is wrapped by the open trace (one trace
 # is open at a time). A module missing here runs its plain forward, unattributed.

@@ -28,7 +28,7 @@ from types import ModuleType
 
 __all__ = [
     "SOURCE", "ENV", "STALE_LOCK_S", "NativeUnavailable", "mode", "load", "resolve", "main",
-    "calls_op_directly", "configure_dispatch",
+    "configure_dispatch",
 ]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "recorder.cpp"
@@ -115,17 +115,10 @@ def _build() -> ModuleType:
     return load(name=name, sources=[str(SOURCE)], extra_cflags=["-O2"], verbose=False)
 
 
-def calls_op_directly(cls: type) -> bool:
-    """`graphtrace._compat.calls_op_directly`, imported when called (this module imports no torch)."""
-    from graphtrace._compat import calls_op_directly
-
-    return calls_op_directly(cls)
-
-
 def configure_dispatch(module: ModuleType) -> ModuleType:
     """Tell the loaded extension whether it may call an OpOverload's `_op` itself (as this
     torch's OpOverload.__call__ does; `calls_op_directly`, asked now). Done at load."""
-    from graphtrace._compat import OpOverload
+    from graphtrace._compat import OpOverload, calls_op_directly
 
     setter = getattr(module, "configure", None)
     if setter is not None:

@@ -1,10 +1,6 @@
-"""Reading owner paths back: the path grammar of graphtrace.owners, resolved on a live model.
-
-`walk_owners` (graphtrace.owners) spells every path that reaches a tensor; after a reload the
-diff and the guard follow the same paths again. `resolve_path` follows one, `resolve_value`
-one that may end at any value (a baked scalar's float), `PathSet` many at once, each shared
-prefix followed once, with the native `paths_moved` for the guard's check. The grammar is in
-graphtrace.owners' docstring.
+"""Reading owner paths back: the path grammar of graphtrace.owners (in its docstring),
+resolved on a live model. `walk_owners` spells every path that reaches a tensor; after a
+reload the diff and the guard follow the same paths again.
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ import ast
 import collections
 import functools
 import types
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -21,7 +17,7 @@ from torch import nn
 from graphtrace.opaque import storage_of
 from graphtrace.verdict import View, same_view
 
-__all__ = ["PathSet", "resolve_path", "resolve_value"]
+__all__ = ["PathSet", "resolve_path", "resolve_value", "none_moved"]
 
 
 @functools.lru_cache(maxsize=65536)
@@ -164,7 +160,7 @@ class PathSet:
     `resolve_path` gives for each path, for less than half the steps on a model's
     parameter names (`layers.3.mlp.up_proj.weight` and `.bias` share five steps)."""
 
-    __slots__ = ("paths", "_nodes", "_leaves", "_registry", "_native_nodes", "_index", "_known")
+    __slots__ = ("paths", "_nodes", "_leaves", "_registry", "_native_nodes", "_index")
 
     def __init__(self, paths: Iterable[str] = ()):
         self.paths: list[str] = []
@@ -175,13 +171,12 @@ class PathSet:
         self._registry: list[str | None] = []
         # the nodes as native `paths_moved` reads them
         self._native_nodes: list[tuple[int, object, bool]] = []
-        self._known: set[str] = set()
         self.add(paths)
 
     def add(self, paths: Iterable[str]) -> None:
         """Append paths after the others, in order, repeats kept (a shared prefix reuses
         the nodes already made): a set that grows is not parsed again."""
-        nodes, index, known = self._nodes, self._index, self._known
+        nodes, index = self._nodes, self._index
         for path in paths:
             parent = -1
             for is_key, step in _parse(path):
@@ -195,10 +190,6 @@ class PathSet:
                 parent = node
             self._leaves.append(parent)
             self.paths.append(path)
-            known.add(path)
-
-    def __contains__(self, path: object) -> bool:
-        return path in self._known
 
     def resolve(self, model: nn.Module) -> list[torch.Tensor | None]:
         """`[resolve_path(model, p) for p in self.paths]`."""
@@ -284,3 +275,19 @@ class PathSet:
 
     def __len__(self) -> int:
         return len(self.paths)
+
+
+def none_moved(models: Mapping[str, nn.Module], native,
+               checks: Iterable[tuple[str, PathSet, Sequence, Sequence | None, Sequence | None]]
+               ) -> bool:
+    """Does every path still reach its baseline, by the native module? `checks`: per model
+    name, a PathSet and its `moved` baselines (expected, versions, views). False on any
+    doubt (no native module, a model not given, an error): the caller's slow path decides."""
+    if native is None:
+        return False
+    try:
+        return not any(name not in models
+                       or paths.moved(models[name], expected, native, versions, views)
+                       for name, paths, expected, versions, views in checks)
+    except Exception:
+        return False

@@ -681,7 +681,7 @@ class OwnerSnapshot:
                 check[:] = [path_set.paths, path_set, [], 0]
             path_set = check[1]
             added = list(matched)[check[3]:] if check[3] else matched
-            new = sorted(p for p in added if p in expected and p not in path_set)
+            new = sorted(p for p in added if p in expected)
             path_set.add(new)
             check[2].extend(expected[p] for p in new)
             check[3] = len(matched)

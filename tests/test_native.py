@@ -18,6 +18,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 import graphtrace as gt
 from graphtrace import native
+from graphtrace._compat import calls_op_directly
 from graphtrace.demo import ops
 
 
@@ -386,7 +387,7 @@ def test_the_native_dispatch_calls_op_directly_only_as_torchs_call_would(monkeyp
     body = [line.strip() for line in inspect.getsource(OpOverload.__call__).splitlines()
             if line.strip() and not line.strip().startswith(("#", "def ", "@"))]
     direct = body == ["return self._op(*args, **kwargs)"]  # read from the source, not bytecode
-    assert native.calls_op_directly(OpOverload) == direct
+    assert calls_op_directly(OpOverload) == direct
     version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     assert direct == {(2, 13): True, (2, 14): False}.get(version, direct), \
         f"torch {torch.__version__}: OpOverload.__call__ changed: {body}"
@@ -408,14 +409,14 @@ def test_the_native_dispatch_calls_op_directly_only_as_torchs_call_would(monkeyp
         assert torch.equal(run(), torch.full((2,), 3.0))
         assert (calls == []) if direct else ("aten.mul.Tensor" in calls), calls
         calls.clear()
-        assert not native.calls_op_directly(OpOverload)
+        assert not calls_op_directly(OpOverload)
         native.configure_dispatch(lib)  # what loading the extension under this torch does
         assert torch.equal(run(), torch.full((2,), 3.0))
         assert "aten.mul.Tensor" in calls
     finally:
         monkeypatch.undo()
         native.configure_dispatch(lib)
-    assert native.calls_op_directly(OpOverload) == direct
+    assert calls_op_directly(OpOverload) == direct
 
 
 class _FloatHolder:

@@ -1,7 +1,4 @@
-"""The guard's blind spots (Note [blind spots in the guard]): which records of a trace
-concern the guarded graphs, their holders' identity at capture, and at every check one look
-per distinct holder (`BlindHolders`: Note [one look per holder]).
-"""
+"""The guard's blind spots: Note [blind spots in the guard], Note [one look per holder]."""
 
 from __future__ import annotations
 
@@ -14,12 +11,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from graphtrace.blindspots import BlindSpot
 from graphtrace.errors import GraphtraceError
 from graphtrace.opaque import storage_of
-from graphtrace.owners import PathSet, resolve_path, resolve_value
+from graphtrace.owner_paths import PathSet, none_moved, resolve_path, resolve_value
 from graphtrace.stage import same_storage
 from graphtrace.vocab import BLIND_SPOT_KINDS, GUARD_UNCHECKED, HOLDS, MOVED, ORPHANED
 
-__all__ = ["BlindHolders", "accepted_kinds", "adopt_blind", "guarded_blind", "opaque_spots",
-           "spot_row"]
+__all__ = ["BlindHolders", "accepted_kinds", "adopt_blind", "guarded_blind", "handle_at",
+           "opaque_spots", "spot_row"]
 
 
 # Note [blind spots in the guard]
@@ -195,12 +192,12 @@ class BlindHolders:
         for h, (model, path, e) in enumerate(self._keys):
             decidable = path and (e.get("value") is not None or e["ref"] is not None)
             (by_model.setdefault(model, []) if decidable else self._slow).append(h)
-        self._fast = {
-            m: (PathSet(self._keys[h][1] for h in hs), hs,
-                [self._baseline(self._keys[h][2]) for h in hs],
-                [self._keys[h][2]["version"] if self._keys[h][2].get("value") is None
-                 else None for h in hs])
-            for m, hs in by_model.items()}
+        self._fast = [
+            (m, PathSet(self._keys[h][1] for h in hs),
+             [self._baseline(self._keys[h][2]) for h in hs],
+             [self._keys[h][2]["version"] if self._keys[h][2].get("value") is None
+              else None for h in hs], None)
+            for m, hs in by_model.items()]
 
     @staticmethod
     def _baseline(e: dict) -> int | float:
@@ -214,7 +211,7 @@ class BlindHolders:
              graphs: Mapping[int, str], native=None) -> list[tuple]:
         """Guard rows (GUARD_COLUMNS) for the records the update may have invalidated, in
         record order (Note [blind spots in the guard])."""
-        look = self._slow if self._none_moved(models, native) else range(len(self._keys))
+        look = self._slow if none_moved(models, native, self._fast) else range(len(self._keys))
         out = [(k, _row(self.entries[k], "", None, graphs)) for k in self._fixed]
         for h in look:
             model_name, path, e = self._keys[h]
@@ -229,18 +226,6 @@ class BlindHolders:
                        for k in self._members[h])
         out.sort(key=lambda kr: kr[0])
         return [r for k, r in out if self.entries[k]["spot"].kind not in accept]
-
-    def _none_moved(self, models: Mapping[str, torch.nn.Module], native) -> bool:
-        """Does every holder native paths_moved can decide still reach its baseline? False
-        (look at every holder) on any doubt."""
-        if native is None:
-            return False
-        try:
-            return not any(name not in models
-                           or paths.moved(models[name], expected, native, versions)
-                           for name, (paths, _, expected, versions) in self._fast.items())
-        except Exception:  # Python decides
-            return False
 
 
 def _row(entry: dict, status: str, target: object, graphs: Mapping[int, str]) -> tuple:
@@ -272,13 +257,19 @@ def adopt_blind(blind: list[dict], name: str, model: torch.nn.Module) -> None:
                 or entry["data_ptr"] is None:
             continue
         target = resolve_path(model, spot.holder)
-        storage = storage_or_none(target)
-        if storage is None:
-            continue
-        if same_storage(storage, None, entry["data_ptr"], entry["nbytes"]):
-            entry["ref"] = StorageWeakRef(storage)
-            if entry["version"] is None and isinstance(target, torch.Tensor):
-                entry["version"] = target._version
+        entry["ref"] = handle_at(target, entry["data_ptr"], entry["nbytes"])
+        if entry["ref"] is not None and entry["version"] is None \
+                and isinstance(target, torch.Tensor):
+            entry["version"] = target._version
+
+
+def handle_at(target: object, data_ptr: int, nbytes: int) -> StorageWeakRef | None:
+    """A weak handle to the storage `target` reaches where it has the captured address and
+    size (a manifest's entry upgraded at attach: Note [guard identity]), else None."""
+    storage = storage_or_none(target)
+    if storage is None or not same_storage(storage, None, data_ptr, nbytes):
+        return None
+    return StorageWeakRef(storage)
 
 
 def storage_or_none(tensor: object) -> torch.UntypedStorage | None:

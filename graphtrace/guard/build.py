@@ -29,11 +29,12 @@ from graphtrace.owners import OwnerSnapshot, gc_paused
 from graphtrace.recorder import Recorder
 from graphtrace.verdict import View
 
-__all__ = ["guard_of", "models_changed", "load_guard"]
+__all__ = ["guard_of", "load_guard"]
 
 
 # -- from a trace ----------------------------------------------------------------------------
 
+@gc_paused()  # the build allocates much, collects nothing: owners.gc_paused
 def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
              models: Mapping[str, torch.nn.Module], first_graph: int = 0,
              lineage=None, blind_spots: Iterable[BlindSpot] = (),
@@ -47,13 +48,6 @@ def guard_of(recorder: "Recorder", snapshot: "OwnerSnapshot",
     `blind_spots`, `accept`: the trace's records and the kinds accepted (`Trace.guard`; the
     opaque handles the graphs read join them); `values`: the float a `baked scalar` record's
     holder held at capture; `copies`: the trace's packed copies with their fingerprints."""
-    with gc_paused():  # the build allocates much, collects nothing: owners.gc_paused
-        return _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept,
-                         values, copies)
-
-
-def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, accept, values,
-              copies):
     from graphtrace.edges import capture_edges
 
     accept = accepted_kinds(accept)  # a bad kind fails before any work
@@ -104,13 +98,6 @@ def _guard_of(recorder, snapshot, models, first_graph, lineage, blind_spots, acc
     for name, model in models.items():
         guard.attach(model, name=name)
     return guard
-
-
-def models_changed(snapshot: "OwnerSnapshot", models: Iterable[str]) -> None:
-    """`Trace.models_changed`: `snapshot` forgets its cached walk of each of `models`, so a
-    holder an update created owns what later graphs read from it."""
-    for name in models:
-        snapshot.forget(name)
 
 
 # -- from JSON -------------------------------------------------------------------------------

@@ -22,12 +22,11 @@ from graphtrace._compat import storage_from_weak_ref
 from graphtrace.blindspots import BlindSpot
 from graphtrace.derived import CopyPair, DerivedCopies
 from graphtrace.errors import GraphtraceError
-from graphtrace.guard.blind import BlindHolders, accepted_kinds, adopt_blind, spot_row
-from graphtrace.guard.blind import storage_or_none as _storage
+from graphtrace.guard.blind import BlindHolders, accepted_kinds, adopt_blind, handle_at, spot_row
 from graphtrace.guard.describe import StaleGraphError, describe
 from graphtrace.guard.manifest import FORMAT, FORMAT_VERSION, Required, _blind_json
 from graphtrace.lineage import Derived
-from graphtrace.owners import PathSet, resolve_path
+from graphtrace.owner_paths import PathSet, none_moved, resolve_path
 from graphtrace.verdict import View, on_storage, owner_status, verdict_of
 from graphtrace.vocab import GUARD_COLUMNS, GUARD_PROBLEMS, HOLDS, MOVED
 
@@ -91,7 +90,7 @@ class Guard:
         # found nothing (_NO_CLEAN_PASS: none yet), and per model the sources' PathSet with
         # their StorageImpls and version counters (None: to be made; False: cannot be)
         self._fresh_clean: object = _NO_CLEAN_PASS
-        self._fresh_sources: dict | bool | None = None
+        self._fresh_sources: list | bool | None = None
         self._owner_views: list[View | None] = [
             r.owner_views.get((m, p)) for r in self._storages for m, p, _ in r.owners]
         self._geometry: dict | None = None  # _nothing_moved's views, made on first use
@@ -138,10 +137,7 @@ class Guard:
             r = self._storages[i]
             if m != name or r.ref is not None or r.dead:
                 continue
-            tensor = resolve_path(model, path)
-            storage = _storage(tensor)
-            if storage is not None and stage.same_storage(storage, None, r.data_ptr, r.nbytes):
-                r.ref = StorageWeakRef(storage)
+            r.ref = handle_at(resolve_path(model, path), r.data_ptr, r.nbytes)
 
     def _adopt_sources(self, name: str, model: torch.nn.Module) -> None:
         """Freshness baselines a manifest from another process cannot carry, taken now: a
@@ -152,10 +148,8 @@ class Guard:
             for src in d.sources:
                 if src.model == name and (src.ref is None or src.version is None):
                     tensor = resolve_path(model, src.path)
-                    storage = _storage(tensor)
-                    if (src.ref is None and storage is not None
-                            and stage.same_storage(storage, None, src.data_ptr, src.nbytes)):
-                        src = src._replace(ref=StorageWeakRef(storage))
+                    if src.ref is None:
+                        src = src._replace(ref=handle_at(tensor, src.data_ptr, src.nbytes))
                     if src.version is None and isinstance(tensor, torch.Tensor):
                         src = src._replace(version=tensor._version)
                 sources.append(src)
@@ -279,12 +273,8 @@ class Guard:
             exact = self._exact_views()
             self._geometry = {name: [exact[r] for r in rows]
                               for name, (_, rows) in self._paths.items()}
-        try:
-            return not any(name not in models or paths.moved(
-                models[name], expected[name], native, None, self._geometry[name])
-                for name, (paths, _) in self._paths.items())
-        except Exception:  # the slow path decides
-            return False
+        return none_moved(models, native, ((name, paths, expected[name], None, self._geometry[name])
+                                           for name, (paths, _) in self._paths.items()))
 
     def _exact_views(self) -> list[View | None]:
         """Per owner row its View at capture as `_geometry(tensor)` compares it (shape a
@@ -333,18 +323,11 @@ class Guard:
         sources = self._fresh_sources
         if sources is None:
             sources = self._fresh_sources = self._source_baselines()
-        if sources is False:
-            return False
-        try:
-            return not any(name not in models
-                           or paths.moved(models[name], expected, native, versions)
-                           for name, (paths, expected, versions) in sources.items())
-        except Exception:  # the full pass decides
-            return False
+        return sources is not False and none_moved(models, native, sources)
 
-    def _source_baselines(self) -> dict | bool:
-        """Per model: (PathSet of the sources' paths, their StorageImpls, their versions),
-        or False when a source cannot be compared that way."""
+    def _source_baselines(self) -> list | bool:
+        """Per model: (its name, PathSet of the sources' paths, their StorageImpls, their
+        versions, None), or False when a source cannot be compared that way."""
         want: dict[tuple[str, str], tuple[int, int]] = {}
         for _, d in self._derived():
             if d.stale:
@@ -358,8 +341,8 @@ class Guard:
         by_model: dict[str, list[str]] = {}
         for m, p in sorted(want):
             by_model.setdefault(m, []).append(p)
-        return {m: (PathSet(ps), [want[(m, p)][0] for p in ps], [want[(m, p)][1] for p in ps])
-                for m, ps in by_model.items()}
+        return [(m, PathSet(ps), [want[(m, p)][0] for p in ps], [want[(m, p)][1] for p in ps],
+                 None) for m, ps in by_model.items()]
 
     def _freshness(self, models: Mapping[str, torch.nn.Module], bad: set[int]) -> engine.Freshness:
         """Of the derived storages not in `bad` (whose owners all hold them, or that have

@@ -1,7 +1,4 @@
-"""The guard's manifest: one required storage as the guard keeps it (`Required`), and the
-JSON form of its parts (docs/guard.md); see Note [guard identity] for what a manifest read
-back can and cannot tell.
-"""
+"""The guard's manifest (docs/guard.md): `Required` and the JSON form of a guard's parts."""
 
 from __future__ import annotations
 

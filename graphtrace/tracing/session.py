@@ -431,9 +431,8 @@ class Trace(RecordingRule, CudaGraphCaptures):
     def models_changed(self) -> None:
         """The watched models were updated (weights pushed, holders rebuilt): captures from
         now on match their storages to owners on a fresh walk of each model."""
-        from graphtrace.guard import models_changed
-
-        models_changed(self.owner_snapshot, self.models)
+        for name in self.models:
+            self.owner_snapshot.forget(name)
 
     def record_error(self, where: str, exc: BaseException) -> None:
         """Count an internal error of an integration around this trace (raised when strict),
