@@ -333,3 +333,37 @@ def test_a_new_model_may_take_the_name_of_a_dropped_one():
             model(torch.rand(2, 4))
     assert t.models == {"m": model}
     assert set(t.diff().edges.verdict) >= {"stable"}
+
+
+# -- models_changed: owners of later captures from a fresh walk ------------------------------
+
+class _LateHolder(torch.nn.Module):
+    """A module whose update creates a tensor holder (a plain attribute) that later graphs read."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.cache = None
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y if self.cache is None else y + self.cache
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_a_holder_an_update_creates_owns_what_later_graphs_read_once_models_changed(announced):
+    """The owner walk is cached between captures and redone only when a matched path moved; a
+    holder that did not exist at the walk is found only after `Trace.models_changed()` (what
+    the serving core calls after each update)."""
+    model, x = _LateHolder(), torch.ones(2, 4)
+    with torch.no_grad(), gt.trace(model, strict=True) as t:
+        with gt.capture("g1"):
+            model(x)
+        model.cache = torch.ones(4)
+        if announced:
+            t.models_changed()
+        with gt.capture("g2"):
+            model(x)
+    paths = set(t.diff().owners["path"])
+    assert {"lin.weight", "lin.bias"} <= paths
+    assert ("cache" in paths) is announced
