@@ -117,21 +117,19 @@ def ownership_by_graph(report: Report) -> pd.DataFrame:
         "unowned_internal": (unowned & (origin == "internal")).astype("int64"),
         "unowned_external": (unowned & (origin == "external")).astype("int64"),
         "stale": verdict.isin(STALE_VERDICTS).astype("int64"),
-    }).groupby("graph_id").sum()
+    }).groupby("graph_id").sum().reindex(graphs["graph_id"], fill_value=0)
     rows = []
     for gid, label, kind, n_ops in zip(graphs["graph_id"], graphs["label"], graphs["kind"],
                                        graphs["n_ops"]):
-        p = per.loc[gid] if gid in per.index else None
-        edges = int(p["edge"]) if p is not None else 0
-        owned = int(p["owned"]) if p is not None else 0
+        p = per.loc[gid]
         rows.append({
             "graph_id": int(gid), "graph": label, "kind": kind, "ops": int(n_ops),
             "accesses": int(n_acc.get(gid, 0)), "storages": int(n_sto.get(gid, 0)),
-            "edges": edges, "owned": owned,
-            "owned_fraction": owned / edges if edges else float("nan"),
-            "unowned_internal": int(p["unowned_internal"]) if p is not None else 0,
-            "unowned_external": int(p["unowned_external"]) if p is not None else 0,
-            "stale": int(p["stale"]) if p is not None else 0,
+            "edges": int(p["edge"]), "owned": int(p["owned"]),
+            "owned_fraction": p["owned"] / p["edge"] if p["edge"] else float("nan"),
+            "unowned_internal": int(p["unowned_internal"]),
+            "unowned_external": int(p["unowned_external"]),
+            "stale": int(p["stale"]),
         })
     cols = ["graph_id", "graph", "kind", "ops", "accesses", "storages", "edges", "owned",
             "owned_fraction", "unowned_internal", "unowned_external", "stale", "blind_spots"]
@@ -230,8 +228,7 @@ def _short(text: str, n: int) -> str:
     text = str(text)
     if len(text) <= n:
         return text
-    layer = layer_of(text)
-    head = layer
+    head = layer_of(text)
     if head and len(head) + 3 + 8 <= n:
         return head + "..." + text[-(n - len(head) - 3):]
     return "..." + text[-(n - 3):]
