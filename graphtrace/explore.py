@@ -191,13 +191,11 @@ def stale_subgraph(report: Report, layer_or_module: str | None = None):
     that storage, and every edge among them (so stable reads of the same storages by
     other kept graphs are kept too). Empty when nothing matches.
     """
-    G = report.graph
-    stale = report.stale
     nodes: set[str] = set()
     owners_of: dict[int, list[str]] = {}
     for r in report.owners.itertuples(index=False):
         owners_of.setdefault(int(r.storage_id), []).append(f"owner:{r.model}:{r.path}")
-    for r in stale.itertuples(index=False):
+    for r in report.stale.itertuples(index=False):
         if layer_or_module is not None:
             paths = [r.module, *split_joined(r.owners, ";")]
             if not any(_matches(p, layer_or_module) for p in paths):
@@ -206,7 +204,7 @@ def stale_subgraph(report: Report, layer_or_module: str | None = None):
         nodes.add(f"graph:{int(r.graph_id)}")
         nodes.add(f"storage:{sid}")
         nodes.update(owners_of.get(sid, []))
-    return G.subgraph(nodes).copy()
+    return report.graph.subgraph(nodes).copy()
 
 
 # --------------------------------------------------------------------------- drawing
