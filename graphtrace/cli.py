@@ -345,8 +345,7 @@ def _cmd_demo(args: argparse.Namespace, rest: list[str]) -> int:
     try:  # the runner imports torch (and vLLM, when asked) as it parses and runs
         parser = argparse.ArgumentParser(prog=f"{PROG} demo",
                                          description=(runner.__doc__ or "").strip() or None)
-        if hasattr(runner, "add_arguments"):
-            runner.add_arguments(parser)
+        runner.add_arguments(parser)
         demo_args = parser.parse_args(rest)
         return int(runner.run(demo_args) or 0)
     except ImportError as e:

@@ -117,21 +117,19 @@ def ownership_by_graph(report: Report) -> pd.DataFrame:
         "unowned_internal": (unowned & (origin == "internal")).astype("int64"),
         "unowned_external": (unowned & (origin == "external")).astype("int64"),
         "stale": verdict.isin(STALE_VERDICTS).astype("int64"),
-    }).groupby("graph_id").sum()
+    }).groupby("graph_id").sum().reindex(graphs["graph_id"], fill_value=0)
     rows = []
     for gid, label, kind, n_ops in zip(graphs["graph_id"], graphs["label"], graphs["kind"],
                                        graphs["n_ops"]):
-        p = per.loc[gid] if gid in per.index else None
-        edges = int(p["edge"]) if p is not None else 0
-        owned = int(p["owned"]) if p is not None else 0
+        p = per.loc[gid]
         rows.append({
             "graph_id": int(gid), "graph": label, "kind": kind, "ops": int(n_ops),
             "accesses": int(n_acc.get(gid, 0)), "storages": int(n_sto.get(gid, 0)),
-            "edges": edges, "owned": owned,
-            "owned_fraction": owned / edges if edges else float("nan"),
-            "unowned_internal": int(p["unowned_internal"]) if p is not None else 0,
-            "unowned_external": int(p["unowned_external"]) if p is not None else 0,
-            "stale": int(p["stale"]) if p is not None else 0,
+            "edges": int(p["edge"]), "owned": int(p["owned"]),
+            "owned_fraction": p["owned"] / p["edge"] if p["edge"] else float("nan"),
+            "unowned_internal": int(p["unowned_internal"]),
+            "unowned_external": int(p["unowned_external"]),
+            "stale": int(p["stale"]),
         })
     cols = ["graph_id", "graph", "kind", "ops", "accesses", "storages", "edges", "owned",
             "owned_fraction", "unowned_internal", "unowned_external", "stale", "blind_spots"]
@@ -193,13 +191,11 @@ def stale_subgraph(report: Report, layer_or_module: str | None = None):
     that storage, and every edge among them (so stable reads of the same storages by
     other kept graphs are kept too). Empty when nothing matches.
     """
-    G = report.graph
-    stale = report.stale
     nodes: set[str] = set()
     owners_of: dict[int, list[str]] = {}
     for r in report.owners.itertuples(index=False):
         owners_of.setdefault(int(r.storage_id), []).append(f"owner:{r.model}:{r.path}")
-    for r in stale.itertuples(index=False):
+    for r in report.stale.itertuples(index=False):
         if layer_or_module is not None:
             paths = [r.module, *split_joined(r.owners, ";")]
             if not any(_matches(p, layer_or_module) for p in paths):
@@ -208,7 +204,7 @@ def stale_subgraph(report: Report, layer_or_module: str | None = None):
         nodes.add(f"graph:{int(r.graph_id)}")
         nodes.add(f"storage:{sid}")
         nodes.update(owners_of.get(sid, []))
-    return G.subgraph(nodes).copy()
+    return report.graph.subgraph(nodes).copy()
 
 
 # --------------------------------------------------------------------------- drawing
@@ -230,8 +226,7 @@ def _short(text: str, n: int) -> str:
     text = str(text)
     if len(text) <= n:
         return text
-    layer = layer_of(text)
-    head = layer
+    head = layer_of(text)
     if head and len(head) + 3 + 8 <= n:
         return head + "..." + text[-(n - len(head) - 3):]
     return "..." + text[-(n - 3):]

@@ -558,10 +558,9 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for i, variant in enumerate(variants, 1):
         log(f"[{i}/{len(variants)}] {variant}")
-        new = run_scenario(variant, "new-weights", device=device, batch_sizes=batch_sizes,
-                           seed=seed, backend=backend, n_layers=n_layers, out=out, log=log)
-        same = run_scenario(variant, "same-weights", device=device, batch_sizes=batch_sizes,
-                            seed=seed, backend=backend, n_layers=n_layers, out=out, log=log)
+        new, same = (run_scenario(variant, scenario, device=device, batch_sizes=batch_sizes,
+                                  seed=seed, backend=backend, n_layers=n_layers, out=out, log=log)
+                     for scenario in ("new-weights", "same-weights"))
         ok, verdict = check(new, same)
         results.append((new, same, ok, verdict))
         if not quiet:

@@ -48,11 +48,9 @@ from pathlib import Path
 
 from graphtrace.serving import STRICT_ENV, strict
 from graphtrace.vllm.env import (  # noqa: F401 - the names stay importable from here
-    DEFAULT_DIR,
     ENV_DIR,
     ENV_GUARD,
     ENV_ON,
-    GUARD_ACTIONS,
     enabled,
     guard_action,
     guard_folder,
