@@ -39,6 +39,8 @@ SIMPLIFIED = [
     ("1b0e76a", -7, "b9736f6", "tracing/session.py, lineage/graph.py: docstrings said twice"),
     ("849da4f", -2, "b9736f6", "guard/build.py: docstrings said twice"),
     ("c581841", -3, "b9736f6", "verdict.py: module docstring listing what each function's own docstring says"),
+    ("849da4f", -2, "4d96353", "guard: the weak handle taken at attach written once (blind.handle_at)"),
+    ("849da4f", -3, "8c5a2ae", "guard/build.py: @gc_paused() instead of a forwarding wrapper"),
 ]
 # not capability, named to explain the rest of the difference (counted the same way)
 EXPLAINED = {
