@@ -357,13 +357,22 @@ def test_a_holder_an_update_creates_owns_what_later_graphs_read_once_models_chan
     the serving core calls after each update)."""
     model, x = _LateHolder(), torch.ones(2, 4)
     with torch.no_grad(), gt.trace(model, strict=True) as t:
-        with gt.capture("g1"):
+        with gt.capture("g1") as g1:
             model(x)
         model.cache = torch.ones(4)
         if announced:
             t.models_changed()
-        with gt.capture("g2"):
+        with gt.capture("g2") as g2:  # held: the old holder's storage stays alive (stale)
             model(x)
     paths = set(t.diff().owners["path"])
     assert {"lin.weight", "lin.bias"} <= paths
     assert ("cache" in paths) is announced
+    # the next update rebinds that holder: diff and guard both see it only where it is owned
+    guard = t.guard()
+    model.cache = torch.full((4,), 2.0)
+    edges = t.diff().edges
+    stale = set(edges.loc[edges["verdict"].astype(str) == "stale", "owners"].astype(str))
+    problems = guard.check()
+    assert stale == ({"cache"} if announced else set())
+    assert set(zip(problems["owners"], problems["verdict"])) == {(o, "stale") for o in stale}
+    del g1, g2  # held until the checks
