@@ -198,4 +198,5 @@ test-torch-2.14: $(SGLANG_VENV)/.installed
 	$(SPY) -m pytest -q $(TORCH_SUBSET)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(NEXT_VENV) $(OLD_VENV) $(VLLM_CONTRACT_DIR) graphtrace-report
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(NEXT_VENV) $(OLD_VENV) $(VLLM_CONTRACT_DIR) \
+	  $(SGLANG_CONTRACT_DIR) graphtrace-report
