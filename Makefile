@@ -197,6 +197,11 @@ test-torch-oldest: gpu-check-dry
 test-torch-2.14: $(SGLANG_VENV)/.installed
 	$(SPY) -m pytest -q $(TORCH_SUBSET)
 
+# `make -s print-NEXT_VENV` prints a variable's value: .ci/run asks for the environments' paths
+# here instead of naming them a second time
+print-%:
+	@echo '$($*)'
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(NEXT_VENV) $(OLD_VENV) $(VLLM_CONTRACT_DIR) \
 	  $(SGLANG_CONTRACT_DIR) graphtrace-report
