@@ -73,6 +73,7 @@ __all__ = [
     "SCRATCH", "storage_use_count",
     # Dynamo's cache, a module call's frame (attribution)
     "DYNAMO_CACHE", "dynamo_cache_entries", "MODULE_CALL_CODE", "MODULE_FAST_PATH",
+    "MODULE_WRAPPED_CALL_CODE",
     # how a trace learns of CUDA graph captures
     "CAPTURE_HOOKS",
     # the native dispatch
@@ -204,6 +205,10 @@ DYNAMO_CACHE, dynamo_cache_entries = _optional(
 # the code of `nn.Module._call_impl`: a frame running it is a module call (attribution's seed;
 # None where torch has no such method: no module is found running then)
 MODULE_CALL_CODE = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
+# the code of `nn.Module.__call__`: a frame running it that calls no `_call_impl` frame is a
+# module call through graphtrace's native `_call_impl` (Note [native module call])
+MODULE_WRAPPED_CALL_CODE = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None),
+                                   "__code__", None)
 
 
 def _module_fast_path() -> tuple | None:

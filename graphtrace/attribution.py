@@ -37,6 +37,7 @@ from graphtrace._compat import (
     DYNAMO_CACHE,
     MODULE_CALL_CODE,
     MODULE_FAST_PATH,
+    MODULE_WRAPPED_CALL_CODE,
     dynamo_cache_entries,
     dynamo_skip_code,
 )
@@ -98,6 +99,9 @@ def forward(self, *args, **kwargs):
 # copy gets a `call` bound to the copy, whose `forward` is not the wrapper in the cells, so it
 # hands over to the class's `_call_impl`; pickle stores it as `getattr(module, "_call_impl")`,
 # the class's.
+# With the native recorder each module's `call` runs in C, no Python frame at all (Note
+# [native module call] in graphtrace/csrc/recorder.cpp; `_call_for`): the same function, so
+# all of the above holds, and Dynamo still inlines its bytecode.
 
 
 def _call_with(fid: int, wrapper: Any, forward: Any, cls_forward: Any) -> Callable:
@@ -122,6 +126,26 @@ def _call_with(fid: int, wrapper: Any, forward: Any, cls_forward: Any) -> Callab
 
 call = _call_with(-1, None, None, None)  # the code every module's copy runs; its own cells: `_call_for`
 _CALL_CELLS = call.__code__.co_freevars  # the order of `call.__closure__`'s cells
+
+
+# With the native recorder, each module's `call` runs in C (Note [native module call] in
+# graphtrace/csrc/recorder.cpp): the same tests, push, pop and hand-over, no Python frame; the
+# function stays `call`, so Dynamo inlines it, copies and pickles treat it alike, and the
+# cells it reads are the ones `_call_for` fills. `_configured`: the extensions told where the
+# stack, the global hooks and the cells are (one per loaded extension, by id).
+_configured: set[int] = set()
+
+
+def _native_calls(native) -> bool:
+    """Whether `native` (the recorder extension, or None) can run module calls, configured."""
+    if native is None or _MODULE_CALL_IMPL is None or not hasattr(native, "set_native_call"):
+        return False
+    if id(native) not in _configured:
+        native.configure_calls(module_stack, _global_hooks, _MODULE_CALL_IMPL,
+                               (len(_CALL_CELLS), _CALL_CELLS.index("fid"),
+                                _CALL_CELLS.index("wrapper"), _CALL_CELLS.index("cls_forward")))
+        _configured.add(id(native))
+    return True
 
 
 _frame_skipped = False
@@ -221,11 +245,15 @@ def _call_cells(module: torch.nn.Module, fid: int, wrapper: types.MethodType) ->
             "forward": types.MethodType(cls_forward, module)}
 
 
-def _call_for(module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> types.MethodType:
-    """`call` bound to `module`, with its own cells (Note [one frame per module call])."""
+def _call_for(module: torch.nn.Module, fid: int, wrapper: types.MethodType,
+              native=None) -> types.MethodType:
+    """`call` bound to `module`, with its own cells (Note [one frame per module call]); run in
+    C where `native` (the recorder extension) can (Note [native module call])."""
     cells = {k: types.CellType(v) for k, v in _call_cells(module, fid, wrapper).items()}
     fn = types.FunctionType(call.__code__, call.__globals__, "_call_impl", None,
                             tuple(cells[name] for name in _CALL_CELLS))
+    if _native_calls(native):
+        native.set_native_call(fn)
     return types.MethodType(fn, module)
 
 
@@ -267,7 +295,8 @@ class ModuleAttribution:
     """Installs and removes the module stack keepers of one trace; pauses them while the
     model serves (Note [attribution while serving])."""
 
-    __slots__ = ("mode", "wrapped", "hooks", "seen", "ids", "models", "fqn_id", "paused")
+    __slots__ = ("mode", "wrapped", "hooks", "seen", "ids", "models", "fqn_id", "paused",
+                 "native")
 
     def __init__(self, mode: str = "forward"):
         if mode not in MODES:
@@ -281,6 +310,9 @@ class ModuleAttribution:
         self.models: list[tuple[weakref.ref, str]] = []  # (model, prefix), in watch order
         self.fqn_id: Callable[[str], int] | None = None
         self.paused = False
+        # the recorder extension that runs module calls (Note [native module call]), or None:
+        # the Python `call`. Set by the trace.
+        self.native = None
 
     def install(self, model: torch.nn.Module, fqn_id: Callable[[str], int], prefix: str = "") -> None:
         """Attribute ops to every module of `model`; a module shared with an earlier model keeps
@@ -323,14 +355,13 @@ class ModuleAttribution:
                 live, module.register_forward_pre_hook(_push_hook(fid, live)),
                 module.register_forward_hook(_pop_hook(fid), always_call=True))
 
-    @staticmethod
-    def _fast_call(module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> None:
+    def _fast_call(self, module: torch.nn.Module, fid: int, wrapper: types.MethodType) -> None:
         """The one-frame call of a wrapped module (Note [one frame per module call])."""
         mine = module.__dict__.get("_call_impl")
         if _MODULE_CALL_IMPL is None:
             return
         if mine is None and type(module)._call_impl is _MODULE_CALL_IMPL:
-            module.__dict__["_call_impl"] = _call_for(module, fid, wrapper)
+            module.__dict__["_call_impl"] = _call_for(module, fid, wrapper, self.native)
         elif is_call(mine) and mine.__self__ is module:  # kept while paused: its id now
             cells = dict(zip(_CALL_CELLS, mine.__func__.__closure__))
             for name, value in _call_cells(module, fid, wrapper).items():
@@ -392,17 +423,22 @@ class ModuleAttribution:
     def seed(self) -> list[int]:
         """A capture opens on this thread: put on its module stack the attributed modules whose
         calls began while the keepers were off (`nn.Module._call_impl` frames running on this
-        thread, outermost first), when the stack holds the outer part of them; what was put."""
+        thread, outermost first, and `__call__` frames with none below them: a native `call`
+        runs no frame), when the stack holds the outer part of them; what was put."""
         if self.mode == "off" or not self.ids:
             return []
         walked = []
-        frame = sys._getframe(1)
+        impls = (MODULE_CALL_CODE, call.__code__)
+        frame, callee = sys._getframe(1), None
         while frame is not None:
-            if frame.f_code is MODULE_CALL_CODE or frame.f_code is call.__code__:
+            code = frame.f_code
+            if code in impls or (code is MODULE_WRAPPED_CALL_CODE and code is not None
+                                 and (callee is None or callee.f_code not in impls)):
+                # a `_call_impl` frame, or `__call__` straight into forward: a native call
                 fid = self.ids.get(id(frame.f_locals.get("self")))
                 if fid is not None:
                     walked.append(fid)
-            frame = frame.f_back
+            frame, callee = frame.f_back, frame
         walked.reverse()
         stack = module_stack.stack
         n = len(stack)

@@ -208,34 +208,43 @@ def test_ops_in_hooks_stay_with_the_caller_and_forward_ops_with_the_module(hook)
     assert op_modules(t, "aten::addmm")[-1] == "head"
 
 
-def test_a_traced_module_call_runs_no_more_python_calls_than_an_untraced_one():
-    """Note [one frame per module call]: the attribution of a module call takes the place of
-    torch's `_call_impl` frame instead of adding a frame of its own (beside the Dynamo check,
-    `torch.compiler.is_dynamo_compiling`, which is not counted)."""
+def test_a_traced_module_call_runs_no_more_python_calls_than_an_untraced_one(writer):
+    """Note [one frame per module call]: the Python attribution of a module call takes the
+    place of torch's `_call_impl` frame instead of adding a frame of its own (beside the Dynamo
+    check, `torch.compiler.is_dynamo_compiling`, which is not counted); the native one (Note
+    [native module call]) runs no Python frame at all, so each module call runs one fewer."""
     import sys
+
+    from graphtrace._compat import MODULE_CALL_CODE
 
     model, x = Net(), torch.randn(3, 4)
     dynamo_check = torch.compiler.is_dynamo_compiling.__code__
 
-    def python_calls() -> int:
-        n = 0
+    def python_calls() -> tuple[int, int]:
+        n = impls = 0
 
         def count(frame, event, arg):
-            nonlocal n
+            nonlocal n, impls
             n += event == "call" and frame.f_code is not dynamo_check
+            impls += event == "call" and frame.f_code is MODULE_CALL_CODE
 
         sys.setprofile(count)
         try:
             model(x)
         finally:
             sys.setprofile(None)
-        return n
+        return n, impls
 
     with torch.no_grad():
-        untraced = python_calls()
-        with gt.trace(model, strict=True, provenance=False):  # no mode: module calls only
-            traced = python_calls()
-    assert traced == untraced
+        untraced, module_calls = python_calls()
+        with gt.trace(model, strict=True, provenance=False) as t:  # no mode: module calls only
+            traced, impls = python_calls()
+    assert module_calls == len(list(model.modules()))
+    if writer == "native":
+        assert t.native is not None
+        assert (traced, impls) == (untraced - module_calls, 0)
+    else:
+        assert traced == untraced
 
 
 def test_someone_elses_call_impl_is_kept_and_still_attributed():

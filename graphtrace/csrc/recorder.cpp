@@ -34,6 +34,7 @@
 #include <torch/csrc/Size.h>
 #include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include <cstdint>
 #include <cstring>
@@ -1704,7 +1705,185 @@ PyObject* versions_sum(PyObject*, PyObject* refs) {
   return PyLong_FromLongLong(total);
 }
 
+// --------------------------------------------------------------------------- module calls
+
+// Note [native module call]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~
+// graphtrace.attribution's one-frame module call (Note [one frame per module call] there), run
+// in C. A watched module's instance `_call_impl` is a Python function (`call`'s code, the
+// module's values in its closure cells) bound to it; `set_native_call` sets that function's
+// vectorcall to `module_call` below (PEP 590; `PyFunction_SetVectorcall` from Python 3.12),
+// so calling it runs no Python frame, while Dynamo, which reads a function's bytecode and
+// never calls it while it traces, still inlines the Python `call`. `module_call` does what
+// `call` does: on `nn.Module._call_impl`'s fast path -- no hooks on the module or global, no
+// JIT tracing, the module's `forward` still the wrapper in the cells, its class's `_call_impl`
+// and `forward` still those `call` was made for -- it pushes the module's FQN id on the
+// thread's module stack, calls the class forward with the very argument array it was given
+// (the module first) and pops; otherwise it hands the call to the class's `_call_impl`. It
+// skips `call`'s Dynamo check: Dynamo never runs it.
+PyObject* call_stack_holder = nullptr;  // graphtrace.recorder.module_stack (thread-local)
+PyObject* call_global_hooks[4] = {nullptr, nullptr, nullptr, nullptr};
+PyObject* call_impl = nullptr;  // nn.Module._call_impl
+Py_ssize_t call_cells = -1;     // how many closure cells `call` has
+Py_ssize_t cell_fid = -1, cell_wrapper = -1, cell_cls_forward = -1;  // which is which
+
+// configure_calls(module_stack, (4 global hook dicts), Module._call_impl, (n cells, index of
+// fid, of wrapper, of cls_forward))
+PyObject* configure_calls(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 4 || !PyTuple_Check(a[1]) || PyTuple_GET_SIZE(a[1]) != 4 || !PyTuple_Check(a[3]) ||
+      PyTuple_GET_SIZE(a[3]) != 4) {
+    PyErr_SetString(PyExc_TypeError,
+                    "configure_calls(module_stack, (4 global hook dicts), Module._call_impl, "
+                    "(cells, fid, wrapper, cls_forward))");
+    return nullptr;
+  }
+  Py_ssize_t cells[4];
+  for (Py_ssize_t i = 0; i < 4; ++i) {
+    if (!PyDict_Check(PyTuple_GET_ITEM(a[1], i))) {
+      PyErr_SetString(PyExc_TypeError, "configure_calls: the global hooks must be dicts");
+      return nullptr;
+    }
+    cells[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(a[3], i));
+    if (cells[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  for (Py_ssize_t i = 1; i < 4; ++i) {
+    if (cells[i] < 0 || cells[i] >= cells[0]) {
+      PyErr_SetString(PyExc_ValueError, "configure_calls: a cell index out of range");
+      return nullptr;
+    }
+  }
+  Py_XSETREF(call_stack_holder, Py_NewRef(a[0]));
+  for (Py_ssize_t i = 0; i < 4; ++i)
+    Py_XSETREF(call_global_hooks[i], Py_NewRef(PyTuple_GET_ITEM(a[1], i)));
+  Py_XSETREF(call_impl, Py_NewRef(a[2]));
+  call_cells = cells[0];
+  cell_fid = cells[1];
+  cell_wrapper = cells[2];
+  cell_cls_forward = cells[3];
+  Py_RETURN_NONE;
+}
+
+// Whether a hook table attribute of the module holds anything: 1, 0, -1 not a dict, -2 error
+int hooks_set(PyObject* dict, PyObject* name) {
+  PyObject* hooks = PyDict_GetItemWithError(dict, name);  // borrowed
+  if (hooks == nullptr) return PyErr_Occurred() ? -2 : -1;
+  if (!PyDict_Check(hooks)) return -1;
+  return PyDict_GET_SIZE(hooks) != 0;
+}
+
+// The class's `_call_impl` with the same arguments (the module first)
+PyObject* hand_over(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  static PyObject* s_call_impl = PyUnicode_InternFromString("_call_impl");
+  PyObject* impl = PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(self)), s_call_impl);
+  if (impl == nullptr) return nullptr;
+  PyObject* out = PyObject_Vectorcall(impl, args, nargs, kwnames);
+  Py_DECREF(impl);
+  return out;
+}
+
+PyObject* module_call(PyObject* fn, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  static PyObject* s_stack = PyUnicode_InternFromString("stack");
+  static PyObject* s_call_impl = PyUnicode_InternFromString("_call_impl");
+  static PyObject* s_forward = PyUnicode_InternFromString("forward");
+  static PyObject* s_hooks[4] = {
+      PyUnicode_InternFromString("_forward_pre_hooks"),
+      PyUnicode_InternFromString("_forward_hooks"),
+      PyUnicode_InternFromString("_backward_pre_hooks"),
+      PyUnicode_InternFromString("_backward_hooks")};
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (nargs < 1) {
+    PyErr_SetString(PyExc_TypeError, "graphtrace: a module call needs the module");
+    return nullptr;
+  }
+  PyObject* self = args[0];
+  PyObject* closure = PyFunction_GET_CLOSURE(fn);  // set_native_call checked its size
+  PyObject* fid = PyCell_GET(PyTuple_GET_ITEM(closure, cell_fid));
+  PyObject* wrapper = PyCell_GET(PyTuple_GET_ITEM(closure, cell_wrapper));
+  PyObject* cls_forward = PyCell_GET(PyTuple_GET_ITEM(closure, cell_cls_forward));
+  if (fid == nullptr || wrapper == nullptr || cls_forward == nullptr)
+    return hand_over(self, args, nargs, kwnames);
+  PyObject* dict = PyObject_GenericGetDict(self, nullptr);
+  if (dict == nullptr) return nullptr;
+  bool fast = true;
+  for (int i = 0; fast && i < 4; ++i) {
+    int set = hooks_set(dict, s_hooks[i]);
+    if (set == -2) {
+      Py_DECREF(dict);
+      return nullptr;
+    }
+    fast = set == 0;
+  }
+  for (int i = 0; fast && i < 4; ++i) fast = PyDict_GET_SIZE(call_global_hooks[i]) == 0;
+  if (fast) {
+    PyObject* mine = PyDict_GetItemWithError(dict, s_forward);  // borrowed
+    fast = mine == wrapper && !torch::jit::tracer::isTracing() &&
+           _PyType_Lookup(Py_TYPE(self), s_call_impl) == call_impl &&
+           _PyType_Lookup(Py_TYPE(self), s_forward) == cls_forward;
+  }
+  Py_DECREF(dict);
+  if (PyErr_Occurred()) return nullptr;
+  if (!fast) return hand_over(self, args, nargs, kwnames);
+  // the cells may change while the forward runs (a pause, a trace closing): hold what is used
+  Py_INCREF(fid);
+  Py_INCREF(cls_forward);
+  PyObject* stack = PyObject_GetAttr(call_stack_holder, s_stack);
+  if (stack == nullptr || !PyList_Check(stack) || PyList_Append(stack, fid) < 0) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_TypeError, "graphtrace: the module stack is not a list");
+    Py_XDECREF(stack);
+    Py_DECREF(fid);
+    Py_DECREF(cls_forward);
+    return nullptr;
+  }
+  PyObject* out = PyObject_Vectorcall(cls_forward, args, nargs, kwnames);
+  Py_DECREF(cls_forward);
+  Py_DECREF(fid);
+  const Py_ssize_t depth = PyList_GET_SIZE(stack);
+  if (depth > 0) {  // pop, as `call`'s `finally: stack.pop()`, keeping the forward's error
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (PyList_SetSlice(stack, depth - 1, depth, nullptr) < 0) {
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(tb);
+      Py_XDECREF(out);
+      Py_DECREF(stack);
+      return nullptr;
+    }
+    PyErr_Restore(type, value, tb);
+  }
+  Py_DECREF(stack);
+  return out;
+}
+
+// set_native_call(fn): `fn` (a module's `call`, see above) runs as `module_call` from now on
+PyObject* set_native_call(PyObject*, PyObject* fn) {
+  if (call_stack_holder == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "set_native_call before configure_calls");
+    return nullptr;
+  }
+  PyObject* closure = PyFunction_Check(fn) ? PyFunction_GET_CLOSURE(fn) : nullptr;
+  if (closure == nullptr || !PyTuple_Check(closure) || PyTuple_GET_SIZE(closure) != call_cells) {
+    PyErr_SetString(PyExc_TypeError, "set_native_call(fn): a module's `call` function");
+    return nullptr;
+  }
+#if PY_VERSION_HEX >= 0x030C0000
+  PyFunction_SetVectorcall(reinterpret_cast<PyFunctionObject*>(fn), module_call);
+#else
+  reinterpret_cast<PyFunctionObject*>(fn)->vectorcall = module_call;
+#endif
+  Py_RETURN_NONE;
+}
+
 PyMethodDef module_methods[] = {
+    {"configure_calls",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(configure_calls)),
+     METH_FASTCALL,
+     "configure_calls(module_stack, (4 global hook dicts), Module._call_impl, (cells, fid, "
+     "wrapper, cls_forward)): what set_native_call's functions read"},
+    {"set_native_call", reinterpret_cast<PyCFunction>(set_native_call), METH_O,
+     "set_native_call(fn): a module's `call` runs in C from now on "
+     "(Note [native module call] in graphtrace/csrc/recorder.cpp)"},
     {"configure", reinterpret_cast<PyCFunction>(configure), METH_O,
      "configure(cls): the class whose exact instances dispatch() calls through `_op` (None: none)"},
     {"paths_moved", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(paths_moved)),

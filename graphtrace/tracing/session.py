@@ -153,6 +153,7 @@ class Trace(RecordingRule, CudaGraphCaptures):
         with clock.section("native: load the recorder extension"):
             native_module = _native.resolve(native)
         self.recorder = Recorder(strict=strict, native=native_module)
+        self._attribution.native = native_module  # its module calls (Note [native module call])
         self.strict = strict
         # watched models by weak reference: a trace never keeps a model (or its storages) alive
         self._models: dict[str, weakref.ref] = {}
