@@ -359,3 +359,16 @@ def test_a_class_forward_replaced_while_traced_is_the_one_called(monkeypatch):
     assert torch.equal(out, torch.full((2,), 6.0))
     assert op_modules(t, "aten::add.Tensor") == ["0"]
     assert model(x).tolist() == [6.0, 6.0]
+
+
+def test_torch_jit_trace_of_a_watched_model_traces_the_same_code():
+    """Under JIT tracing a module call leaves the one-frame path (Python or native) for the
+    class's `_call_impl`, which traces through `_slow_forward`: the same scripted code."""
+    model, x = Net(), torch.randn(3, 4)
+    with torch.no_grad():
+        plain = torch.jit.trace(model, x).code
+        with gt.trace(model, strict=True, provenance=False):
+            traced = torch.jit.trace(model, x)
+            assert gt.recorder.module_stack.stack == []
+        assert traced.code == plain
+        assert torch.allclose(traced(x), model(x))
