@@ -372,3 +372,43 @@ def test_torch_jit_trace_of_a_watched_model_traces_the_same_code():
             assert gt.recorder.module_stack.stack == []
         assert traced.code == plain
         assert torch.allclose(traced(x), model(x))
+
+
+def test_seed_finds_the_running_module_calls_whichever_call_runs_them(writer):
+    """`ModuleAttribution.seed()` (a capture opened inside forwards) finds each running module
+    call, whether it runs a `_call_impl` frame (Python `call`) or none (Note [native module
+    call]): from an empty stack it puts back exactly what the calls had pushed."""
+    from graphtrace import native
+    from graphtrace.attribution import ModuleAttribution
+    from graphtrace.recorder import module_stack
+
+    seen = []
+
+    class Inner(nn.Module):
+        def forward(self, x):
+            pushed = module_stack.stack[:]
+            module_stack.stack[:] = []
+            try:
+                seen.append((pushed, attribution.seed()))
+            finally:
+                module_stack.stack[:] = pushed
+            return x + 1
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    model, ids = Outer(), {}
+    attribution = ModuleAttribution("forward")
+    attribution.native = native.resolve(None)
+    assert (attribution.native is not None) == (writer == "native")
+    attribution.install(model, lambda name: ids.setdefault(name, len(ids)))
+    try:
+        model(torch.ones(2))
+    finally:
+        attribution.uninstall()
+    assert seen == [([ids[""], ids["inner"]], [ids[""], ids["inner"]])]
