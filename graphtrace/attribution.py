@@ -432,8 +432,9 @@ class ModuleAttribution:
         frame, callee = sys._getframe(1), None
         while frame is not None:
             code = frame.f_code
-            if code in impls or (code is MODULE_WRAPPED_CALL_CODE and code is not None
-                                 and (callee is None or callee.f_code not in impls)):
+            if any(code is c for c in impls) or (
+                    code is MODULE_WRAPPED_CALL_CODE and code is not None
+                    and (callee is None or not any(callee.f_code is c for c in impls))):
                 # a `_call_impl` frame, or `__call__` straight into forward: a native call
                 fid = self.ids.get(id(frame.f_locals.get("self")))
                 if fid is not None:
