@@ -128,17 +128,14 @@ call = _call_with(-1, None, None, None)  # the code every module's copy runs; it
 _CALL_CELLS = call.__code__.co_freevars  # the order of `call.__closure__`'s cells
 
 
-# With the native recorder, each module's `call` runs in C (Note [native module call] in
-# graphtrace/csrc/recorder.cpp): the same tests, push, pop and hand-over, no Python frame; the
-# function stays `call`, so Dynamo inlines it, copies and pickles treat it alike, and the
-# cells it reads are the ones `_call_for` fills. `_configured`: the extensions told where the
-# stack, the global hooks and the cells are (one per loaded extension, by id).
+# id() of each recorder extension told where `call`'s stack, global hooks and cells are
+# (Note [native module call] in graphtrace/csrc/recorder.cpp)
 _configured: set[int] = set()
 
 
 def _native_calls(native) -> bool:
     """Whether `native` (the recorder extension, or None) can run module calls, configured."""
-    if native is None or _MODULE_CALL_IMPL is None or not hasattr(native, "set_native_call"):
+    if native is None or _MODULE_CALL_IMPL is None:
         return False
     if id(native) not in _configured:
         native.configure_calls(module_stack, _global_hooks, _MODULE_CALL_IMPL,
@@ -433,7 +430,7 @@ class ModuleAttribution:
         while frame is not None:
             code = frame.f_code
             if any(code is c for c in impls) or (
-                    code is MODULE_WRAPPED_CALL_CODE and code is not None
+                    code is MODULE_WRAPPED_CALL_CODE
                     and (callee is None or not any(callee.f_code is c for c in impls))):
                 # a `_call_impl` frame, or `__call__` straight into forward: a native call
                 fid = self.ids.get(id(frame.f_locals.get("self")))

@@ -3,9 +3,9 @@
 The per-op path in Python costs about two no-op dispatch modes; in C++ it costs less than one:
 the recording mode's `__torch_dispatch__` itself is a C function there (Note [native dispatch]
 in csrc/recorder.cpp), and so are a watched module's call (Note [native module call]) and the
-capture-end check that owner paths still reach the storages they reached (`paths_moved`). The extension is compiled once per (source, torch
-build, Python) into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default
-~/.cache/torch_extensions) and loaded from there.
+capture-end check that owner paths still reach the storages they reached (`paths_moved`). The
+extension is compiled once per (source, torch build, Python) into torch's extension cache
+(`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) and loaded from there.
 
 `GRAPHTRACE_NATIVE` chooses, for traces that don't say (`gt.trace(native=...)`):
   auto (default)  use it, building it on first use; fall back to Python with a warning if it
